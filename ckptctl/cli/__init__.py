@@ -1,0 +1,40 @@
+"""The Typer application. Commands are registered here only when they work."""
+
+from __future__ import annotations
+
+from typing import Annotated, Optional
+
+import typer
+
+from ckptctl._version import __version__
+from ckptctl.cli.inspect_cmd import inspect
+
+app = typer.Typer(
+    name="ckptctl",
+    help="Export, repair, verify and clean up Hugging Face-style safetensors checkpoints, atomically.",
+    no_args_is_help=True,
+    rich_markup_mode=None,
+    pretty_exceptions_enable=False,
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"ckptctl {__version__}")
+        raise typer.Exit(0)
+
+
+@app.callback()
+def _root(
+    version: Annotated[Optional[bool], typer.Option("--version", callback=_version, is_eager=True,
+                                                    help="Print the version and exit.")] = None,
+) -> None:
+    """ckptctl: checkpoint export and repair."""
+
+
+app.command("inspect")(inspect)
+
+
+def main() -> None:
+    app(prog_name="ckptctl")

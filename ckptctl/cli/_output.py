@@ -1,0 +1,111 @@
+"""The only place that prints. One Output object per command invocation.
+
+stdout carries data only (tables for people, or exactly one JSON document with ``--json``);
+logs, progress, warnings, errors and hints go to stderr. Colour and interactivity are decided
+once from the environment (``NO_COLOR``, ``TERM=dumb``, ``CI``) and consoles are created lazily so
+they bind to the streams in effect at call time (``CliRunner`` swaps them).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import traceback
+from contextlib import contextmanager
+from typing import Any, Iterator
+
+import typer
+from rich.console import Console
+
+from ckptctl._version import __version__
+from ckptctl.errors import EXIT_INTERRUPTED, CkptctlError, Interrupted
+
+SCHEMA_VERSION = 1
+
+
+def _no_color() -> bool:
+    return bool(os.environ.get("NO_COLOR")) or os.environ.get("TERM") == "dumb"
+
+
+class Output:
+    def __init__(self, command: str, *, json_mode: bool = False, quiet: int = 0, verbose: int = 0) -> None:
+        self.command = command
+        self.json_mode = json_mode
+        self.verbosity = verbose - quiet
+        self._out: Console | None = None
+        self._err: Console | None = None
+
+    # consoles -------------------------------------------------------------------------------
+    @property
+    def out(self) -> Console:
+        if self._out is None:
+            self._out = Console(file=sys.stdout, markup=False, highlight=False, no_color=_no_color(),
+                                soft_wrap=False)
+        return self._out
+
+    @property
+    def err(self) -> Console:
+        if self._err is None:
+            self._err = Console(file=sys.stderr, markup=False, highlight=False, no_color=_no_color(),
+                                soft_wrap=True)
+        return self._err
+
+    @property
+    def interactive(self) -> bool:
+        return (self.verbosity >= 0 and sys.stderr.isatty() and not os.environ.get("CI")
+                and os.environ.get("TERM") != "dumb")
+
+    # messages (stderr) ----------------------------------------------------------------------
+    def info(self, message: str) -> None:
+        if self.verbosity >= 0:
+            self.err.print(message, style="dim")
+
+    def debug(self, message: str) -> None:
+        if self.verbosity >= 1:
+            self.err.print(message, style="dim")
+
+    def warn(self, message: str) -> None:
+        if self.verbosity >= 0:
+            self.err.print(f"warning: {message}", style="yellow")
+
+    def error(self, message: str, hint: str | None = None) -> None:
+        self.err.print(f"error: {message}", style="bold red")
+        if hint:
+            self.err.print(f"hint: {hint}", style="cyan")
+
+    # data (stdout) --------------------------------------------------------------------------
+    def document(self, ok: bool, **payload: Any) -> dict[str, Any]:
+        doc = {"schema_version": SCHEMA_VERSION, "command": self.command, "ok": ok,
+               "tool_version": __version__}
+        doc.update(payload)
+        return doc
+
+    def emit_json(self, doc: dict[str, Any]) -> None:
+        sys.stdout.write(json.dumps(doc, indent=2, ensure_ascii=False, default=str) + "\n")
+        sys.stdout.flush()
+
+    def print(self, renderable: Any = "") -> None:
+        self.out.print(renderable)
+
+    # error handling -------------------------------------------------------------------------
+    @contextmanager
+    def guard(self) -> Iterator[None]:
+        """Turn expected failures into one line + hint and an exit code; Ctrl-C into 130."""
+        try:
+            yield
+        except typer.Exit:
+            raise
+        except KeyboardInterrupt:
+            self._fail(Interrupted("interrupted; cleanup done, nothing was published",
+                                   "run the command again to start over"))
+        except CkptctlError as exc:
+            if os.environ.get("CKPTCTL_DEBUG"):
+                traceback.print_exc(file=sys.stderr)
+            self._fail(exc)
+
+    def _fail(self, exc: CkptctlError) -> None:
+        if self.json_mode:
+            self.emit_json(self.document(False, error=exc.to_dict()))
+        self.error(str(exc), exc.hint)
+        raise typer.Exit(exc.exit_code if exc.exit_code else EXIT_INTERRUPTED)

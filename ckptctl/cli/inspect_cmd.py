@@ -1,0 +1,77 @@
+"""`ckptctl inspect PATH`."""
+
+from __future__ import annotations
+
+from typing import Annotated, Optional
+
+import typer
+from rich.table import Table
+
+from ckptctl.cli._options import JsonOpt, QuietOpt, VerboseOpt
+from ckptctl.cli._output import Output
+from ckptctl.sizes import format_size
+
+
+def inspect(
+    path: Annotated[str, typer.Argument(help="Checkpoint directory, weights file, or repo id in the local HF cache.")],
+    tensors: Annotated[bool, typer.Option("--tensors", help="List every tensor.")] = False,
+    filter_: Annotated[Optional[str], typer.Option("--filter", help="Only tensors whose name matches this glob.")] = None,
+    only: Annotated[Optional[str], typer.Option("--only", help="Which weights family: safetensors, pytorch, peft, dcp.")] = None,
+    json_: JsonOpt = False,
+    quiet: QuietOpt = 0,
+    verbose: VerboseOpt = 0,
+) -> None:
+    """Show what a checkpoint holds: files, tensors, parameters, dtypes, config. Reads headers only."""
+    out = Output("inspect", json_mode=json_, quiet=quiet, verbose=verbose)
+    with out.guard():
+        from ckptctl.inspect import inspect_path
+        from ckptctl.resolve import resolve_path
+
+        res = inspect_path(resolve_path(path), only=only, name_filter=filter_)
+        if json_:
+            doc = out.document(True, **res.to_dict(with_tensors=True))
+            doc["schema_version"] = 1
+            out.emit_json(doc)
+            return
+        _render(out, res, show_tensors=tensors or bool(filter_))
+
+
+def _render(out: Output, res, *, show_tensors: bool) -> None:
+    summary = Table(show_header=False, box=None, pad_edge=False)
+    summary.add_column(style="bold")
+    summary.add_column()
+    summary.add_row("path", res.path)
+    summary.add_row("format", res.format)
+    summary.add_row("tensors", f"{len(res.tensors):,}")
+    summary.add_row("parameters", f"{res.parameters:,}")
+    summary.add_row("tensor bytes", f"{res.total_bytes:,} ({format_size(res.total_bytes)})")
+    for key, value in res.config.items():
+        summary.add_row(key, str(value))
+    out.print(summary)
+
+    dtypes = Table(title="dtypes", title_justify="left")
+    for col in ("dtype", "tensors", "parameters", "bytes"):
+        dtypes.add_column(col, justify="left" if col == "dtype" else "right")
+    for name, d in res.dtypes.items():
+        dtypes.add_row(name, f"{d['tensors']:,}", f"{d['parameters']:,}", format_size(d["bytes"]))
+    out.print(dtypes)
+
+    files = Table(title="files", title_justify="left")
+    for col in ("file", "role", "size", "tensors", "parameters"):
+        files.add_column(col, justify="left" if col in ("file", "role") else "right")
+    shard_rows = {s["name"]: s for s in res.shards()}
+    for f in res.files:
+        s = shard_rows.get(f["name"])
+        files.add_row(f["name"], f["role"], format_size(f["size"]) if f["size"] is not None else "?",
+                      f"{s['tensors']:,}" if s else "", f"{s['parameters']:,}" if s else "")
+    out.print(files)
+
+    if show_tensors:
+        t = Table(title="tensors", title_justify="left")
+        for col in ("name", "dtype", "shape", "parameters", "file"):
+            t.add_column(col, justify="right" if col == "parameters" else "left")
+        for row in res.tensors:
+            t.add_row(row.name, row.dtype, str(list(row.shape)), f"{row.parameters:,}", row.file)
+        out.print(t)
+    for f in res.findings:
+        out.warn(f"{f.message} [{f.code}]")

@@ -1,0 +1,126 @@
+"""Error hierarchy for ckptctl.
+
+Every expected failure is a :class:`CkptctlError` carrying a one-line message, a hint that names
+the next thing to do, and the exit code the CLI uses. Nothing here imports typer or rich: the CLI
+decides how to render an error, the core only describes it.
+"""
+
+from __future__ import annotations
+
+EXIT_OK = 0
+EXIT_FINDINGS = 1
+EXIT_USAGE = 2
+EXIT_OPERATIONAL = 3
+EXIT_INTERRUPTED = 130
+
+
+class CkptctlError(Exception):
+    """Base class: an expected failure with a message, a hint and an exit code."""
+
+    exit_code = EXIT_OPERATIONAL
+    code = "error"
+
+    def __init__(self, message: str, hint: str | None = None, *, phase: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.hint = hint
+        self.phase = phase
+
+    def __str__(self) -> str:
+        if self.phase:
+            return f"{self.message} (phase: {self.phase})"
+        return self.message
+
+    def to_dict(self) -> dict:
+        return {
+            "code": self.code,
+            "message": self.message,
+            "hint": self.hint,
+            "phase": self.phase,
+            "exit_code": self.exit_code,
+        }
+
+
+class UsageError(CkptctlError):
+    """Bad or conflicting arguments, or refusing to act without an explicit flag (exit 2)."""
+
+    exit_code = EXIT_USAGE
+    code = "usage"
+
+
+class InputError(CkptctlError):
+    """The input is missing, not a checkpoint, corrupt or unsafe (exit 2)."""
+
+    exit_code = EXIT_USAGE
+    code = "input"
+
+
+class OperationalError(CkptctlError):
+    """I/O, permission, disk full, lock held, publish rolled back (exit 3)."""
+
+    exit_code = EXIT_OPERATIONAL
+    code = "operational"
+
+
+class LockHeldError(OperationalError):
+    code = "lock_held"
+
+
+class DiskFullError(OperationalError):
+    code = "disk_full"
+
+
+class UnrepairableError(CkptctlError):
+    """A repair needs data that is not there; nothing was changed (exit 1)."""
+
+    exit_code = EXIT_FINDINGS
+    code = "unrepairable"
+
+
+class Interrupted(CkptctlError):
+    """The user pressed Ctrl-C; cleanup has run (exit 130)."""
+
+    exit_code = EXIT_INTERRUPTED
+    code = "interrupted"
+
+
+def from_oserror(exc: OSError, what: str, *, phase: str | None = None) -> CkptctlError:
+    """Turn an OSError into a CkptctlError with a hint that fits its errno."""
+    import errno
+
+    err = exc.errno
+    target = exc.filename or what
+    reason = exc.strerror or str(exc)
+    if err == errno.ENOSPC or err == errno.EDQUOT or err == errno.EFBIG:
+        return DiskFullError(
+            f"{what}: no space left ({reason}) at {target}",
+            "free space on that filesystem (or raise the quota/file size limit) and run the command again",
+            phase=phase,
+        )
+    if err in (errno.EACCES, errno.EPERM):
+        return OperationalError(
+            f"{what}: permission denied: {target}",
+            "check the permissions of that path and of its parent directory",
+            phase=phase,
+        )
+    if err == errno.EROFS:
+        return OperationalError(
+            f"{what}: read-only filesystem: {target}",
+            "write to a writable location or remount the filesystem read-write",
+            phase=phase,
+        )
+    if err == errno.ENOENT:
+        return InputError(f"{what}: no such file or directory: {target}", "check the path", phase=phase)
+    if err == errno.EXDEV:
+        return OperationalError(
+            f"{what}: staging and destination are on different filesystems: {target}",
+            "the destination must not be a mount point; write to a directory inside it instead",
+            phase=phase,
+        )
+    if err == errno.EIO:
+        return OperationalError(
+            f"{what}: I/O error ({reason}) at {target}",
+            "the storage reported an error: check the device and system log; nothing was published",
+            phase=phase,
+        )
+    return OperationalError(f"{what}: {reason}: {target}", "check the path and the storage", phase=phase)

@@ -1,0 +1,1 @@
+"""The safetensors format layer: headers, dtypes and the index file. Never imports torch."""

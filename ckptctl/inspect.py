@@ -1,0 +1,194 @@
+"""What a checkpoint holds, as data: files, tensors, parameters, dtypes and config fields.
+
+Safetensors checkpoints are described from their headers alone (no tensor data is read, torch is
+not imported). Pickles and DCP checkpoints need torch to read their metadata.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from fnmatch import fnmatchcase
+from pathlib import Path
+from typing import Any
+
+from ckptctl import layout as L
+from ckptctl.errors import InputError
+from ckptctl.findings import Finding
+from ckptctl.format.header import load_header
+
+CONFIG_FIELDS = (
+    "model_type", "architectures", "hidden_size", "num_hidden_layers", "num_attention_heads",
+    "num_key_value_heads", "intermediate_size", "vocab_size", "dtype", "torch_dtype", "tie_word_embeddings",
+)
+# Other names for the same things in GPT-2 / NeoX / Falcon / T5-style configs.
+CONFIG_ALIASES = {
+    "hidden_size": ("n_embd", "d_model"),
+    "num_hidden_layers": ("n_layer", "num_layers"),
+    "num_attention_heads": ("n_head", "num_heads"),
+    "intermediate_size": ("n_inner", "ffn_dim"),
+}
+
+
+@dataclass
+class TensorRow:
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    file: str
+    nbytes: int
+
+    @property
+    def parameters(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+
+@dataclass
+class Inspection:
+    path: str
+    format: str
+    files: list[dict[str, Any]] = field(default_factory=list)
+    tensors: list[TensorRow] = field(default_factory=list)
+    config: dict[str, Any] = field(default_factory=dict)
+    findings: list[Finding] = field(default_factory=list)
+    aliases: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def parameters(self) -> int:
+        return sum(t.parameters for t in self.tensors)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors)
+
+    @property
+    def dtypes(self) -> dict[str, dict[str, int]]:
+        out: dict[str, dict[str, int]] = {}
+        for t in self.tensors:
+            d = out.setdefault(t.dtype, {"tensors": 0, "parameters": 0, "bytes": 0})
+            d["tensors"] += 1
+            d["parameters"] += t.parameters
+            d["bytes"] += t.nbytes
+        return dict(sorted(out.items()))
+
+    def shards(self) -> list[dict[str, Any]]:
+        by: dict[str, dict[str, Any]] = {}
+        for f in self.files:
+            if f["role"] == "weights":
+                by[f["name"]] = {"name": f["name"], "size": f["size"], "tensors": 0, "parameters": 0}
+        for t in self.tensors:
+            if t.file in by:
+                by[t.file]["tensors"] += 1
+                by[t.file]["parameters"] += t.parameters
+        return list(by.values())
+
+    def to_dict(self, *, with_tensors: bool = True) -> dict[str, Any]:
+        doc: dict[str, Any] = {
+            "path": self.path,
+            "format": self.format,
+            "files": self.files,
+            "tensor_count": len(self.tensors),
+            "parameters": self.parameters,
+            "total_bytes": self.total_bytes,
+            "dtypes": self.dtypes,
+            "config": self.config,
+            "findings": [f.to_dict() for f in self.findings],
+        }
+        if self.aliases:
+            doc["aliases"] = self.aliases
+        if with_tensors:
+            doc["tensors"] = [
+                {"name": t.name, "dtype": t.dtype, "shape": list(t.shape), "parameters": t.parameters,
+                 "bytes": t.nbytes, "file": t.file}
+                for t in self.tensors
+            ]
+        return doc
+
+
+def config_summary(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The config fields that matter, under their Llama-style names (nested text_config too)."""
+    out: dict[str, Any] = {}
+    layers = [cfg]
+    if isinstance(cfg.get("text_config"), dict):
+        layers.append(cfg["text_config"])
+    for key in CONFIG_FIELDS:
+        for c in layers:
+            names = (key,) + CONFIG_ALIASES.get(key, ())
+            hit = next((n for n in names if n in c), None)
+            if hit is not None:
+                out[key] = c[hit]
+                break
+    if "dtype" not in out and "torch_dtype" in out:
+        out["dtype"] = out["torch_dtype"]
+    out.pop("torch_dtype", None)
+    return out
+
+
+def read_config(root: Path) -> dict[str, Any] | None:
+    p = root / "config.json"
+    try:
+        return json.loads(p.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError):
+        return None
+
+
+def inspect_path(path: str | os.PathLike[str], *, only: str | None = None,
+                 name_filter: str | None = None) -> Inspection:
+    p = Path(path)
+    lay = L.scan(p)
+    fam = lay.primary(only) if lay.families else None
+    if fam is None:
+        raise InputError(f"{p} holds no checkpoint weights", "pass a checkpoint directory or a weights file")
+    fmt = fam.kind if fam.kind != L.SAFETENSORS or len(fam.files) > 1 or fam.index else "safetensors"
+    if fam.kind == L.SAFETENSORS:
+        fmt = "safetensors-sharded" if fam.index else "safetensors"
+    res = Inspection(path=str(p), format=fmt, findings=list(lay.findings))
+
+    def file_row(name: str, role: str) -> dict[str, Any]:
+        try:
+            size = (lay.root / name).stat().st_size
+        except OSError:
+            size = None
+        return {"name": name, "size": size, "role": role}
+
+    names = fam.files if lay.single_file else fam.files
+    for n in names:
+        res.files.append(file_row(n, "weights"))
+    if fam.index:
+        res.files.append(file_row(fam.index, "index"))
+    if lay.single_file is None:
+        for n in lay.extras:
+            res.files.append(file_row(n, "extra"))
+        for n in lay.leftovers:
+            res.files.append(file_row(n, "leftover"))
+
+    if fam.container == L.SAFETENSORS:
+        for n in fam.files:
+            hdr = load_header(lay.root / n, display=str(lay.root / n))
+            for t in hdr.tensors.values():
+                res.tensors.append(TensorRow(t.name, t.dtype, t.shape, n, t.nbytes))
+    else:
+        from ckptctl.sources import open_source
+
+        with open_source(p, only=only) as src:
+            res.aliases = dict(src.aliases)
+            for t in src.tensors:
+                res.tensors.append(TensorRow(t.name, t.dtype, t.shape, t.file and Path(t.file).name or
+                                             _torch_file(src, fam, t.name), t.nbytes))
+    res.tensors.sort(key=lambda t: t.name)
+    if name_filter:
+        res.tensors = [t for t in res.tensors if fnmatchcase(t.name, name_filter)]
+    cfg = read_config(lay.root) if lay.single_file is None else None
+    if cfg is not None and isinstance(cfg, dict):
+        res.config = config_summary(cfg)
+    return res
+
+
+def _torch_file(src: Any, fam: L.Family, name: str) -> str:
+    return fam.files[0] if len(fam.files) == 1 else "*"

@@ -1,0 +1,169 @@
+"""PyTorch pickles (``.bin``/``.pt``, single or sharded) and in-memory state dicts as sources.
+
+Files are loaded with ``torch.load(weights_only=True, mmap=True)``: no code in the pickle runs and
+tensor data stays on disk until a chunk of it is written. Tensors that share storage exactly
+(tied weights) are stored once and the alias is recorded, as transformers does.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Iterator, Mapping
+
+from ckptctl.errors import InputError, from_oserror
+from ckptctl.format import dtypes as dt
+from ckptctl.sources.base import CHUNK_BYTES, Source, SourceTensor
+
+# When tied names alias each other, drop these in favour of the embedding (transformers' choice).
+_DISCARD_SUFFIXES = ("lm_head.weight", "embed_out.weight", "output.weight", "decoder.weight")
+
+
+def _keep_name(names: list[str]) -> str:
+    preferred = [n for n in sorted(names) if not n.endswith(_DISCARD_SUFFIXES)]
+    return (preferred or sorted(names))[0]
+
+
+def load_pickle(path: Path, key: str | None) -> dict[str, Any]:
+    """Load one pickle safely; returns a flat {name: tensor} dict."""
+    import pickle
+
+    import torch
+
+    try:
+        obj = torch.load(str(path), map_location="cpu", weights_only=True, mmap=True)
+    except pickle.UnpicklingError as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else "unsafe content"
+        raise InputError(f"{path}: refused to unpickle: it needs code that weights_only loading does not allow "
+                         f"({first[:160]})",
+                         "only plain tensor checkpoints are read; convert it with trusted code first") from None
+    except RuntimeError as exc:
+        text = str(exc)
+        if "mmap" in text or "zipfile" in text:
+            raise InputError(f"{path}: legacy (pre-zipfile) torch.save format cannot be memory-mapped",
+                             "re-save it with a current torch.save, or load and re-export it with trusted code"
+                             ) from None
+        raise InputError(f"{path}: not a readable torch checkpoint ({text.splitlines()[0][:160]})",
+                         "check that the file is a complete torch.save output") from None
+    except OSError as exc:
+        raise from_oserror(exc, "cannot read pickle checkpoint") from None
+    except Exception as exc:  # noqa: BLE001 - torch raises assorted types for a corrupt zip/pickle
+        raise InputError(f"{path}: not a readable torch checkpoint ({type(exc).__name__}: {str(exc)[:160]})",
+                         "check that the file is a complete torch.save output") from None
+    if key:
+        for part in key.split("."):
+            if not isinstance(obj, Mapping) or part not in obj:
+                raise InputError(f"{path}: no key {key!r} in the checkpoint",
+                                 f"top-level keys: {', '.join(map(str, list(obj)[:10])) if isinstance(obj, Mapping) else type(obj).__name__}")
+            obj = obj[part]
+    if not isinstance(obj, Mapping):
+        raise InputError(f"{path}: holds a {type(obj).__name__}, not a state dict", "pass --key to select one")
+    flat: dict[str, Any] = {}
+    nested = []
+    for k, v in obj.items():
+        if isinstance(v, torch.Tensor):
+            flat[str(k)] = v
+        else:
+            nested.append(str(k))
+    if not flat:
+        hint = "pass --key " + (nested[0] if nested else "state_dict") + " to select the nested state dict"
+        raise InputError(f"{path}: no tensors at the top level (keys: {', '.join(nested[:8])})", hint)
+    if nested:
+        raise InputError(f"{path}: mixes tensors with non-tensor entries ({', '.join(nested[:5])})",
+                         "pass --key to select the state dict inside the training checkpoint")
+    return flat
+
+
+class TorchSource(Source):
+    """Tensors held by torch (mmap-backed for files)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._tensors: dict[str, Any] = {}
+
+    @classmethod
+    def open(cls, root: Path, files: list[str], *, kind: str = "pytorch", key: str | None = None
+             ) -> "TorchSource":
+        if len(files) == 1 and not files[0].endswith(".index.json"):
+            state = load_pickle(root / files[0], key)
+        else:
+            state = {}
+            for name in files:
+                for k, v in load_pickle(root / name, key).items():
+                    if k in state:
+                        raise InputError(f"tensor {k!r} appears in two pickle shards",
+                                         f"run `ckptctl verify {root}`")
+                    state[k] = v
+        return cls.from_state_dict(state, path=root, kind=kind)
+
+    @classmethod
+    def from_state_dict(cls, state: Mapping[str, Any], *, path: Path | None = None,
+                        kind: str = "state_dict") -> "TorchSource":
+        import torch
+
+        src = cls(path=path or Path("."), kind=kind)
+        groups: dict[tuple, list[str]] = {}
+        for name, t in state.items():
+            if not isinstance(t, torch.Tensor):
+                raise InputError(f"state dict entry {name!r} is a {type(t).__name__}, not a tensor",
+                                 "pass only tensors")
+            if t.layout != torch.strided:
+                raise InputError(f"tensor {name!r} has layout {t.layout}", "convert sparse tensors to dense first")
+            if t.device.type == "meta":
+                raise InputError(f"tensor {name!r} is on the meta device and has no data",
+                                 "materialise the model's weights before exporting")
+            try:
+                dt.from_torch(t.dtype)
+            except ValueError:
+                raise InputError(f"tensor {name!r} has dtype {t.dtype}, which safetensors cannot store",
+                                 "convert it to a supported dtype first") from None
+            if t.device.type == "cpu" and t.numel() > 0:
+                ident = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape),
+                         tuple(t.stride()), t.dtype)
+                groups.setdefault(ident, []).append(name)
+            else:
+                groups.setdefault((id(t),), []).append(name)
+        keep: dict[str, Any] = {}
+        for names in groups.values():
+            kept = _keep_name(names)
+            keep[kept] = state[kept]
+            for n in names:
+                if n != kept:
+                    src.aliases[n] = kept
+        for name in state:  # keep the caller's order for listing
+            if name in keep:
+                t = keep[name]
+                d = dt.from_torch(t.dtype)
+                shape = tuple(t.shape)
+                if d.name == "F4":  # torch packs two values per element; the header counts values
+                    shape = shape[:-1] + (shape[-1] * 2,) if shape else (2,)
+                src.tensors.append(SourceTensor(name, d.name, shape))
+                src._tensors[name] = t
+        return src
+
+    def tensor(self, name: str) -> Any:
+        return self._tensors[name]
+
+    def chunks(self, t: SourceTensor, target_dtype: str | None = None,
+               chunk_bytes: int = CHUNK_BYTES) -> Iterator[Any]:
+        import torch
+
+        tensor = self._tensors[t.name].detach()
+        if tensor.device.type != "cpu":
+            tensor = tensor.cpu()
+        if not tensor.is_contiguous():
+            tensor = tensor.contiguous()
+        flat = tensor.reshape(-1)
+        if flat.numel() == 0:
+            return
+        convert = target_dtype and target_dtype != t.dtype
+        itemsize = flat.element_size()
+        per = max(1, chunk_bytes // itemsize)
+        for i in range(0, flat.numel(), per):
+            part = flat[i:i + per]
+            if convert:
+                part = part.to(getattr(torch, dt.BY_NAME[target_dtype].torch_name))
+            yield memoryview(part.view(torch.uint8).numpy())
+
+    def close(self) -> None:
+        self._tensors.clear()
+
