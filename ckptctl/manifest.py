@@ -1,0 +1,87 @@
+"""The manifest: every file of a published checkpoint with its size and sha256.
+
+Written by ``export``/``resave --manifest`` inside the staging directory, so it is published
+atomically with the data it describes. The sha256 is the digest the Hub shows for LFS files.
+
+Format (``ckptctl.manifest.json``)::
+
+    {"schema_version": 1, "tool": "ckptctl", "tool_version": "...", "label": "step-1000",
+     "created": "2026-11-30T09:00:00Z",
+     "files": {"model-00001-of-00002.safetensors": {"size": 123, "sha256": "..."}, ...}}
+
+The manifest does not list itself.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from ckptctl._version import __version__
+from ckptctl.findings import ERROR, Finding
+
+MANIFEST_NAME = "ckptctl.manifest.json"
+SCHEMA_VERSION = 1
+HASH_CHUNK = 8 * 1024 * 1024
+
+
+def sha256_file(path: str | os.PathLike[str], chunk: int = HASH_CHUNK) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb", buffering=0) as f:
+        buf = bytearray(chunk)
+        view = memoryview(buf)
+        while True:
+            n = f.readinto(buf)
+            if not n:
+                break
+            h.update(view[:n])
+    return h.hexdigest()
+
+
+def build_manifest(root: Path, files: list[str], *, label: str | None = None,
+                   digests: dict[str, str] | None = None) -> dict[str, Any]:
+    """Manifest for ``files`` (names relative to root). ``digests`` saves re-hashing what the
+    writer already hashed while writing."""
+    digests = digests or {}
+    entries: dict[str, Any] = {}
+    for name in sorted(files):
+        if name == MANIFEST_NAME:
+            continue
+        p = root / name
+        entries[name] = {"size": p.stat().st_size, "sha256": digests.get(name) or sha256_file(p)}
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "tool": "ckptctl",
+        "tool_version": __version__,
+        "label": label,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "files": entries,
+    }
+
+
+def encode_manifest(doc: dict[str, Any]) -> bytes:
+    return (json.dumps(doc, indent=2, sort_keys=True) + "\n").encode("utf-8")
+
+
+def read_manifest(path: Path) -> tuple[dict[str, Any] | None, list[Finding]]:
+    """Parse a manifest; returns (doc or None, findings about its own form)."""
+    shown = str(path)
+    try:
+        doc = json.loads(path.read_bytes())
+    except FileNotFoundError:
+        return None, []
+    except (OSError, ValueError) as exc:
+        return None, [Finding("manifest.bad_json", ERROR, shown, f"{shown}: unreadable manifest ({exc})",
+                              "re-export with --manifest to write a new one")]
+    files = doc.get("files") if isinstance(doc, dict) else None
+    if not isinstance(files, dict) or not all(
+        isinstance(v, dict) and isinstance(v.get("size"), int) and isinstance(v.get("sha256"), str)
+        for v in files.values()
+    ):
+        return None, [Finding("manifest.bad_schema", ERROR, shown, f"{shown}: manifest has no valid 'files' map",
+                              "re-export with --manifest to write a new one")]
+    return doc, []
