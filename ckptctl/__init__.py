@@ -17,6 +17,11 @@ _LAZY = {
     "encode_header": "ckptctl.format.header",
     "scan": "ckptctl.layout",
     "inspect_path": "ckptctl.inspect",
+    "export": "ckptctl.api",
+    "save_state_dict": "ckptctl.api",
+    "CheckpointWriter": "ckptctl.api",
+    "ExportOptions": "ckptctl.writer",
+    "ExportResult": "ckptctl.writer",
 }
 
 __all__ = ["__version__", *_LAZY]

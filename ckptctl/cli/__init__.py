@@ -7,6 +7,7 @@ from typing import Annotated, Optional
 import typer
 
 from ckptctl._version import __version__
+from ckptctl.cli.export_cmd import export
 from ckptctl.cli.inspect_cmd import inspect
 
 app = typer.Typer(
@@ -33,6 +34,7 @@ def _root(
     """ckptctl: checkpoint export and repair."""
 
 
+app.command("export")(export)
 app.command("inspect")(inspect)
 
 

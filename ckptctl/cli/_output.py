@@ -109,3 +109,49 @@ class Output:
             self.emit_json(self.document(False, error=exc.to_dict()))
         self.error(str(exc), exc.hint)
         raise typer.Exit(exc.exit_code if exc.exit_code else EXIT_INTERRUPTED)
+
+
+class ProgressReporter:
+    """Renders the core's ProgressEvents: a rich bar on an interactive stderr, one plain line per
+    shard otherwise, nothing with -q or --json."""
+
+    def __init__(self, out: Output) -> None:
+        self.out = out
+        self.enabled = out.verbosity >= 0
+        self.rich = self.enabled and out.interactive
+        self._progress: Any = None
+        self._task: Any = None
+
+    def __call__(self, event: Any) -> None:
+        if not self.enabled:
+            return
+        if self.rich:
+            self._rich(event)
+        elif event.phase == "shard-done":
+            self.out.err.print(f"wrote {event.file} ({event.done:,}/{event.total:,} bytes)")
+        elif event.phase == "publish":
+            self.out.err.print("publishing")
+
+    def _rich(self, event: Any) -> None:
+        from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn,
+                                   TransferSpeedColumn)
+
+        if event.phase == "plan":
+            self._progress = Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(),
+                                      TransferSpeedColumn(), TimeRemainingColumn(), console=self.out.err,
+                                      transient=True)
+            self._progress.start()
+            self._task = self._progress.add_task("writing", total=max(event.total, 1))
+        elif self._progress is None:
+            return
+        elif event.phase == "write":
+            self._progress.update(self._task, completed=event.done, description=event.file or "writing")
+        elif event.phase in ("publish", "done"):
+            self._progress.update(self._task, description=event.phase)
+            if event.phase == "done":
+                self.close()
+
+    def close(self) -> None:
+        if self._progress is not None:
+            self._progress.stop()
+            self._progress = None

@@ -1,0 +1,89 @@
+"""`ckptctl export SRC DST`."""
+
+from __future__ import annotations
+
+from typing import Annotated, Optional
+
+import typer
+from rich.table import Table
+
+from ckptctl.cli._options import DryRunOpt, JsonOpt, QuietOpt, VerboseOpt
+from ckptctl.cli._output import Output, ProgressReporter
+from ckptctl.sizes import format_size
+
+DTYPE_CHOICES = ("keep", "bf16", "fp16", "fp32")
+
+
+def _dtype(value: str) -> str:
+    if value not in DTYPE_CHOICES:
+        raise typer.BadParameter(f"{value!r} is not one of {', '.join(DTYPE_CHOICES)}")
+    return value
+
+
+def export(
+    src: Annotated[str, typer.Argument(help="Source: safetensors file/dir, .bin/.pt, PEFT adapter dir, DCP dir, or a cached repo id.")],
+    dst: Annotated[str, typer.Argument(help="Destination directory (published atomically).")],
+    max_shard_size: Annotated[str, typer.Option("--max-shard-size", help="Shard size limit: 5GB (decimal, as huggingface_hub) or 2GiB.")] = "5GB",
+    dtype: Annotated[str, typer.Option("--dtype", callback=_dtype, help="keep, bf16, fp16 or fp32 (floating tensors only; config.json follows).")] = "keep",
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an existing destination atomically.")] = False,
+    manifest: Annotated[bool, typer.Option("--manifest", help="Write ckptctl.manifest.json (every file's size and sha256).")] = False,
+    label: Annotated[Optional[str], typer.Option("--label", help="A label recorded in the manifest, e.g. the training step.")] = None,
+    key: Annotated[Optional[str], typer.Option("--key", help="For training checkpoints: the key that holds the state dict (e.g. state_dict).")] = None,
+    only: Annotated[Optional[str], typer.Option("--only", help="Which weights in SRC: safetensors, pytorch, peft or dcp.")] = None,
+    no_fsync: Annotated[bool, typer.Option("--no-fsync", help="Skip fsync (scratch output only: not crash-safe).")] = False,
+    dry_run: DryRunOpt = False,
+    json_: JsonOpt = False,
+    quiet: QuietOpt = 0,
+    verbose: VerboseOpt = 0,
+) -> None:
+    """Write a checkpoint as HF safetensors shards + index + config/tokenizer files, atomically."""
+    out = Output("export", json_mode=json_, quiet=quiet + (1 if json_ else 0), verbose=verbose)
+    with out.guard():
+        from ckptctl.api import export as run_export
+        from ckptctl.resolve import resolve_path
+        from ckptctl.writer import ExportOptions
+
+        if label and not manifest:
+            out.warn("--label is recorded only in the manifest; add --manifest")
+        reporter = ProgressReporter(out)
+        opts = ExportOptions(max_shard_size=max_shard_size, dtype=dtype, overwrite=overwrite, fsync=not no_fsync,
+                             manifest=manifest, label=label, dry_run=dry_run, progress=reporter,
+                             command=" ".join(["ckptctl", "export", src, dst]))
+        try:
+            result = run_export(resolve_path(src), dst, opts, key=key, only=only)
+        finally:
+            reporter.close()
+        if json_:
+            out.emit_json(out.document(True, **result.to_dict()))
+            return
+        render_result(out, result)
+
+
+def render_result(out: Output, result) -> None:
+    verb = "would write" if result.dry_run else "wrote"
+    table = Table(title=f"{verb} {result.dest}", title_justify="left")
+    for col in ("file", "size", "tensors"):
+        table.add_column(col, justify="left" if col == "file" else "right")
+    for f in result.files:
+        table.add_row(f["name"], format_size(f["size"]), f"{f['tensors']:,}")
+    if result.index:
+        table.add_row(result.index, "", "")
+    for name in result.extras:
+        table.add_row(name, "", "")
+    out.print(table)
+    lines = [f"{result.tensors:,} tensors, {result.parameters:,} parameters, "
+             f"{format_size(result.bytes_to_write)} to write"]
+    if result.converted:
+        lines.append(f"{result.converted:,} tensors converted")
+    if result.aliases:
+        lines.append("tied tensors stored once: " + ", ".join(f"{k} -> {v}" for k, v in sorted(result.aliases.items())))
+    if result.removed:
+        lines.append(("would remove" if result.dry_run else "removed") + " from the old version: " + ", ".join(result.removed))
+    if result.carried:
+        lines.append(("would keep" if result.dry_run else "kept") + ": " + ", ".join(result.carried))
+    if result.recovered:
+        lines.append("recovered an interrupted publish: " + "; ".join(result.recovered))
+    if not result.dry_run:
+        lines.append(f"published by {result.publish} in {result.seconds:.2f}s")
+    for line in lines:
+        out.print(line)

@@ -1,0 +1,337 @@
+"""Staging, fsync and the atomic publish of a checkpoint directory (DESIGN.md section 2).
+
+``Stage`` creates ``<parent>/_tmp_<name>.<stamp>-<rand>/`` with its owner record under an
+``flock``, gives the writer ``data/`` to fill, and publishes ``data/`` onto the destination:
+
+- destination absent: ``renameat2(RENAME_NOREPLACE)`` (plain ``rename`` where unsupported);
+- destination present: ``renameat2(RENAME_EXCHANGE)``, after which ``data/`` holds the old
+  version and is removed with the staging directory;
+- exchange unsupported (EINVAL/ENOSYS, e.g. NFS): a journaled two-rename. ``ready`` is written
+  and fsynced first, then ``dest -> <staging>/old``, then ``<staging>/data -> dest``. A crash in
+  between leaves a staging directory that :func:`recover` rolls forward (``ready`` present and
+  ``data/`` complete) or back (``old/`` renamed onto the destination), so the destination is never
+  lost. The next run on the same destination, and ``gc-tmp``, call it.
+
+Every file, the staging directory and the parent are fsynced (unless ``fsync=False``); an fsync
+error aborts the publish and is never retried (fsyncgate).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import json
+import os
+import shutil
+import stat
+from pathlib import Path
+from typing import Any
+
+from ckptctl import _faults, staging
+from ckptctl.errors import CkptctlError, LockHeldError, OperationalError, UsageError, from_oserror
+
+AT_FDCWD = -100
+RENAME_NOREPLACE = 1
+RENAME_EXCHANGE = 2
+
+_libc: Any = None
+
+
+def _renameat2(src: Path, dst: Path, flags: int) -> None:
+    """renameat2(2) through ctypes; raises OSError (ENOSYS where libc lacks it)."""
+    global _libc
+    if _libc is None:
+        _libc = ctypes.CDLL(None, use_errno=True)
+    fn = getattr(_libc, "renameat2", None)
+    if fn is None:
+        raise OSError(errno.ENOSYS, "renameat2 not available")
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    if fn(AT_FDCWD, os.fsencode(src), AT_FDCWD, os.fsencode(dst), flags) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err), str(src), None, str(dst))
+
+
+def fsync_path(path: Path, *, directory: bool = False) -> None:
+    flags = os.O_RDONLY | (os.O_DIRECTORY if directory else 0)
+    fd = os.open(path, flags)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def remove_tree(path: Path) -> None:
+    """Remove a file, a symlink (the link only) or a directory tree without following links."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if stat.S_ISDIR(st.st_mode):
+        for attempt in range(3):
+            try:
+                shutil.rmtree(path)
+                return
+            except FileNotFoundError:
+                return
+            except OSError as exc:
+                # NFS silly-renamed .nfsXXXX files vanish once their last user closes them.
+                if exc.errno in (errno.ENOTEMPTY, errno.EBUSY) and attempt < 2:
+                    import time
+
+                    time.sleep(0.2 * (attempt + 1))
+                    continue
+                raise
+    else:
+        os.unlink(path)
+
+
+class Stage:
+    """One writer's staging directory for one destination."""
+
+    def __init__(self, dest: Path, *, fsync: bool = True, command: str | None = None) -> None:
+        self.dest = Path(os.path.abspath(dest))
+        self.parent = self.dest.parent
+        self.fsync = fsync
+        self.command = command
+        self.dir: Path | None = None
+        self.lock: staging.LockFile | None = None
+        self.published = False
+
+    @property
+    def data(self) -> Path:
+        assert self.dir is not None
+        return self.dir / staging.DATA
+
+    # ------------------------------------------------------------------------------------
+    def create(self) -> Path:
+        """Make the staging directory, take its lock, write the owner record, make data/."""
+        _faults.point("stage-create")
+        name = staging.staging_name(self.dest.name)
+        d = self.parent / name
+        try:
+            os.mkdir(d, 0o755)
+        except OSError as exc:
+            raise from_oserror(exc, "cannot create the staging directory", phase="stage") from None
+        self.dir = d
+        try:
+            self.lock = staging.LockFile(d / staging.LOCK)
+            self.lock.acquire()
+            record = json.dumps(staging.owner_record(self.dest, self.command), indent=2).encode()
+            self._write_small(d / staging.OWNER, record)
+            os.mkdir(d / staging.DATA, 0o755)
+        except OSError as exc:
+            self.abort()
+            raise from_oserror(exc, "cannot prepare the staging directory", phase="stage") from None
+        _faults.point("stage-created")
+        return self.data
+
+    def _write_small(self, path: Path, data: bytes) -> None:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        try:
+            view = memoryview(data)
+            while view:
+                n = os.write(fd, view)
+                view = view[n:]
+            if self.fsync:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def write_file(self, name: str, data: bytes) -> None:
+        """Write a small file into data/ (index, manifest, config)."""
+        self._write_small(self.data / name, data)
+
+    def check_competitors(self) -> None:
+        """Refuse when another live writer for the same destination started before us."""
+        assert self.dir is not None
+        mine = staging.parse_name(self.dir.name)
+        assert mine is not None
+        for other in _siblings(self.parent, self.dest.name):
+            if other == self.dir:
+                continue
+            parsed = staging.parse_name(other.name)
+            if parsed is None or parsed[1] > mine[1]:
+                continue
+            if staging.judge_owner(other, staging.read_owner(other)).alive:
+                owner = staging.read_owner(other) or {}
+                raise LockHeldError(
+                    f"another writer is already writing {self.dest} (pid {owner.get('pid', '?')} on "
+                    f"{owner.get('host', '?')}, staging {other.name})",
+                    "wait for it to finish; if it is dead, `ckptctl gc-tmp` will clean it up",
+                    phase="stage",
+                )
+
+    # ------------------------------------------------------------------------------------
+    def seal(self) -> None:
+        """fsync data/ (and its subdirectories) and mark the staging directory ready."""
+        assert self.dir is not None
+        try:
+            if self.fsync:
+                for root, dirs, _files in os.walk(self.data):
+                    for d in dirs:
+                        fsync_path(Path(root) / d, directory=True)
+                _faults.point("fsync-dir")
+                fsync_path(self.data, directory=True)
+            self._write_small(self.dir / staging.READY, b"ready\n")
+            if self.fsync:
+                fsync_path(self.dir, directory=True)
+        except OSError as exc:
+            raise from_oserror(exc, "cannot make the staged checkpoint durable", phase="seal") from None
+        _faults.point("sealed")
+
+    def publish(self) -> str:
+        """Make data/ the destination. Returns how: 'rename', 'exchange' or 'two-rename'."""
+        assert self.dir is not None
+        dest, data = self.dest, self.data
+        exists = os.path.lexists(dest)
+        _faults.point("publish")
+        try:
+            if not exists:
+                how = "rename"
+                try:
+                    _faults.point("rename-noreplace")
+                    _renameat2(data, dest, RENAME_NOREPLACE)
+                except OSError as exc:
+                    if exc.errno == errno.EEXIST:
+                        raise LockHeldError(f"{dest} appeared while we were writing it",
+                                            "another process created it; run again with --overwrite",
+                                            phase="publish") from None
+                    if exc.errno not in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP):
+                        raise
+                    os.rename(data, dest)
+            else:
+                how = "exchange"
+                try:
+                    _faults.point("exchange")
+                    _renameat2(data, dest, RENAME_EXCHANGE)
+                except OSError as exc:
+                    if exc.errno not in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP):
+                        raise
+                    how = "two-rename"
+                    old = self.dir / staging.OLD
+                    os.rename(dest, old)
+                    _faults.point("two-rename-between")
+                    os.rename(data, dest)
+            self.published = True
+            _faults.point("published")
+            if self.fsync:
+                fsync_path(self.parent, directory=True)
+                fsync_path(self.dir, directory=True)
+        except CkptctlError:
+            raise
+        except OSError as exc:
+            if not self.published:
+                self._undo_half_publish()
+            raise from_oserror(exc, "cannot publish the checkpoint", phase="publish") from None
+        return how
+
+    def _undo_half_publish(self) -> None:
+        """After a failed exchange-less publish, put the old version back."""
+        assert self.dir is not None
+        old = self.dir / staging.OLD
+        if os.path.lexists(old) and not os.path.lexists(self.dest):
+            os.rename(old, self.dest)
+
+    def finish(self) -> None:
+        """Remove the staging directory (with the old version) and drop the lock."""
+        if self.dir is None:
+            return
+        try:
+            remove_tree(self.dir)
+        except OSError:
+            pass  # leftovers are gc-tmp's job; the publish already succeeded
+        finally:
+            if self.lock:
+                self.lock.release()
+            self.dir = None
+
+    def abort(self) -> None:
+        """Before publish: remove everything we staged. Never touches the destination."""
+        if self.dir is None:
+            return
+        if not self.published:
+            try:
+                self._undo_half_publish()
+            except OSError:
+                pass
+        self.finish()
+
+
+def _siblings(parent: Path, dest_name: str) -> list[Path]:
+    try:
+        names = os.listdir(parent)
+    except OSError:
+        return []
+    out = []
+    for n in names:
+        parsed = staging.parse_name(n)
+        if parsed and parsed[0] == dest_name:
+            out.append(parent / n)
+    return out
+
+
+def recover(staging_dir: Path) -> str | None:
+    """Roll a dead writer's half-done exchange-less publish forward or back.
+
+    Returns what was done ('rolled-forward', 'rolled-back') or None when nothing was pending.
+    The caller must have established that the writer is dead.
+    """
+    owner = staging.read_owner(staging_dir)
+    parsed = staging.parse_name(staging_dir.name)
+    if owner is None or parsed is None:
+        return None
+    dest = staging_dir.parent / parsed[0]
+    old = staging_dir / staging.OLD
+    data = staging_dir / staging.DATA
+    if not os.path.lexists(old):
+        return None
+    if os.path.lexists(dest):
+        return None  # the second rename happened: old/ is the superseded version, safe to drop
+    if (staging_dir / staging.READY).exists() and data.is_dir():
+        os.rename(data, dest)
+        fsync_path(dest.parent, directory=True)
+        return "rolled-forward"
+    os.rename(old, dest)
+    fsync_path(dest.parent, directory=True)
+    return "rolled-back"
+
+
+def recover_destination(dest: Path) -> list[str]:
+    """Before writing ``dest``: finish any half-done publish a dead writer left for it."""
+    done = []
+    for d in _siblings(dest.parent, dest.name):
+        try:
+            if staging.judge_owner(d, staging.read_owner(d)).alive:
+                continue
+            what = recover(d)
+        except OSError:
+            continue
+        if what:
+            done.append(f"{d.name}: {what}")
+    return done
+
+
+def check_destination(dest: Path, *, overwrite: bool) -> bool:
+    """Validate the destination before any work. Returns whether it exists."""
+    if os.path.lexists(dest):
+        if not overwrite:
+            raise UsageError(f"destination {dest} already exists",
+                             "pass --overwrite to replace it atomically (the old version stays intact until "
+                             "the new one is complete)")
+        if not os.path.isdir(dest):
+            raise UsageError(f"destination {dest} exists and is not a directory",
+                             "remove it or choose another destination")
+        try:
+            if os.stat(dest).st_dev != os.stat(dest.parent).st_dev and not os.path.islink(dest):
+                raise OperationalError(f"destination {dest} is a mount point; it cannot be replaced atomically",
+                                       "write to a directory inside it instead", phase="plan")
+        except OSError as exc:
+            raise from_oserror(exc, "cannot examine the destination", phase="plan") from None
+        return True
+    return False
+
+
+def free_space(path: Path) -> int:
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize

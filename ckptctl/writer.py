@@ -1,0 +1,462 @@
+"""The streaming shard writer and the export of a tensor set to a published checkpoint.
+
+Flow (DESIGN.md section 2): plan from metadata; check the destination and free space; recover
+any half-done publish a dead writer left; stage; write each shard (header, then each tensor's
+bytes: ranges of safetensors files are copied by the kernel with ``copy_file_range``, everything
+else streams in bounded chunks); write the index, the extras, the destination's non-weight files
+(hard links) and the manifest; fsync; publish; remove the staging directory. Any failure before
+publish removes the staging directory and leaves the destination untouched.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+from ckptctl import _faults, layout as L
+from ckptctl.errors import CkptctlError, DiskFullError, InputError, UsageError, from_oserror
+from ckptctl.format import dtypes as dt
+from ckptctl.format.header import TensorSpec
+from ckptctl.format.index import encode_index
+from ckptctl.manifest import MANIFEST_NAME, build_manifest, encode_manifest
+from ckptctl.plan import Plan, make_plan
+from ckptctl.publish import Stage, check_destination, free_space, recover_destination
+from ckptctl.sizes import parse_size
+from ckptctl.sources.base import CHUNK_BYTES, Source, SourceTensor
+
+DEFAULT_MAX_SHARD_SIZE = "5GB"
+SPACE_MARGIN = 16 * 1024 * 1024  # keep this much free beyond what we write
+
+
+@dataclass
+class ProgressEvent:
+    phase: str  # plan | write | shard-done | finalize | publish | done
+    file: str | None = None
+    done: int = 0
+    total: int = 0
+    message: str | None = None
+
+
+ProgressFn = Callable[[ProgressEvent], None]
+
+
+@dataclass
+class Entry:
+    """One tensor to write: where its bytes come from and the dtype to store it as."""
+
+    source: Source
+    tensor: SourceTensor
+    dtype: str  # stored dtype (== tensor.dtype unless converted)
+
+    @property
+    def spec(self) -> TensorSpec:
+        return TensorSpec(self.tensor.name, self.dtype, self.tensor.shape)
+
+
+@dataclass
+class ExportResult:
+    dest: str
+    dry_run: bool
+    files: list[dict[str, Any]] = field(default_factory=list)  # written: name, size
+    index: str | None = None
+    tensors: int = 0
+    parameters: int = 0
+    total_size: int = 0
+    bytes_to_write: int = 0
+    bytes_copied_by_kernel: int = 0
+    bytes_streamed: int = 0
+    extras: list[str] = field(default_factory=list)
+    carried: list[str] = field(default_factory=list)  # dest's non-weight files kept
+    removed: list[str] = field(default_factory=list)  # dest's files the new version drops
+    aliases: dict[str, str] = field(default_factory=dict)
+    converted: int = 0
+    publish: str | None = None
+    manifest: str | None = None
+    recovered: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+@dataclass
+class ExportOptions:
+    max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE
+    dtype: str | None = None  # keep | bf16 | fp16 | fp32 (None = keep)
+    overwrite: bool = False
+    fsync: bool = True
+    manifest: bool = False
+    label: str | None = None
+    dry_run: bool = False
+    metadata: dict[str, str] | None = None
+    prefix: str = "model"
+    single_file: bool = False  # adapters: always one file
+    command: str | None = None
+    progress: ProgressFn | None = None
+    chunk_bytes: int = CHUNK_BYTES
+
+
+def _target_dtype(option: str | None) -> str | None:
+    if option in (None, "", "keep"):
+        return None
+    try:
+        return dt.TARGETS[option]
+    except KeyError:
+        raise UsageError(f"unknown --dtype {option!r}", "use keep, bf16, fp16 or fp32") from None
+
+
+def entries_for(source: Source, dtype_option: str | None) -> list[Entry]:
+    target = _target_dtype(dtype_option)
+    out = []
+    for t in source.tensors:
+        stored = target if target and t.dtype in dt.CONVERTIBLE else t.dtype
+        out.append(Entry(source, t, stored))
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# What happens to the destination's existing files
+
+
+def superseded(dest: Path, *, adapter: bool) -> tuple[list[str], list[str]]:
+    """(files the new version drops, files carried over) among ``dest``'s top-level entries.
+
+    Exporting a full model drops every model weights family (safetensors or pickle, single or
+    sharded, with indexes), DCP files, any other top-level ``*.safetensors`` a glob-loader would
+    pick up, and temp leftovers; it keeps adapters. Exporting an adapter drops only the adapter's
+    weights. Everything else (config, tokenizer, README, optimizer state, directories) is kept.
+    """
+    if not os.path.isdir(dest):
+        return [], []
+    lay = L.scan(dest)
+    drop: set[str] = set(lay.leftovers)
+    for fam in lay.families:
+        if (fam.kind == L.PEFT) == adapter:
+            drop.update(fam.all_files)
+    names = sorted(os.listdir(dest))
+    if not adapter:
+        for n in names:
+            if n.endswith(".safetensors") and not n.startswith("adapter_model"):
+                drop.add(n)
+            if n.endswith((".safetensors.index.json", ".bin.index.json")) or n == ".metadata":
+                drop.add(n)
+    drop.add(MANIFEST_NAME)  # it describes the old version: never carry it over
+    keep = [n for n in names if n not in drop]
+    return sorted(drop & set(names)), keep
+
+
+def _link_or_copy(src: Path, dst: Path) -> None:
+    """Hard-link a file (copy where linking fails); recreate symlinks; recurse into directories."""
+    if src.is_symlink():
+        os.symlink(os.readlink(src), dst)
+    elif src.is_dir():
+        os.mkdir(dst)
+        for child in sorted(os.listdir(src)):
+            _link_or_copy(src / child, dst / child)
+    else:
+        try:
+            os.link(src, dst)
+        except OSError as exc:
+            if exc.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP, errno.EACCES):
+                raise
+            shutil.copy2(src, dst)
+
+
+def _sync_config_dtype(raw: bytes, stored: str) -> bytes:
+    """config.json with its ``dtype``/``torch_dtype`` fields set to the stored dtype."""
+    try:
+        cfg = json.loads(raw)
+    except ValueError:
+        return raw
+    name = dt.CONFIG_NAMES.get(stored)
+    if not isinstance(cfg, dict) or name is None:
+        return raw
+    changed = False
+    for c in [cfg] + [v for v in cfg.values() if isinstance(v, dict) and "model_type" in v]:
+        for key in ("dtype", "torch_dtype"):
+            if key in c and c[key] != name:
+                c[key] = name
+                changed = True
+    if not changed:
+        return raw
+    return (json.dumps(cfg, indent=2, sort_keys=True) + "\n").encode("utf-8")
+
+
+# ----------------------------------------------------------------------------------------------
+# Writing one shard
+
+
+def _copy_range(src_fd: int, dst_fd: int, offset: int, length: int) -> int:
+    """Copy with copy_file_range; returns the bytes it copied (less when it fell back)."""
+    done = 0
+    while done < length:
+        try:
+            n = os.copy_file_range(src_fd, dst_fd, length - done, offset + done)
+        except OSError as exc:
+            if exc.errno in (errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.EBADF):
+                return done
+            raise
+        if n == 0:
+            raise InputError("source shard is shorter than its header says",
+                             "the source is truncated: verify and repair it first")
+        done += n
+    return done
+
+
+def _write_all(fd: int, data: Any) -> int:
+    view = memoryview(data).cast("B")
+    total = len(view)
+    while view:
+        n = os.write(fd, view)
+        view = view[n:]
+    return total
+
+
+class _ShardWriter:
+    def __init__(self, opts: ExportOptions, result: ExportResult) -> None:
+        self.opts = opts
+        self.result = result
+        self._src_fds: dict[str, int] = {}
+
+    def close(self) -> None:
+        for fd in self._src_fds.values():
+            os.close(fd)
+        self._src_fds.clear()
+
+    def _src_fd(self, path: str) -> int:
+        fd = self._src_fds.get(path)
+        if fd is None:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            self._src_fds[path] = fd
+        return fd
+
+    def write(self, path: Path, shard, entries: dict[str, Entry], progress: ProgressFn | None,
+              grand: list[int]) -> None:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        try:
+            _write_all(fd, shard.header)
+            pos = len(shard.header)
+            for info in shard.layout:  # file order
+                e = entries[info.name]
+                t = e.tensor
+                length = info.nbytes
+                copied = 0
+                if e.dtype == t.dtype and t.file is not None and t.offset is not None and length:
+                    os.lseek(fd, pos, os.SEEK_SET)
+                    copied = _copy_range(self._src_fd(t.file), fd, t.offset, length)
+                    self.result.bytes_copied_by_kernel += copied
+                if copied < length:
+                    os.lseek(fd, pos + copied, os.SEEK_SET)
+                    written = copied
+                    for chunk in _chunks_from(e, copied, self.opts.chunk_bytes):
+                        written += _write_all(fd, chunk)
+                        self.result.bytes_streamed += len(memoryview(chunk).cast("B"))
+                        _faults.point("write-chunk")
+                    if written != length:
+                        raise InputError(f"tensor {t.name!r}: source gave {written} bytes, expected {length}",
+                                         "the source is truncated or changed while it was read")
+                pos += length
+                grand[0] += length
+                if progress:
+                    progress(ProgressEvent("write", shard.name, grand[0], grand[1]))
+            if os.lseek(fd, 0, os.SEEK_END) != shard.file_size:
+                raise InputError(f"{shard.name}: wrote {pos} bytes, planned {shard.file_size}",
+                                 "the source changed while it was read")
+            _faults.point("fsync-shard")
+            if self.opts.fsync:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def _chunks_from(e: Entry, skip: int, chunk_bytes: int) -> Iterable[Any]:
+    """The entry's stored bytes, starting ``skip`` bytes in (only when not converting)."""
+    target = e.dtype if e.dtype != e.tensor.dtype else None
+    if skip == 0:
+        yield from e.source.chunks(e.tensor, target, chunk_bytes)
+        return
+    assert target is None
+    seen = 0
+    for chunk in e.source.chunks(e.tensor, None, chunk_bytes):
+        view = memoryview(chunk).cast("B")
+        if seen + len(view) <= skip:
+            seen += len(view)
+            continue
+        start = max(0, skip - seen)
+        seen += len(view)
+        yield view[start:]
+
+
+# ----------------------------------------------------------------------------------------------
+# The whole export
+
+
+def write_checkpoint(entries: list[Entry], dest: str | os.PathLike[str], opts: ExportOptions, *,
+                     extras: dict[str, Path | bytes] | None = None, aliases: dict[str, str] | None = None,
+                     adapter: bool = False) -> ExportResult:
+    """Write ``entries`` as a safetensors checkpoint and publish it at ``dest`` atomically.
+
+    ``extras`` maps file names to a source path or bytes (config.json, tokenizer files, ...).
+    """
+    started = time.monotonic()
+    dest = Path(os.path.abspath(dest))
+    result = ExportResult(dest=str(dest), dry_run=opts.dry_run, aliases=dict(aliases or {}))
+    if not entries:
+        raise InputError("there are no tensors to write", "check the source: it holds no weights")
+    try:
+        max_shard = parse_size(opts.max_shard_size)
+    except ValueError as exc:
+        raise UsageError(str(exc), "use a size like 5GB, 500MB or 2GiB") from None
+    by_name = {}
+    for e in entries:
+        if e.tensor.name in by_name:
+            raise InputError(f"tensor {e.tensor.name!r} is given twice", "tensor names must be unique")
+        by_name[e.tensor.name] = e
+    try:
+        plan = make_plan([e.spec for e in entries], max_shard_size=max_shard, prefix=opts.prefix,
+                         metadata=opts.metadata, aliases=aliases, single_file=opts.single_file or adapter)
+    except ValueError as exc:
+        raise InputError(str(exc), "check the tensor names and --max-shard-size") from None
+    progress = opts.progress
+    if progress:
+        progress(ProgressEvent("plan", total=plan.bytes_to_write))
+
+    exists = check_destination(dest, overwrite=opts.overwrite)
+    if not dest.parent.is_dir():
+        if opts.dry_run:
+            pass
+        else:
+            try:
+                dest.parent.mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                raise from_oserror(exc, "cannot create the destination's parent", phase="plan") from None
+    removed, carried = superseded(dest, adapter=adapter) if exists else ([], [])
+    extra_blobs = _resolve_extras(extras or {}, entries)
+    carried = [n for n in carried if n not in extra_blobs]
+    result.index = plan.index_name
+    result.tensors = len(entries)
+    result.parameters = plan.total_parameters
+    result.total_size = plan.total_size
+    result.bytes_to_write = plan.bytes_to_write + sum(len(b) for b in extra_blobs.values())
+    result.files = [{"name": s.name, "size": s.file_size, "tensors": len(s.specs)} for s in plan.shards]
+    result.extras = sorted(extra_blobs)
+    result.carried = carried
+    result.removed = sorted(set(removed) | {n for n in carried if n in extra_blobs})
+    result.converted = sum(1 for e in entries if e.dtype != e.tensor.dtype)
+    if opts.manifest:
+        result.manifest = MANIFEST_NAME
+    if opts.dry_run:
+        result.seconds = time.monotonic() - started
+        return result
+
+    space_root = dest.parent
+    avail = free_space(space_root)
+    if avail < result.bytes_to_write + SPACE_MARGIN:
+        raise DiskFullError(
+            f"not enough free space in {space_root}: need {result.bytes_to_write:,} bytes, {avail:,} available",
+            "free space or write elsewhere; nothing was written", phase="plan")
+
+    result.recovered = recover_destination(dest)
+    stage = Stage(dest, fsync=opts.fsync, command=opts.command)
+    writer = _ShardWriter(opts, result)
+    phase = "stage"
+    try:
+        data = stage.create()
+        stage.check_competitors()
+        phase = "write"
+        grand = [0, plan.total_size]
+        for shard in plan.shards:
+            _faults.point("shard-start")
+            try:
+                writer.write(data / shard.name, shard, by_name, progress, grand)
+            except OSError as exc:
+                raise from_oserror(exc, f"cannot write {shard.name}", phase="write") from None
+            if progress:
+                progress(ProgressEvent("shard-done", shard.name, grand[0], grand[1]))
+        _faults.point("shards-written")
+        phase = "finalize"
+        if progress:
+            progress(ProgressEvent("finalize"))
+        try:
+            if plan.index_name:
+                _faults.point("index")
+                meta = {k: v for k, v in (opts.metadata or {}).items()}
+                meta.update({k: v for k, v in plan.aliases.items() if k not in meta})
+                stage.write_file(plan.index_name, encode_index(plan.weight_map, plan.total_size,
+                                                               total_parameters=plan.total_parameters,
+                                                               extra_metadata=meta))
+            for name, blob in sorted(extra_blobs.items()):
+                stage.write_file(name, blob)
+            for name in carried:
+                _link_or_copy(dest / name, data / name)
+            _faults.point("extras-written")
+            if opts.manifest:
+                files = [n for n in _walk_files(data)]
+                doc = build_manifest(data, files, label=opts.label)
+                stage.write_file(MANIFEST_NAME, encode_manifest(doc))
+            _faults.point("manifest-written")
+        except OSError as exc:
+            raise from_oserror(exc, "cannot write the index and extras", phase="finalize") from None
+        phase = "seal"
+        stage.seal()
+        stage.check_competitors()
+        phase = "publish"
+        if progress:
+            progress(ProgressEvent("publish"))
+        result.publish = stage.publish()
+        _faults.point("after-publish")
+    except BaseException as exc:
+        writer.close()
+        stage.abort()
+        if isinstance(exc, CkptctlError) and exc.phase is None:
+            exc.phase = phase
+        raise
+    writer.close()
+    stage.finish()
+    result.seconds = time.monotonic() - started
+    if progress:
+        progress(ProgressEvent("done", total=plan.total_size, done=plan.total_size))
+    return result
+
+
+def _walk_files(root: Path) -> list[str]:
+    out = []
+    for dirpath, _dirs, files in os.walk(root):
+        for f in files:
+            out.append(os.path.relpath(os.path.join(dirpath, f), root))
+    return sorted(out)
+
+
+def _resolve_extras(extras: dict[str, Path | bytes], entries: list[Entry]) -> dict[str, bytes]:
+    """Read the extras into bytes (they are small), syncing config.json's dtype."""
+    out: dict[str, bytes] = {}
+    stored = _dominant_float(entries)
+    for name, src in extras.items():
+        if "/" in name or name in ("", ".", ".."):
+            raise InputError(f"extra file name {name!r} is not a plain file name", "pass plain names")
+        if isinstance(src, (bytes, bytearray)):
+            blob = bytes(src)
+        else:
+            try:
+                blob = Path(src).read_bytes()
+            except OSError as exc:
+                raise from_oserror(exc, f"cannot read {name}", phase="plan") from None
+        if name == "config.json" and stored and any(e.dtype != e.tensor.dtype for e in entries):
+            blob = _sync_config_dtype(blob, stored)
+        out[name] = blob
+    return out
+
+
+def _dominant_float(entries: list[Entry]) -> str | None:
+    counts: dict[str, int] = {}
+    for e in entries:
+        if e.dtype in dt.CONVERTIBLE:
+            counts[e.dtype] = counts.get(e.dtype, 0) + e.tensor.numel
+    return max(counts, key=lambda k: counts[k]) if counts else None
+
