@@ -115,7 +115,7 @@ class Layout:
         if PEFT in kinds and len(kinds) == 2 and len(fams) == 2:
             other = next(f for f in fams if f.kind != PEFT)
             raise InputError(f"{self.root} holds both a PEFT adapter and {other.kind} model weights",
-                             f"choose one with --only adapter or --only {other.kind}")
+                             f"choose one with --only {PEFT} or --only {other.kind}")
         raise InputError(f"{self.root} holds several weight families: {', '.join(sorted(kinds))}",
                          "choose one with --only, or repair the directory with `ckptctl resave --repair`")
 
@@ -180,7 +180,15 @@ def _scan_dir(root: Path, names: list[str]) -> Layout:
         has_single = single in names
         if has_index:
             idx = read_index(root / index_name, display=str(root / index_name))
+            # A broken index is reported, never silently replaced by a directory listing.
+            lay.findings.extend(idx.findings)
             files = [s for s in idx.shards if "/" not in s and "\\" not in s and s != ".." and s in names]
+            for s in idx.shards:
+                if s not in files:
+                    _add(lay, "layout.shard_missing", ERROR, str(root / index_name),
+                         f"{index_name} names {s!r}, which is not a file in {root}",
+                         "restore the shard (download or export it again), or rebuild the index with "
+                         "`ckptctl resave --repair`")
             if not idx.ok:
                 files = shard_files
             unref = [n for n in shard_files if n not in set(idx.shards)] if idx.ok else []

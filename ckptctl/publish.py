@@ -298,17 +298,23 @@ def recover(staging_dir: Path) -> str | None:
 
 
 def recover_destination(dest: Path) -> list[str]:
-    """Before writing ``dest``: finish any half-done publish a dead writer left for it."""
+    """Before writing ``dest``: finish any half-done publish a dead writer left for it, and remove
+    the dead writer's staging directory when it ran on this host (others are gc-tmp's, by age)."""
+    import socket
+
     done = []
     for d in _siblings(dest.parent, dest.name):
         try:
-            if staging.judge_owner(d, staging.read_owner(d)).alive:
+            owner = staging.read_owner(d)
+            if owner is None or staging.judge_owner(d, owner).alive:
                 continue
             what = recover(d)
+            if what:
+                done.append(f"{d.name}: {what}")
+            if owner.get("host") == socket.gethostname():
+                remove_tree(d)
         except OSError:
             continue
-        if what:
-            done.append(f"{d.name}: {what}")
     return done
 
 
@@ -330,6 +336,17 @@ def check_destination(dest: Path, *, overwrite: bool) -> bool:
             raise from_oserror(exc, "cannot examine the destination", phase="plan") from None
         return True
     return False
+
+
+def check_writable(parent: Path) -> None:
+    """Refuse a read-only filesystem before any work (the staging directory lives in ``parent``)."""
+    try:
+        st = os.statvfs(parent)
+    except OSError as exc:
+        raise from_oserror(exc, "cannot examine the destination's filesystem", phase="plan") from None
+    if st.f_flag & os.ST_RDONLY:
+        raise OperationalError(f"{parent} is on a read-only filesystem",
+                               "write to a writable location or remount the filesystem read-write", phase="plan")
 
 
 def free_space(path: Path) -> int:

@@ -26,12 +26,12 @@ from ckptctl.format.header import TensorSpec
 from ckptctl.format.index import encode_index
 from ckptctl.manifest import MANIFEST_NAME, build_manifest, encode_manifest
 from ckptctl.plan import Plan, make_plan
-from ckptctl.publish import Stage, check_destination, free_space, recover_destination
+from ckptctl.publish import Stage, check_destination, check_writable, free_space, recover_destination
 from ckptctl.sizes import parse_size
 from ckptctl.sources.base import CHUNK_BYTES, Source, SourceTensor
 
 DEFAULT_MAX_SHARD_SIZE = "5GB"
-SPACE_MARGIN = 16 * 1024 * 1024  # keep this much free beyond what we write
+BLOCK_MARGIN = 4096  # per file written: the last partial block, directory entries
 
 
 @dataclass
@@ -263,6 +263,7 @@ class _ShardWriter:
                                          "the source is truncated or changed while it was read")
                 pos += length
                 grand[0] += length
+                _faults.point("write-data")
                 if progress:
                     progress(ProgressEvent("write", shard.name, grand[0], grand[1]))
             if os.lseek(fd, 0, os.SEEK_END) != shard.file_size:
@@ -356,8 +357,10 @@ def write_checkpoint(entries: list[Entry], dest: str | os.PathLike[str], opts: E
         return result
 
     space_root = dest.parent
+    check_writable(space_root)
     avail = free_space(space_root)
-    if avail < result.bytes_to_write + SPACE_MARGIN:
+    need = result.bytes_to_write + BLOCK_MARGIN * (len(plan.files) + len(extra_blobs) + 4)
+    if avail < need:
         raise DiskFullError(
             f"not enough free space in {space_root}: need {result.bytes_to_write:,} bytes, {avail:,} available",
             "free space or write elsewhere; nothing was written", phase="plan")

@@ -24,6 +24,16 @@ from ckptctl.errors import EXIT_INTERRUPTED, CkptctlError, Interrupted
 SCHEMA_VERSION = 1
 
 
+_PIPE_WIDTH = 100_000
+
+
+def _isatty(stream: Any) -> bool:
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError):
+        return False
+
+
 def _no_color() -> bool:
     return bool(os.environ.get("NO_COLOR")) or os.environ.get("TERM") == "dumb"
 
@@ -40,8 +50,11 @@ class Output:
     @property
     def out(self) -> Console:
         if self._out is None:
+            # stdout carries data: when it is a pipe or file, never wrap or truncate a tensor name
+            # or path to fit 80 columns (rich's default width off a terminal).
+            width = None if _isatty(sys.stdout) else _PIPE_WIDTH
             self._out = Console(file=sys.stdout, markup=False, highlight=False, no_color=_no_color(),
-                                soft_wrap=False)
+                                soft_wrap=False, width=width)
         return self._out
 
     @property

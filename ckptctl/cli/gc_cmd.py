@@ -1,0 +1,109 @@
+"""`ckptctl gc-tmp ROOT...`: remove what dead writers left behind (never a live writer's work)."""
+
+from __future__ import annotations
+
+from typing import Annotated, List, Optional
+
+import typer
+from rich.table import Table
+
+from ckptctl.cli._options import DryRunOpt, JsonOpt, QuietOpt, VerboseOpt
+from ckptctl.cli._output import Output
+from ckptctl.errors import EXIT_FINDINGS, EXIT_OPERATIONAL, UsageError
+from ckptctl.sizes import format_size
+
+_PRESETS_HELP = ("temp-shards, miles, orbax, safetensors-tmp, incomplete, trainer-tmp "
+                 "(see docs/GC_TMP.md); repeatable")
+
+
+def gc_tmp(
+    roots: Annotated[List[str], typer.Argument(help="Directories to clean up below (never / or your home directory).", show_default=False)],
+    older_than: Annotated[str, typer.Option("--older-than", help="Age after which foreign leftovers, and staging of writers on other hosts whose lock is free, go: 30m, 6h, 2d.")] = "1h",
+    min_age: Annotated[str, typer.Option("--min-age", help="Nothing modified more recently than this is removed, even a dead writer's staging.")] = "60s",
+    max_depth: Annotated[int, typer.Option("--max-depth", help="How deep below each root to look (1 = the root's own entries).")] = 4,
+    pattern: Annotated[Optional[List[str]], typer.Option("--pattern", help="Also remove entries whose name matches this glob, judged by age only; repeatable.")] = None,
+    preset: Annotated[Optional[List[str]], typer.Option("--preset", help=f"Also remove what another tool leaks, judged by age only: {_PRESETS_HELP}.")] = None,
+    check: Annotated[bool, typer.Option("--check", help="Remove nothing; exit 1 when anything leaked (for monitoring).")] = False,
+    dry_run: DryRunOpt = False,
+    json_: JsonOpt = False,
+    quiet: QuietOpt = 0,
+    verbose: VerboseOpt = 0,
+) -> None:
+    """Remove staging directories of dead ckptctl writers (rolling half-done publishes forward or
+    back first) and, opt-in, other tools' leftovers. A live writer's directory is never removed."""
+    out = Output("gc-tmp", json_mode=json_, quiet=quiet + (1 if json_ else 0), verbose=verbose)
+    with out.guard():
+        from ckptctl import gc
+        from ckptctl.sizes import parse_duration
+
+        opts = gc.GcOptions(older_than=_duration(parse_duration, "--older-than", older_than),
+                            min_age=_duration(parse_duration, "--min-age", min_age),
+                            max_depth=max_depth, presets=tuple(preset or ()), patterns=tuple(pattern or ()),
+                            dry_run=dry_run or check)
+        result = gc.run(roots, opts, progress=out.debug)
+    code = 0
+    if result.problems:
+        code = EXIT_OPERATIONAL
+    elif check and result.leaked:
+        code = EXIT_FINDINGS
+    if json_:
+        out.emit_json(out.document(code == 0, check=check, **result.to_dict()))
+    else:
+        _render(out, result, check=check)
+    for p in result.problems:
+        out.error(f"{p.path}: {p.message}")
+    if result.problems:
+        out.err.print("hint: fix the permissions (or run as the owner of those paths) and run gc-tmp again; "
+                      "everything else was handled", style="cyan")
+    elif check and result.leaked:
+        out.err.print(f"hint: {len(result.leaked)} leftover(s) found; run `ckptctl gc-tmp` without --check "
+                      "(same options) to remove them", style="cyan")
+    if code:
+        raise typer.Exit(code)
+
+
+def _duration(parse, flag: str, text: str) -> float:
+    try:
+        return parse(text)
+    except ValueError as exc:
+        raise UsageError(f"{flag}: {exc}", f"use e.g. {flag} 30m, 6h or 2d") from None
+
+
+_DECISION_LABEL = {"would-remove": "would remove"}
+
+
+def _owner_cell(c) -> str:
+    if c.kind == "foreign":
+        return f"foreign: {c.match}"
+    if c.kind == "unknown" or not c.owner:
+        return "unknown"
+    return f"pid {c.owner.get('pid', '?')} @ {c.owner.get('host', '?')}"
+
+
+def _render(out: Output, result, *, check: bool) -> None:
+    from ckptctl.gc import format_age
+
+    roots = ", ".join(str(r) for r in result.roots)
+    if not result.candidates:
+        out.print(f"nothing to clean up below {roots} ({result.scanned:,} entries looked at)")
+        return
+    table = Table(title=f"gc-tmp {roots}" + (" (dry run)" if result.options.dry_run else ""), title_justify="left")
+    for col in ("path", "owner", "age", "size", "decision", "why"):
+        table.add_column(col, justify="right" if col in ("age", "size") else "left",
+                         overflow="fold")
+    for c in result.candidates:
+        decision = _DECISION_LABEL.get(c.decision, c.decision)
+        if c.recovery and c.decision in ("removed",):
+            decision += f" ({c.recovery})"
+        table.add_row(str(c.path), _owner_cell(c), format_age(c.age), format_size(c.size), decision, c.reason)
+    out.print(table)
+    kept = sum(1 for c in result.candidates if c.decision == "kept")
+    if result.options.dry_run:
+        n = sum(1 for c in result.candidates if c.decision == "would-remove")
+        line = f"would remove {n}, freeing {format_size(result.bytes_to_free)}; keep {kept}"
+    else:
+        line = f"removed {len(result.removed)}, freed {format_size(result.bytes_freed)}; kept {kept}"
+        deferred = sum(1 for c in result.candidates if c.decision == "deferred")
+        if deferred:
+            line += f"; deferred {deferred} (NFS files still open)"
+    out.print(line + f" ({result.scanned:,} entries looked at in {result.seconds:.2f}s)")
