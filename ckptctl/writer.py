@@ -25,7 +25,7 @@ from ckptctl.format import dtypes as dt
 from ckptctl.format.header import TensorSpec
 from ckptctl.format.index import encode_index
 from ckptctl.manifest import MANIFEST_NAME, build_manifest, encode_manifest
-from ckptctl.plan import Plan, make_plan
+from ckptctl.plan import Plan, ShardPlan, make_plan
 from ckptctl.publish import Stage, check_destination, check_writable, free_space, recover_destination
 from ckptctl.sizes import parse_size
 from ckptctl.sources.base import CHUNK_BYTES, Source, SourceTensor
@@ -192,12 +192,12 @@ def _sync_config_dtype(raw: bytes, stored: str) -> bytes:
 # Writing one shard
 
 
-def _copy_range(src_fd: int, dst_fd: int, offset: int, length: int) -> int:
-    """Copy with copy_file_range; returns the bytes it copied (less when it fell back)."""
+def _copy_range(src_fd: int, dst_fd: int, src_offset: int, dst_offset: int, length: int) -> int:
+    """Copy with copy_file_range; returns the bytes it copied (less when the kernel cannot)."""
     done = 0
     while done < length:
         try:
-            n = os.copy_file_range(src_fd, dst_fd, length - done, offset + done)
+            n = os.copy_file_range(src_fd, dst_fd, length - done, src_offset + done, dst_offset + done)
         except OSError as exc:
             if exc.errno in (errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.EBADF):
                 return done
@@ -209,18 +209,22 @@ def _copy_range(src_fd: int, dst_fd: int, offset: int, length: int) -> int:
     return done
 
 
-def _write_all(fd: int, data: Any) -> int:
+def _pwrite_all(fd: int, data: Any, pos: int) -> int:
     view = memoryview(data).cast("B")
     total = len(view)
     while view:
-        n = os.write(fd, view)
+        n = os.pwrite(fd, view, pos)
         view = view[n:]
+        pos += n
     return total
 
 
-class _ShardWriter:
-    def __init__(self, opts: ExportOptions, result: ExportResult) -> None:
-        self.opts = opts
+class TensorWriter:
+    """Writes tensors' bytes at given file positions: kernel copy for unchanged safetensors
+    ranges, bounded chunks for everything else. Used by the single-process and multi-rank writers."""
+
+    def __init__(self, chunk_bytes: int, result: ExportResult) -> None:
+        self.chunk_bytes = chunk_bytes
         self.result = result
         self._src_fds: dict[str, int] = {}
 
@@ -236,44 +240,46 @@ class _ShardWriter:
             self._src_fds[path] = fd
         return fd
 
-    def write(self, path: Path, shard, entries: dict[str, Entry], progress: ProgressFn | None,
-              grand: list[int]) -> None:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
-        try:
-            _write_all(fd, shard.header)
-            pos = len(shard.header)
-            for info in shard.layout:  # file order
-                e = entries[info.name]
-                t = e.tensor
-                length = info.nbytes
-                copied = 0
-                if e.dtype == t.dtype and t.file is not None and t.offset is not None and length:
-                    os.lseek(fd, pos, os.SEEK_SET)
-                    copied = _copy_range(self._src_fd(t.file), fd, t.offset, length)
-                    self.result.bytes_copied_by_kernel += copied
-                if copied < length:
-                    os.lseek(fd, pos + copied, os.SEEK_SET)
-                    written = copied
-                    for chunk in _chunks_from(e, copied, self.opts.chunk_bytes):
-                        written += _write_all(fd, chunk)
-                        self.result.bytes_streamed += len(memoryview(chunk).cast("B"))
-                        _faults.point("write-chunk")
-                    if written != length:
-                        raise InputError(f"tensor {t.name!r}: source gave {written} bytes, expected {length}",
-                                         "the source is truncated or changed while it was read")
-                pos += length
-                grand[0] += length
-                _faults.point("write-data")
+    def write(self, fd: int, pos: int, e: Entry, length: int) -> None:
+        t = e.tensor
+        copied = 0
+        if e.dtype == t.dtype and t.file is not None and t.offset is not None and length:
+            copied = _copy_range(self._src_fd(t.file), fd, t.offset, pos, length)
+            self.result.bytes_copied_by_kernel += copied
+        if copied < length:
+            written = copied
+            for chunk in _chunks_from(e, copied, self.chunk_bytes):
+                n = _pwrite_all(fd, chunk, pos + written)
+                written += n
+                self.result.bytes_streamed += n
+                _faults.point("write-chunk")
+            if written != length:
+                raise InputError(f"tensor {t.name!r}: source gave {written} bytes, expected {length}",
+                                 "the source is truncated or changed while it was read")
+        _faults.point("write-data")
+
+
+def write_shard(path: Path, shard: ShardPlan, entries: dict[str, Entry], tw: TensorWriter, *, fsync: bool,
+                progress: ProgressFn | None = None, grand: list[int] | None = None) -> None:
+    """One whole shard: header, then every tensor in file order, then fsync."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+    try:
+        _pwrite_all(fd, shard.header, 0)
+        base = len(shard.header)
+        for info in shard.layout:
+            tw.write(fd, base + info.begin, entries[info.name], info.nbytes)
+            if grand is not None:
+                grand[0] += info.nbytes
                 if progress:
                     progress(ProgressEvent("write", shard.name, grand[0], grand[1]))
-            if os.lseek(fd, 0, os.SEEK_END) != shard.file_size:
-                raise InputError(f"{shard.name}: wrote {pos} bytes, planned {shard.file_size}",
-                                 "the source changed while it was read")
-            _faults.point("fsync-shard")
-            if self.opts.fsync:
-                os.fsync(fd)
-        finally:
-            os.close(fd)
+        if os.fstat(fd).st_size != shard.file_size:
+            raise InputError(f"{shard.name}: wrote {os.fstat(fd).st_size} bytes, planned {shard.file_size}",
+                             "the source changed while it was read")
+        _faults.point("fsync-shard")
+        if fsync:
+            os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _chunks_from(e: Entry, skip: int, chunk_bytes: int) -> Iterable[Any]:
@@ -298,6 +304,151 @@ def _chunks_from(e: Entry, skip: int, chunk_bytes: int) -> Iterable[Any]:
 # The whole export
 
 
+class ExportJob:
+    """One export, in steps: :meth:`prepare` (plan, checks; all a dry run does), :meth:`stage`,
+    writing the shards, :meth:`finalize` (index, extras, carried files, manifest, fsync) and
+    :meth:`publish`. :func:`write_checkpoint` runs them in one process; the multi-rank writer in
+    ``ckptctl.distributed`` runs them across ranks."""
+
+    def __init__(self, entries: list[Entry], dest: str | os.PathLike[str], opts: ExportOptions, *,
+                 extras: dict[str, Path | bytes] | None = None, aliases: dict[str, str] | None = None,
+                 adapter: bool = False) -> None:
+        self.started = time.monotonic()
+        self.entries = entries
+        self.dest = Path(os.path.abspath(dest))
+        self.opts = opts
+        self.adapter = adapter
+        self._extras_in = extras or {}
+        self.result = ExportResult(dest=str(self.dest), dry_run=opts.dry_run, aliases=dict(aliases or {}))
+        self.by_name: dict[str, Entry] = {}
+        self.plan: Plan | None = None
+        self.extra_blobs: dict[str, bytes] = {}
+        self.stage_: Stage | None = None
+
+    def prepare(self) -> ExportResult:
+        """Validate, plan from metadata, decide what the old version loses and keeps."""
+        opts, result, dest = self.opts, self.result, self.dest
+        if not self.entries:
+            raise InputError("there are no tensors to write", "check the source: it holds no weights")
+        try:
+            max_shard = parse_size(opts.max_shard_size)
+        except ValueError as exc:
+            raise UsageError(str(exc), "use a size like 5GB, 500MB or 2GiB") from None
+        for e in self.entries:
+            if e.tensor.name in self.by_name:
+                raise InputError(f"tensor {e.tensor.name!r} is given twice", "tensor names must be unique")
+            self.by_name[e.tensor.name] = e
+        try:
+            plan = make_plan([e.spec for e in self.entries], max_shard_size=max_shard, prefix=opts.prefix,
+                             metadata=opts.metadata, aliases=result.aliases,
+                             single_file=opts.single_file or self.adapter)
+        except ValueError as exc:
+            raise InputError(str(exc), "check the tensor names and --max-shard-size") from None
+        self.plan = plan
+        exists = check_destination(dest, overwrite=opts.overwrite)
+        removed, carried = superseded(dest, adapter=self.adapter) if exists else ([], [])
+        self.extra_blobs = _resolve_extras(self._extras_in, self.entries)
+        result.index = plan.index_name
+        result.tensors = len(self.entries)
+        result.parameters = plan.total_parameters
+        result.total_size = plan.total_size
+        result.bytes_to_write = plan.bytes_to_write + sum(len(b) for b in self.extra_blobs.values())
+        result.files = [{"name": s.name, "size": s.file_size, "tensors": len(s.specs)} for s in plan.shards]
+        result.extras = sorted(self.extra_blobs)
+        result.carried = [n for n in carried if n not in self.extra_blobs]
+        result.removed = sorted(set(removed) | {n for n in carried if n in self.extra_blobs})
+        result.converted = sum(1 for e in self.entries if e.dtype != e.tensor.dtype)
+        result.manifest = MANIFEST_NAME if opts.manifest else None
+        if opts.progress:
+            opts.progress(ProgressEvent("plan", total=plan.total_size))
+        return result
+
+    def stage(self) -> Path:
+        """Check space, recover a dead writer's half-done publish, create the staging directory."""
+        assert self.plan is not None
+        dest = self.dest
+        if not dest.parent.is_dir():
+            try:
+                dest.parent.mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                raise from_oserror(exc, "cannot create the destination's parent", phase="plan") from None
+        check_writable(dest.parent)
+        avail = free_space(dest.parent)
+        need = self.result.bytes_to_write + BLOCK_MARGIN * (len(self.plan.files) + len(self.extra_blobs) + 4)
+        if avail < need:
+            raise DiskFullError(
+                f"not enough free space in {dest.parent}: need {self.result.bytes_to_write:,} bytes, "
+                f"{avail:,} available", "free space or write elsewhere; nothing was written", phase="plan")
+        self.result.recovered = recover_destination(dest)
+        self.stage_ = Stage(dest, fsync=self.opts.fsync, command=self.opts.command)
+        data = self.stage_.create()
+        self.stage_.check_competitors()
+        return data
+
+    def write_shards(self, data: Path) -> None:
+        assert self.plan is not None
+        tw = TensorWriter(self.opts.chunk_bytes, self.result)
+        progress = self.opts.progress
+        grand = [0, self.plan.total_size]
+        try:
+            for shard in self.plan.shards:
+                _faults.point("shard-start")
+                try:
+                    write_shard(data / shard.name, shard, self.by_name, tw, fsync=self.opts.fsync,
+                                progress=progress, grand=grand)
+                except OSError as exc:
+                    raise from_oserror(exc, f"cannot write {shard.name}", phase="write") from None
+                if progress:
+                    progress(ProgressEvent("shard-done", shard.name, grand[0], grand[1]))
+        finally:
+            tw.close()
+        _faults.point("shards-written")
+
+    def finalize(self) -> None:
+        """Index, extras, the old version's kept files, manifest; then fsync and mark ready."""
+        assert self.plan is not None and self.stage_ is not None
+        plan, opts, stage, data = self.plan, self.opts, self.stage_, self.stage_.data
+        if opts.progress:
+            opts.progress(ProgressEvent("finalize"))
+        try:
+            if plan.index_name:
+                _faults.point("index")
+                meta = dict(opts.metadata or {})
+                meta.update({k: v for k, v in plan.aliases.items() if k not in meta})
+                stage.write_file(plan.index_name, encode_index(plan.weight_map, plan.total_size,
+                                                               total_parameters=plan.total_parameters,
+                                                               extra_metadata=meta))
+            for name, blob in sorted(self.extra_blobs.items()):
+                stage.write_file(name, blob)
+            for name in self.result.carried:
+                _link_or_copy(self.dest / name, data / name)
+            _faults.point("extras-written")
+            if opts.manifest:
+                doc = build_manifest(data, _walk_files(data), label=opts.label)
+                stage.write_file(MANIFEST_NAME, encode_manifest(doc))
+            _faults.point("manifest-written")
+        except OSError as exc:
+            raise from_oserror(exc, "cannot write the index and extras", phase="finalize") from None
+        stage.seal()
+        stage.check_competitors()
+
+    def publish(self) -> ExportResult:
+        assert self.stage_ is not None and self.plan is not None
+        if self.opts.progress:
+            self.opts.progress(ProgressEvent("publish"))
+        self.result.publish = self.stage_.publish()
+        _faults.point("after-publish")
+        self.stage_.finish()
+        self.result.seconds = time.monotonic() - self.started
+        if self.opts.progress:
+            self.opts.progress(ProgressEvent("done", done=self.plan.total_size, total=self.plan.total_size))
+        return self.result
+
+    def abort(self) -> None:
+        if self.stage_ is not None:
+            self.stage_.abort()
+
+
 def write_checkpoint(entries: list[Entry], dest: str | os.PathLike[str], opts: ExportOptions, *,
                      extras: dict[str, Path | bytes] | None = None, aliases: dict[str, str] | None = None,
                      adapter: bool = False) -> ExportResult:
@@ -305,127 +456,25 @@ def write_checkpoint(entries: list[Entry], dest: str | os.PathLike[str], opts: E
 
     ``extras`` maps file names to a source path or bytes (config.json, tokenizer files, ...).
     """
-    started = time.monotonic()
-    dest = Path(os.path.abspath(dest))
-    result = ExportResult(dest=str(dest), dry_run=opts.dry_run, aliases=dict(aliases or {}))
-    if not entries:
-        raise InputError("there are no tensors to write", "check the source: it holds no weights")
-    try:
-        max_shard = parse_size(opts.max_shard_size)
-    except ValueError as exc:
-        raise UsageError(str(exc), "use a size like 5GB, 500MB or 2GiB") from None
-    by_name = {}
-    for e in entries:
-        if e.tensor.name in by_name:
-            raise InputError(f"tensor {e.tensor.name!r} is given twice", "tensor names must be unique")
-        by_name[e.tensor.name] = e
-    try:
-        plan = make_plan([e.spec for e in entries], max_shard_size=max_shard, prefix=opts.prefix,
-                         metadata=opts.metadata, aliases=aliases, single_file=opts.single_file or adapter)
-    except ValueError as exc:
-        raise InputError(str(exc), "check the tensor names and --max-shard-size") from None
-    progress = opts.progress
-    if progress:
-        progress(ProgressEvent("plan", total=plan.bytes_to_write))
-
-    exists = check_destination(dest, overwrite=opts.overwrite)
-    if not dest.parent.is_dir():
-        if opts.dry_run:
-            pass
-        else:
-            try:
-                dest.parent.mkdir(parents=True, exist_ok=True)
-            except OSError as exc:
-                raise from_oserror(exc, "cannot create the destination's parent", phase="plan") from None
-    removed, carried = superseded(dest, adapter=adapter) if exists else ([], [])
-    extra_blobs = _resolve_extras(extras or {}, entries)
-    carried = [n for n in carried if n not in extra_blobs]
-    result.index = plan.index_name
-    result.tensors = len(entries)
-    result.parameters = plan.total_parameters
-    result.total_size = plan.total_size
-    result.bytes_to_write = plan.bytes_to_write + sum(len(b) for b in extra_blobs.values())
-    result.files = [{"name": s.name, "size": s.file_size, "tensors": len(s.specs)} for s in plan.shards]
-    result.extras = sorted(extra_blobs)
-    result.carried = carried
-    result.removed = sorted(set(removed) | {n for n in carried if n in extra_blobs})
-    result.converted = sum(1 for e in entries if e.dtype != e.tensor.dtype)
-    if opts.manifest:
-        result.manifest = MANIFEST_NAME
+    job = ExportJob(entries, dest, opts, extras=extras, aliases=aliases, adapter=adapter)
+    result = job.prepare()
     if opts.dry_run:
-        result.seconds = time.monotonic() - started
+        result.seconds = time.monotonic() - job.started
         return result
-
-    space_root = dest.parent
-    check_writable(space_root)
-    avail = free_space(space_root)
-    need = result.bytes_to_write + BLOCK_MARGIN * (len(plan.files) + len(extra_blobs) + 4)
-    if avail < need:
-        raise DiskFullError(
-            f"not enough free space in {space_root}: need {result.bytes_to_write:,} bytes, {avail:,} available",
-            "free space or write elsewhere; nothing was written", phase="plan")
-
-    result.recovered = recover_destination(dest)
-    stage = Stage(dest, fsync=opts.fsync, command=opts.command)
-    writer = _ShardWriter(opts, result)
     phase = "stage"
     try:
-        data = stage.create()
-        stage.check_competitors()
+        data = job.stage()
         phase = "write"
-        grand = [0, plan.total_size]
-        for shard in plan.shards:
-            _faults.point("shard-start")
-            try:
-                writer.write(data / shard.name, shard, by_name, progress, grand)
-            except OSError as exc:
-                raise from_oserror(exc, f"cannot write {shard.name}", phase="write") from None
-            if progress:
-                progress(ProgressEvent("shard-done", shard.name, grand[0], grand[1]))
-        _faults.point("shards-written")
+        job.write_shards(data)
         phase = "finalize"
-        if progress:
-            progress(ProgressEvent("finalize"))
-        try:
-            if plan.index_name:
-                _faults.point("index")
-                meta = {k: v for k, v in (opts.metadata or {}).items()}
-                meta.update({k: v for k, v in plan.aliases.items() if k not in meta})
-                stage.write_file(plan.index_name, encode_index(plan.weight_map, plan.total_size,
-                                                               total_parameters=plan.total_parameters,
-                                                               extra_metadata=meta))
-            for name, blob in sorted(extra_blobs.items()):
-                stage.write_file(name, blob)
-            for name in carried:
-                _link_or_copy(dest / name, data / name)
-            _faults.point("extras-written")
-            if opts.manifest:
-                files = [n for n in _walk_files(data)]
-                doc = build_manifest(data, files, label=opts.label)
-                stage.write_file(MANIFEST_NAME, encode_manifest(doc))
-            _faults.point("manifest-written")
-        except OSError as exc:
-            raise from_oserror(exc, "cannot write the index and extras", phase="finalize") from None
-        phase = "seal"
-        stage.seal()
-        stage.check_competitors()
+        job.finalize()
         phase = "publish"
-        if progress:
-            progress(ProgressEvent("publish"))
-        result.publish = stage.publish()
-        _faults.point("after-publish")
+        return job.publish()
     except BaseException as exc:
-        writer.close()
-        stage.abort()
+        job.abort()
         if isinstance(exc, CkptctlError) and exc.phase is None:
             exc.phase = phase
         raise
-    writer.close()
-    stage.finish()
-    result.seconds = time.monotonic() - started
-    if progress:
-        progress(ProgressEvent("done", total=plan.total_size, done=plan.total_size))
-    return result
 
 
 def _walk_files(root: Path) -> list[str]:

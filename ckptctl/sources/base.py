@@ -104,7 +104,7 @@ def open_source(path: str | os.PathLike[str], *, key: str | None = None, only: s
     elif fam.container == L.DCP:
         from ckptctl.sources.dcp_source import DcpSource
 
-        src = DcpSource.open(lay.root)
+        src = DcpSource.open(lay.root, key=key)
     else:  # pragma: no cover - layout only produces the three containers above
         raise InputError(f"unsupported source {p}", "pass a safetensors, .bin/.pt or DCP checkpoint")
     src.extras = extras

@@ -1,0 +1,178 @@
+"""torch DCP checkpoints (``.metadata`` + ``*.distcp``) as a source.
+
+``.metadata`` is a pickle; torch's own reader unpickles it without restrictions, so ckptctl reads
+it with an allow-list unpickler (DCP's metadata classes, torch.Size, dtypes, layouts) and hands
+that object to torch's FileSystemReader. Every referenced ``.distcp`` byte range is checked to
+exist before anything is read. Tensors are then loaded one at a time with ``dcp.load`` (chunks
+from several ranks assembled by torch), so peak memory is bounded by the largest tensor.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+from pathlib import Path
+from typing import Any, Iterator
+
+from ckptctl.errors import InputError, from_oserror
+from ckptctl.format import dtypes as dt
+from ckptctl.sources.base import CHUNK_BYTES, Source, SourceTensor
+
+_ALLOWED_MODULES = {
+    "torch.distributed.checkpoint.metadata": {
+        "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
+        "TensorProperties", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING",
+    },
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    "torch.serialization": {"_get_layout"},
+    "collections": {"OrderedDict"},
+    "pathlib": {"PosixPath", "PurePosixPath", "Path"},
+}
+MAX_METADATA_BYTES = 1 << 30
+
+
+class _RestrictedUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        allowed = _ALLOWED_MODULES.get(module)
+        if allowed and name in allowed:
+            return super().find_class(module, name)
+        if module == "torch":
+            import torch
+
+            obj = getattr(torch, name, None)
+            if name == "Size" or isinstance(obj, (torch.dtype, torch.layout, torch.memory_format)):
+                return obj
+        raise pickle.UnpicklingError(f"global {module}.{name} is not allowed in DCP metadata")
+
+
+def read_dcp_metadata(root: Path) -> Any:
+    """The checkpoint's Metadata object, unpickled with an allow-list. Raises InputError."""
+    path = root / ".metadata"
+    try:
+        size = path.stat().st_size
+        if size > MAX_METADATA_BYTES:
+            raise InputError(f"{path}: {size} bytes is too large for DCP metadata", "this is not a DCP checkpoint")
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        raise InputError(f"{root}: no .metadata file; the DCP save did not finish",
+                         "save the checkpoint again (DCP writes .metadata last)") from None
+    except OSError as exc:
+        raise from_oserror(exc, "cannot read DCP metadata") from None
+    import torch.distributed.checkpoint.metadata as md  # noqa: F401  (registers the classes)
+
+    try:
+        meta = _RestrictedUnpickler(io.BytesIO(raw)).load()
+    except pickle.UnpicklingError as exc:
+        raise InputError(f"{path}: refused to unpickle ({exc})",
+                         "DCP metadata may hold only DCP's own classes; this file is not safe to load") from None
+    except Exception as exc:  # noqa: BLE001 - any corruption of the pickle stream
+        raise InputError(f"{path}: corrupt DCP metadata ({type(exc).__name__}: {str(exc)[:120]})",
+                         "save the checkpoint again") from None
+    if not isinstance(meta, md.Metadata) or not isinstance(meta.state_dict_metadata, dict):
+        raise InputError(f"{path}: not DCP Metadata ({type(meta).__name__})", "this is not a DCP checkpoint")
+    return meta
+
+
+def check_storage(root: Path, meta: Any) -> None:
+    """Every byte range the metadata names must exist inside ``root``."""
+    storage = meta.storage_data
+    if not isinstance(storage, dict):
+        raise InputError(f"{root}: DCP metadata has no storage map", "save the checkpoint again")
+    sizes: dict[str, int] = {}
+    for key, info in storage.items():
+        rel = getattr(info, "relative_path", None)
+        if not isinstance(rel, str) or not rel or "/" in rel or rel in (".", ".."):
+            raise InputError(f"{root}: DCP storage entry for {getattr(key, 'fqn', key)!r} names {rel!r}",
+                             "the metadata is corrupt or points outside the checkpoint")
+        if rel not in sizes:
+            try:
+                sizes[rel] = (root / rel).stat().st_size
+            except FileNotFoundError:
+                raise InputError(f"{root}: {rel} is missing (needed by {getattr(key, 'fqn', key)!r})",
+                                 "copy the missing .distcp file or save the checkpoint again") from None
+        end = int(info.offset) + int(info.length)
+        if end > sizes[rel]:
+            raise InputError(f"{root}: {rel} is truncated: {getattr(key, 'fqn', key)!r} needs bytes up to {end}, "
+                             f"file has {sizes[rel]}", "copy the file again or save the checkpoint again")
+
+
+def _reader_class():
+    from torch.distributed.checkpoint import FileSystemReader
+
+    class SafeReader(FileSystemReader):
+        """torch's reader, with our already-validated metadata instead of its pickle.load."""
+
+        def __init__(self, path: Path, meta: Any) -> None:
+            super().__init__(str(path))
+            self._meta = meta
+
+        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+            return self._meta
+
+    return SafeReader
+
+
+class DcpSource(Source):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._meta: Any = None
+        self._fqn: dict[str, str] = {}
+        self._torch_dtype: dict[str, Any] = {}
+
+    @classmethod
+    def open(cls, root: Path, *, key: str | None = None) -> "DcpSource":
+        import torch
+        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+        meta = read_dcp_metadata(root)
+        check_storage(root, meta)
+        src = cls(path=root, kind="dcp")
+        src._meta = meta
+        prefix = f"{key}." if key else ""
+        for fqn, item in meta.state_dict_metadata.items():
+            if not isinstance(item, TensorStorageMetadata) or not fqn.startswith(prefix):
+                continue
+            tdtype = item.properties.dtype
+            if not isinstance(tdtype, torch.dtype):
+                raise InputError(f"{root}: tensor {fqn!r} has no dtype", "the metadata is corrupt")
+            try:
+                d = dt.from_torch(tdtype)
+            except ValueError:
+                raise InputError(f"{root}: tensor {fqn!r} has dtype {tdtype}, which safetensors cannot store",
+                                 "convert it before exporting") from None
+            name = fqn[len(prefix):]
+            src.tensors.append(SourceTensor(name, d.name, tuple(int(x) for x in item.size)))
+            src._fqn[name] = fqn
+            src._torch_dtype[name] = tdtype
+        if not src.tensors:
+            hint = f"pass --key to select the state dict (top-level keys: {', '.join(sorted({k.split('.')[0] for k in meta.state_dict_metadata})[:8])})"
+            raise InputError(f"{root}: no tensors in the DCP checkpoint" + (f" under {key!r}" if key else ""), hint)
+        return src
+
+    def load_tensor(self, t: SourceTensor) -> Any:
+        import torch
+        import torch.distributed.checkpoint as dcp
+
+        fqn = self._fqn[t.name]
+        buf = torch.empty(t.shape, dtype=self._torch_dtype[t.name])
+        try:
+            dcp.load({fqn: buf}, storage_reader=_reader_class()(self.path, self._meta), no_dist=True)
+        except Exception as exc:  # noqa: BLE001 - torch wraps read errors in CheckpointException
+            raise InputError(f"{self.path}: cannot read tensor {t.name!r} ({type(exc).__name__}: {str(exc)[:200]})",
+                             "the DCP files are damaged: save the checkpoint again") from None
+        return buf
+
+    def chunks(self, t: SourceTensor, target_dtype: str | None = None,
+               chunk_bytes: int = CHUNK_BYTES) -> Iterator[Any]:
+        import torch
+
+        flat = self.load_tensor(t).reshape(-1)
+        if flat.numel() == 0:
+            return
+        per = max(1, chunk_bytes // flat.element_size())
+        for i in range(0, flat.numel(), per):
+            part = flat[i:i + per]
+            if target_dtype and target_dtype != t.dtype:
+                part = part.to(getattr(torch, dt.BY_NAME[target_dtype].torch_name))
+            yield memoryview(part.view(torch.uint8).numpy())
