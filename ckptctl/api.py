@@ -15,6 +15,7 @@ Library use::
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, Mapping
@@ -31,10 +32,10 @@ def _inside(child: Path, parent: Path) -> bool:
     return c == p or c.startswith(p.rstrip(os.sep) + os.sep)
 
 
-def export(src: str | os.PathLike[str], dst: str | os.PathLike[str], opts: ExportOptions | None = None, *,
-           key: str | None = None, only: str | None = None) -> ExportResult:
-    """Export the checkpoint at ``src`` to ``dst`` (see module docstring for the guarantees)."""
-    opts = opts or ExportOptions()
+@contextmanager
+def prepare_export(src: str | os.PathLike[str], dst: str | os.PathLike[str], opts: ExportOptions, *,
+                   key: str | None = None, only: str | None = None):
+    """Open the source and work out the entries, options and extras of an export."""
     src_p, dst_p = Path(src), Path(dst)
     if os.path.lexists(dst_p) and os.path.isdir(src_p) and os.path.samefile(src_p, dst_p):
         raise UsageError(f"source and destination are the same directory: {src_p}",
@@ -59,8 +60,15 @@ def export(src: str | os.PathLike[str], dst: str | os.PathLike[str], opts: Expor
         metadata = dict(source.metadata)
         metadata.update(opts.metadata or {})
         opts = replace(opts, metadata=metadata or None)
-        return write_checkpoint(entries, dst_p, opts, extras=extras, aliases=source.aliases,
-                                adapter=source.is_adapter)
+        yield source, entries, opts, extras, source.is_adapter
+
+
+def export(src: str | os.PathLike[str], dst: str | os.PathLike[str], opts: ExportOptions | None = None, *,
+           key: str | None = None, only: str | None = None) -> ExportResult:
+    """Export the checkpoint at ``src`` to ``dst`` (see module docstring for the guarantees)."""
+    with prepare_export(src, dst, opts or ExportOptions(), key=key, only=only) as (source, entries, o, extras,
+                                                                                    adapter):
+        return write_checkpoint(entries, dst, o, extras=extras, aliases=source.aliases, adapter=adapter)
 
 
 def save_state_dict(state_dict: Mapping[str, Any], dest: str | os.PathLike[str], *,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Annotated, Optional
 
 import typer
@@ -50,13 +51,37 @@ def export(
                              manifest=manifest, label=label, dry_run=dry_run, progress=reporter,
                              command=" ".join(["ckptctl", "export", src, dst]))
         try:
-            result = run_export(resolve_path(src), dst, opts, key=key, only=only)
+            if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+                result, rank = _export_under_torchrun(resolve_path(src), dst, opts, key, only)
+                if rank != 0:
+                    return  # rank 0 reports for everyone
+            else:
+                result = run_export(resolve_path(src), dst, opts, key=key, only=only)
         finally:
             reporter.close()
         if json_:
             out.emit_json(out.document(True, **result.to_dict()))
             return
         render_result(out, result)
+
+
+def _export_under_torchrun(src, dst, opts, key, only):
+    """torchrun --nproc-per-node N -m ckptctl export SRC DST: ranks split the shards."""
+    import torch.distributed as dist
+
+    from ckptctl.distributed import export_distributed
+
+    owned = not dist.is_initialized()
+    if owned:
+        dist.init_process_group(backend="gloo")
+    try:
+        rank = dist.get_rank()
+        if rank != 0:
+            opts.progress = None
+        return export_distributed(src, dst, opts, key=key, only=only), rank
+    finally:
+        if owned:
+            dist.destroy_process_group()
 
 
 def render_result(out: Output, result) -> None:
