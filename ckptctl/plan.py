@@ -23,6 +23,8 @@ class ShardPlan:
     metadata: dict[str, str] | None
     header: bytes = b""
     layout: list[TensorInfo] = field(default_factory=list)  # file order, offsets in the data section
+    # An existing file with exactly these bytes: hard-linked instead of written (resave).
+    link_from: str | None = None
 
     @property
     def data_bytes(self) -> int:
@@ -47,7 +49,7 @@ class Plan:
 
     @property
     def bytes_to_write(self) -> int:
-        return sum(s.file_size for s in self.shards)
+        return sum(s.file_size for s in self.shards if s.link_from is None)
 
     @property
     def files(self) -> list[str]:

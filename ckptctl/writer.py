@@ -72,6 +72,7 @@ class ExportResult:
     bytes_copied_by_kernel: int = 0
     bytes_streamed: int = 0
     extras: list[str] = field(default_factory=list)
+    linked: list[str] = field(default_factory=list)  # shards hard-linked from unchanged files
     carried: list[str] = field(default_factory=list)  # dest's non-weight files kept
     removed: list[str] = field(default_factory=list)  # dest's files the new version drops
     aliases: dict[str, str] = field(default_factory=dict)
@@ -312,7 +313,7 @@ class ExportJob:
 
     def __init__(self, entries: list[Entry], dest: str | os.PathLike[str], opts: ExportOptions, *,
                  extras: dict[str, Path | bytes] | None = None, aliases: dict[str, str] | None = None,
-                 adapter: bool = False) -> None:
+                 adapter: bool = False, plan: Plan | None = None) -> None:
         self.started = time.monotonic()
         self.entries = entries
         self.dest = Path(os.path.abspath(dest))
@@ -321,7 +322,7 @@ class ExportJob:
         self._extras_in = extras or {}
         self.result = ExportResult(dest=str(self.dest), dry_run=opts.dry_run, aliases=dict(aliases or {}))
         self.by_name: dict[str, Entry] = {}
-        self.plan: Plan | None = None
+        self.plan: Plan | None = plan
         self.extra_blobs: dict[str, bytes] = {}
         self.stage_: Stage | None = None
 
@@ -338,13 +339,14 @@ class ExportJob:
             if e.tensor.name in self.by_name:
                 raise InputError(f"tensor {e.tensor.name!r} is given twice", "tensor names must be unique")
             self.by_name[e.tensor.name] = e
-        try:
-            plan = make_plan([e.spec for e in self.entries], max_shard_size=max_shard, prefix=opts.prefix,
-                             metadata=opts.metadata, aliases=result.aliases,
-                             single_file=opts.single_file or self.adapter)
-        except ValueError as exc:
-            raise InputError(str(exc), "check the tensor names and --max-shard-size") from None
-        self.plan = plan
+        if self.plan is None:
+            try:
+                self.plan = make_plan([e.spec for e in self.entries], max_shard_size=max_shard, prefix=opts.prefix,
+                                      metadata=opts.metadata, aliases=result.aliases,
+                                      single_file=opts.single_file or self.adapter)
+            except ValueError as exc:
+                raise InputError(str(exc), "check the tensor names and --max-shard-size") from None
+        plan = self.plan
         exists = check_destination(dest, overwrite=opts.overwrite)
         removed, carried = superseded(dest, adapter=self.adapter) if exists else ([], [])
         self.extra_blobs = _resolve_extras(self._extras_in, self.entries)
@@ -353,10 +355,14 @@ class ExportJob:
         result.parameters = plan.total_parameters
         result.total_size = plan.total_size
         result.bytes_to_write = plan.bytes_to_write + sum(len(b) for b in self.extra_blobs.values())
-        result.files = [{"name": s.name, "size": s.file_size, "tensors": len(s.specs)} for s in plan.shards]
+        result.files = [{"name": s.name, "size": s.file_size, "tensors": len(s.specs),
+                         "linked_from": s.link_from} for s in plan.shards]
+        result.linked = [s.name for s in plan.shards if s.link_from]
         result.extras = sorted(self.extra_blobs)
         result.carried = [n for n in carried if n not in self.extra_blobs]
-        result.removed = sorted(set(removed) | {n for n in carried if n in self.extra_blobs})
+        # the old version's files that the new one does not replace by name
+        result.removed = sorted((set(removed) | {n for n in carried if n in self.extra_blobs})
+                                - set(plan.files) - set(self.extra_blobs))
         result.converted = sum(1 for e in self.entries if e.dtype != e.tensor.dtype)
         result.manifest = MANIFEST_NAME if opts.manifest else None
         if opts.progress:
@@ -394,12 +400,17 @@ class ExportJob:
             for shard in self.plan.shards:
                 _faults.point("shard-start")
                 try:
-                    write_shard(data / shard.name, shard, self.by_name, tw, fsync=self.opts.fsync,
-                                progress=progress, grand=grand)
+                    if shard.link_from:
+                        _link_or_copy(Path(shard.link_from), data / shard.name)
+                        grand[0] += shard.data_bytes
+                    else:
+                        write_shard(data / shard.name, shard, self.by_name, tw, fsync=self.opts.fsync,
+                                    progress=progress, grand=grand)
                 except OSError as exc:
                     raise from_oserror(exc, f"cannot write {shard.name}", phase="write") from None
                 if progress:
-                    progress(ProgressEvent("shard-done", shard.name, grand[0], grand[1]))
+                    progress(ProgressEvent("shard-done", shard.name, grand[0], grand[1],
+                                           message="linked" if shard.link_from else "wrote"))
         finally:
             tw.close()
         _faults.point("shards-written")
@@ -451,12 +462,12 @@ class ExportJob:
 
 def write_checkpoint(entries: list[Entry], dest: str | os.PathLike[str], opts: ExportOptions, *,
                      extras: dict[str, Path | bytes] | None = None, aliases: dict[str, str] | None = None,
-                     adapter: bool = False) -> ExportResult:
+                     adapter: bool = False, plan: Plan | None = None) -> ExportResult:
     """Write ``entries`` as a safetensors checkpoint and publish it at ``dest`` atomically.
 
     ``extras`` maps file names to a source path or bytes (config.json, tokenizer files, ...).
     """
-    job = ExportJob(entries, dest, opts, extras=extras, aliases=aliases, adapter=adapter)
+    job = ExportJob(entries, dest, opts, extras=extras, aliases=aliases, adapter=adapter, plan=plan)
     result = job.prepare()
     if opts.dry_run:
         result.seconds = time.monotonic() - job.started

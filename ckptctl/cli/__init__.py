@@ -9,6 +9,7 @@ import typer
 from ckptctl._version import __version__
 from ckptctl.cli.export_cmd import export
 from ckptctl.cli.inspect_cmd import inspect
+from ckptctl.cli.resave_cmd import resave
 
 app = typer.Typer(
     name="ckptctl",
@@ -36,6 +37,7 @@ def _root(
 
 app.command("export")(export)
 app.command("inspect")(inspect)
+app.command("resave")(resave)
 
 
 def main() -> None:

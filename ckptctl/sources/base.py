@@ -85,7 +85,8 @@ def open_source(path: str | os.PathLike[str], *, key: str | None = None, only: s
     p = Path(path)
     lay = L.scan(p)
     fam = lay.primary(only)
-    errors = [f for f in lay.findings if f.severity == "error"]
+    errors = [f for f in lay.findings if f.severity == "error"
+              and not (only and f.code == "layout.two_families")]  # --only resolves that one
     if errors and fam.kind != L.DCP:
         first = errors[0]
         raise InputError(f"source is ambiguous or damaged: {first.message}",

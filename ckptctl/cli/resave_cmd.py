@@ -1,0 +1,59 @@
+"""`ckptctl resave DIR`."""
+
+from __future__ import annotations
+
+from typing import Annotated, Optional
+
+import typer
+
+from ckptctl.cli._options import DryRunOpt, JsonOpt, QuietOpt, VerboseOpt
+from ckptctl.cli._output import Output, ProgressReporter
+from ckptctl.cli.export_cmd import _dtype, render_result
+
+PREFER = ("index", "single", "safetensors", "pytorch")
+
+
+def _prefer(value: Optional[str]) -> Optional[str]:
+    if value is not None and value not in PREFER:
+        raise typer.BadParameter(f"{value!r} is not one of {', '.join(PREFER)}")
+    return value
+
+
+def resave(
+    directory: Annotated[str, typer.Argument(metavar="DIR", help="Checkpoint directory to rewrite in place.")],
+    output: Annotated[Optional[str], typer.Option("--output", "-o", help="Write the result here instead of replacing DIR.")] = None,
+    max_shard_size: Annotated[Optional[str], typer.Option("--max-shard-size", help="Re-shard: 5GB (decimal) or 2GiB.")] = None,
+    dtype: Annotated[str, typer.Option("--dtype", callback=_dtype, help="keep, bf16, fp16 or fp32 (config.json follows).")] = "keep",
+    repair: Annotated[bool, typer.Option("--repair", help="Fix what verify finds when the fix is certain.")] = False,
+    prefer: Annotated[Optional[str], typer.Option("--prefer", callback=_prefer, help="Which family to keep when two are complete: index, single, safetensors, pytorch.")] = None,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="With --output: replace an existing OUT.")] = False,
+    manifest: Annotated[bool, typer.Option("--manifest", help="Write ckptctl.manifest.json.")] = False,
+    label: Annotated[Optional[str], typer.Option("--label", help="Label recorded in the manifest.")] = None,
+    no_fsync: Annotated[bool, typer.Option("--no-fsync", help="Skip fsync (scratch only).")] = False,
+    dry_run: DryRunOpt = False,
+    json_: JsonOpt = False,
+    quiet: QuietOpt = 0,
+    verbose: VerboseOpt = 0,
+) -> None:
+    """Re-shard, change dtype, or repair a checkpoint in place, atomically, copying nothing that did not change."""
+    out = Output("resave", json_mode=json_, quiet=quiet + (1 if json_ else 0), verbose=verbose)
+    with out.guard():
+        from ckptctl.resave import resave as run_resave
+        from ckptctl.writer import ExportOptions
+
+        reporter = ProgressReporter(out)
+        opts = ExportOptions(max_shard_size=max_shard_size, dtype=dtype, overwrite=overwrite, fsync=not no_fsync,
+                             manifest=manifest, label=label, dry_run=dry_run, progress=reporter,
+                             command=" ".join(["ckptctl", "resave", directory]))
+        try:
+            result = run_resave(directory, opts, output=output, repair=repair, prefer=prefer)
+        finally:
+            reporter.close()
+        if json_:
+            out.emit_json(out.document(True, **result.to_dict()))
+            return
+        for fix in result.repair.fixes:
+            out.print(("would: " if dry_run else "fixed: ") + fix)
+        render_result(out, result.export)
+        if result.export.linked:
+            out.print(("would link" if dry_run else "linked") + " unchanged: " + ", ".join(result.export.linked))
