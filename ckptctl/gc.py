@@ -12,6 +12,9 @@ Two kinds of candidates:
 
 A ``_tmp_*`` directory without a valid owner record is not ours (Orbax #394: never delete by "no
 marker"); it is listed as ``unknown`` and kept unless a foreign pattern (``--preset miles``) takes it.
+The one exception is an empty *stub* (nothing inside but empty ``lock``/``owner.json``: a writer
+killed between ``mkdir`` and its owner record): it holds no data, so it goes once its lock is
+free and it is older than ``min_age``.
 
 Safety: the scan never follows a symlink nor descends into a candidate; removal works on
 directory file descriptors opened with ``O_NOFOLLOW`` from the root down, so it cannot leave the
@@ -57,7 +60,9 @@ PRESETS: dict[str, tuple[str, ...]] = {
     "temp-shards": ("*-of-[?][?][?][?][?].safetensors", "*-of-[?][?][?][?][?].bin"),
     "miles": ("_tmp_*",),
     "orbax": ("*.orbax-checkpoint-tmp*",),
-    "safetensors-tmp": (".tmp*",),  # only a regular file beside a .safetensors file
+    # Rust tempfile's NamedTempFile::new_in: ".tmp" + 6 alphanumerics; only a regular file
+    # beside a .safetensors file counts
+    "safetensors-tmp": (".tmp" + "[A-Za-z0-9]" * 6,),
     "incomplete": ("*.incomplete",),  # huggingface_hub partial downloads
     "trainer-tmp": ("tmp-checkpoint-*",),  # transformers Trainer
 }
@@ -65,7 +70,7 @@ PRESET_HELP = {
     "temp-shards": "*-of-?????.safetensors/.bin (literal '?': temp shards of streaming savers)",
     "miles": "_tmp_* directories without a ckptctl owner record (Miles' staging)",
     "orbax": "*.orbax-checkpoint-tmp* (Orbax's unfinalized checkpoints)",
-    "safetensors-tmp": ".tmp* files beside a .safetensors file (safetensors' temp files)",
+    "safetensors-tmp": ".tmpXXXXXX files beside a .safetensors file (safetensors' temp files)",
     "incomplete": "*.incomplete (huggingface_hub partial downloads)",
     "trainer-tmp": "tmp-checkpoint-* (transformers Trainer staging)",
 }
@@ -230,16 +235,23 @@ def check_root(root: str | os.PathLike[str]) -> Path:
 # matching
 
 
-def _match_foreign(name: str, is_file: bool, beside_shard: bool, opts: GcOptions) -> str | None:
-    for preset in opts.presets:
-        if any(fnmatch.fnmatchcase(name, p) for p in PRESETS[preset]):
-            if preset == "safetensors-tmp" and not (is_file and beside_shard):
-                continue
-            return preset
-    for glob in opts.patterns:
-        if fnmatch.fnmatchcase(name, glob):
-            return f"pattern {glob}"
-    return None
+class _Matcher:
+    """Name -> the preset or pattern it matches (first wins), or None."""
+
+    def __init__(self, opts: GcOptions) -> None:
+        import re
+
+        self.rules = [(name, re.compile("|".join(fnmatch.translate(p) for p in PRESETS[name])))
+                      for name in opts.presets]
+        self.rules += [(f"pattern {g}", re.compile(fnmatch.translate(g))) for g in opts.patterns]
+
+    def __call__(self, name: str, is_file: bool, beside_shard: bool) -> str | None:
+        for label, rx in self.rules:
+            if rx.match(name):
+                if label == "safetensors-tmp" and not (is_file and beside_shard):
+                    continue
+                return label
+        return None
 
 
 # ------------------------------------------------------------------------------------------
@@ -252,6 +264,7 @@ class _Measure:
     freeable: int = 0
     newest: float = 0.0
     error: str | None = None
+    nested_staging: list[str] = field(default_factory=list)  # ckptctl staging dirs inside
 
 
 def _measure(path: Path) -> _Measure:
@@ -285,6 +298,8 @@ def _measure(path: Path) -> _Measure:
                         visit(e.path, st)
                         if stat.S_ISDIR(st.st_mode):
                             stack.append(e.path)
+                            if staging.NAME_RE.match(e.name):
+                                m.nested_staging.append(e.path)
             except OSError as exc:
                 if exc.errno != errno.ENOENT:
                     m.error = f"cannot read {d}: {exc.strerror}"
@@ -299,24 +314,9 @@ def _measure(path: Path) -> _Measure:
 # liveness
 
 
-def _proc_state(pid: int) -> str | None:
-    try:
-        raw = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    rest = raw[raw.rfind(")") + 2:].split()
-    return rest[0] if rest else None
-
-
 def judge(path: Path, owner: dict[str, Any]) -> staging.Liveness:
-    """``staging.judge_owner`` plus one refinement: a zombie (exited, not yet reaped) is dead;
-    its lock went with its file descriptors."""
-    live = staging.judge_owner(path, owner)
-    if live.alive and live.reason != "lock held":
-        pid = owner.get("pid")
-        if isinstance(pid, int) and _proc_state(pid) == "Z":
-            return staging.Liveness(False, f"pid {pid} has exited (zombie, not yet reaped)")
-    return live
+    """Liveness of a staging directory's writer (lock, then pid/start time/boot id/zombie)."""
+    return staging.judge_owner(path, owner)
 
 
 def _same_host(owner: dict[str, Any]) -> bool:
@@ -364,7 +364,8 @@ def _judge_ours(c: Candidate, opts: GcOptions, now: float) -> None:
     try:
         live = judge(c.path, owner)
     except OSError as exc:
-        c.decision, c.reason, c.error = KEPT, f"cannot probe its lock: {exc.strerror}", exc.strerror
+        c.decision, c.reason = KEPT, f"cannot probe its lock: {exc.strerror}"
+        c.error = f"cannot probe the staging lock: {exc.strerror}"
         return
     if live.alive:
         c.decision, c.reason = KEPT, f"writer alive: {live.reason}"
@@ -388,10 +389,58 @@ def _judge_ours(c: Candidate, opts: GcOptions, now: float) -> None:
     c.decision, c.reason = WOULD_REMOVE, reason
 
 
-def _judge_foreign(c: Candidate, opts: GcOptions) -> None:
+def _is_stub(path: Path) -> bool:
+    """An empty staging stub: a writer killed between mkdir and writing its owner record, or a
+    gc run interrupted at its last step. It holds nothing but empty ``lock``/``owner.json``."""
+    try:
+        with os.scandir(path) as it:
+            entries = list(it)
+        for e in entries:
+            if e.name not in (staging.LOCK, staging.OWNER):
+                return False
+            st = e.stat(follow_symlinks=False)
+            if not stat.S_ISREG(st.st_mode) or st.st_size:
+                return False
+    except OSError:
+        return False
+    return True
+
+
+def _judge_stub(c: Candidate, opts: GcOptions) -> None:
+    if _lock_held_any(c.path):
+        c.decision, c.reason = KEPT, "writer alive: lock held (owner record not written yet)"
+    elif c.age < opts.min_age:
+        c.decision = KEPT
+        c.reason = f"empty staging stub modified {format_age(c.age)} ago (< --min-age): its writer may be starting"
+    else:
+        c.decision = WOULD_REMOVE
+        c.reason = "empty staging stub (no owner record, no data), lock free"
+
+
+def _live_inside(c: Candidate, nested: list[str]) -> str | None:
+    """Why a foreign directory must stay although it is old: it holds a lock someone holds, or a
+    ckptctl staging directory whose writer is alive (a paused writer is still a writer)."""
+    if not c.is_dir:
+        return None
+    if _lock_held_any(c.path):
+        return f"foreign ({c.match}): a process holds its lock file"
+    for d in nested:
+        p = Path(d)
+        owner = staging.read_owner(p)
+        try:
+            alive = judge(p, owner).alive if owner else _lock_held_any(p)
+        except OSError:
+            alive = True
+        if alive:
+            return f"foreign ({c.match}): holds the staging directory of a live ckptctl writer ({p.name})"
+    return None
+
+
+def _judge_foreign(c: Candidate, opts: GcOptions, nested: list[str]) -> None:
     threshold = max(opts.older_than, opts.min_age)
-    if c.is_dir and _lock_held_any(c.path):
-        c.decision, c.reason = KEPT, f"foreign ({c.match}): a process holds its lock file"
+    why = _live_inside(c, nested)
+    if why:
+        c.decision, c.reason = KEPT, why
         return
     if c.age < threshold:
         c.decision = KEPT
@@ -401,14 +450,13 @@ def _judge_foreign(c: Candidate, opts: GcOptions) -> None:
         c.reason = f"foreign ({c.match}), judged by age only: idle for {format_age(c.age)} (>= {format_age(threshold)})"
 
 
-def _candidate(path: Path, root: Path, kind: str, st: os.stat_result, now: float, **kw: Any) -> Candidate:
-    m = _measure(path)
+def _candidate(path: Path, root: Path, kind: str, st: os.stat_result, now: float,
+               **kw: Any) -> tuple[Candidate, _Measure]:
+    m = _measure(path)  # an unreadable part only makes the size a lower bound
     c = Candidate(path=path, root=root, kind=kind, decision=KEPT, reason="", is_dir=stat.S_ISDIR(st.st_mode),
                   ino=(st.st_dev, st.st_ino), mtime=st.st_mtime, size=m.size, freed=m.freeable,
                   age=max(0.0, now - (m.newest or st.st_mtime)), **kw)
-    if m.error:
-        c.error = m.error
-    return c
+    return c, m
 
 
 def scan(roots: Iterable[Path], opts: GcOptions, result: GcResult | None = None) -> GcResult:
@@ -418,16 +466,19 @@ def scan(roots: Iterable[Path], opts: GcOptions, result: GcResult | None = None)
     now = time.time()
     seen_dirs: set[tuple[int, int]] = set()
     seen_cands: set[tuple[int, int]] = set()
+    match = _Matcher(opts)
     for root in roots:
         try:
             st_root = os.stat(root)
         except OSError as exc:
             res.problems.append(GcProblem(str(root), f"cannot read the root: {exc.strerror}"))
             continue
-        stack: list[tuple[Path, int]] = [(root, 0)]
+        if (st_root.st_dev, st_root.st_ino) in seen_dirs:
+            continue
         seen_dirs.add((st_root.st_dev, st_root.st_ino))
+        stack: list[tuple[Path, int, int]] = [(root, 0, st_root.st_dev)]
         while stack:
-            d, depth = stack.pop()
+            d, depth, dev = stack.pop()
             try:
                 with os.scandir(d) as it:
                     entries = list(it)
@@ -439,46 +490,56 @@ def scan(roots: Iterable[Path], opts: GcOptions, result: GcResult | None = None)
             res.scanned += len(entries)
             beside_shard = any(e.name.endswith(".safetensors") for e in entries)
             for e in entries:
+                # d_type answers is_dir/is_file without a syscall; only candidates are stat'ed
                 try:
+                    is_dir = e.is_dir(follow_symlinks=False)
+                    staging_like = is_dir and staging.NAME_RE.match(e.name) is not None
+                    foreign = match(e.name, e.is_file(follow_symlinks=False), beside_shard)
+                    if not (staging_like or foreign):
+                        if is_dir and depth + 1 < opts.max_depth:
+                            key = (dev, e.inode())
+                            if key not in seen_dirs:
+                                seen_dirs.add(key)
+                                stack.append((Path(e.path), depth + 1, dev))
+                        continue
                     st = e.stat(follow_symlinks=False)
                 except FileNotFoundError:
                     continue
                 except OSError as exc:
                     res.problems.append(GcProblem(e.path, f"cannot stat: {exc.strerror}"))
                     continue
-                is_dir = stat.S_ISDIR(st.st_mode)
-                key = (st.st_dev, st.st_ino)
                 path = Path(e.path)
                 cand = None
-                if is_dir and staging.NAME_RE.match(e.name):
-                    cand = _staging_candidate(path, root, st, opts, now, beside_shard)
-                if cand is None:
-                    match = _match_foreign(e.name, stat.S_ISREG(st.st_mode), beside_shard, opts)
-                    if match:
-                        cand = _candidate(path, root, FOREIGN, st, now, match=match)
-                        _judge_foreign(cand, opts)
-                if cand is not None:
+                if staging_like:
+                    cand = _staging_candidate(path, root, st, opts, now, foreign)
+                if cand is None and foreign:
+                    cand, m = _candidate(path, root, FOREIGN, st, now, match=foreign)
+                    _judge_foreign(cand, opts, m.nested_staging)
+                if cand is not None:  # never descend into a candidate
+                    key = (st.st_dev, st.st_ino)
                     if key not in seen_cands:
                         seen_cands.add(key)
                         res.candidates.append(cand)
-                    continue  # never descend into a candidate
-                if is_dir and depth + 1 < opts.max_depth and key not in seen_dirs:
-                    seen_dirs.add(key)
-                    stack.append((path, depth + 1))
+                        if cand.error:
+                            res.problems.append(GcProblem(str(cand.path), cand.error))
     res.candidates.sort(key=lambda c: str(c.path))
     return res
 
 
 def _staging_candidate(path: Path, root: Path, st: os.stat_result, opts: GcOptions, now: float,
-                       beside_shard: bool) -> Candidate | None:
+                       foreign: str | None) -> Candidate | None:
     owner = staging.read_owner(path)
     if owner is not None:
-        c = _candidate(path, root, OURS, st, now, owner=owner)
+        c, _ = _candidate(path, root, OURS, st, now, owner=owner)
         _judge_ours(c, opts, now)
         return c
-    if _match_foreign(path.name, False, beside_shard, opts):
+    if _is_stub(path):
+        c, _ = _candidate(path, root, OURS, st, now)
+        _judge_stub(c, opts)
+        return c
+    if foreign:
         return None  # the foreign path takes it, by age (it is not provably ours)
-    c = _candidate(path, root, UNKNOWN, st, now)
+    c, _ = _candidate(path, root, UNKNOWN, st, now)
     c.decision = KEPT
     c.reason = ("named like ckptctl staging but has no ckptctl owner record: not provably ours "
                 "(--preset miles removes such directories by age)")
@@ -509,8 +570,8 @@ def _open_parent(c: Candidate) -> int:
     return fd
 
 
-def _rm_entries(dfd: int, skip: tuple[str, ...] = ()) -> int:
-    """Remove everything inside the directory ``dfd`` (except ``skip``); bytes freed."""
+def _rm_entries(dfd: int, where: str, skip: tuple[str, ...] = ()) -> int:
+    """Remove everything inside the directory ``dfd`` (``where``, for messages) except ``skip``."""
     freed = 0
     with os.scandir(dfd) as it:
         names = [e.name for e in it]
@@ -518,7 +579,7 @@ def _rm_entries(dfd: int, skip: tuple[str, ...] = ()) -> int:
         if name in skip:
             continue
         try:
-            freed += _rm_at(dfd, name)
+            freed += _rm_at(dfd, name, where=f"{where}/{name}")
         except OSError as exc:
             # NFS refuses to unlink a silly-renamed file that is still open: retried by the caller
             if not (name.startswith(".nfs") and exc.errno in (errno.EBUSY, errno.ENOTEMPTY)):
@@ -526,12 +587,22 @@ def _rm_entries(dfd: int, skip: tuple[str, ...] = ()) -> int:
     return freed
 
 
-def _rm_at(parent_fd: int, name: str, *, keep_last: tuple[str, ...] = ()) -> int:
+def _rm_at(parent_fd: int, name: str, *, where: str, keep_last: tuple[str, ...] = ()) -> int:
     """Remove ``name`` under ``parent_fd`` without following links; bytes actually freed.
 
     ``keep_last`` names inside the directory are removed after everything else, in that order.
     ENOENT anywhere is someone else having removed it first (an overlapping gc run): fine.
+    Errors carry ``where`` (the full path) as their filename.
     """
+    try:
+        return _rm_at_inner(parent_fd, name, where, keep_last)
+    except OSError as exc:
+        if exc.filename == name:
+            exc.filename = where
+        raise
+
+
+def _rm_at_inner(parent_fd: int, name: str, where: str, keep_last: tuple[str, ...]) -> int:
     try:
         st = os.stat(name, dir_fd=parent_fd, follow_symlinks=False)
     except FileNotFoundError:
@@ -553,9 +624,9 @@ def _rm_at(parent_fd: int, name: str, *, keep_last: tuple[str, ...] = ()) -> int
         if (fst.st_dev, fst.st_ino) != (st.st_dev, st.st_ino):
             raise OSError(errno.ESTALE, "changed while being removed", name)
         for attempt in range(len(_NFS_RETRIES) + 1):
-            freed += _rm_entries(dfd, skip=keep_last)
+            freed += _rm_entries(dfd, where, skip=keep_last)
             for last in keep_last:
-                freed += _rm_at(dfd, last)
+                freed += _rm_at(dfd, last, where=f"{where}/{last}")
             try:
                 os.rmdir(name, dir_fd=parent_fd)
                 return freed
@@ -607,7 +678,31 @@ def _lock_staging(parent_fd: int, name: str) -> tuple[int, int] | None:
         raise
 
 
+def _remove_stub(c: Candidate, parent_fd: int) -> None:
+    try:
+        fds = _lock_staging(parent_fd, c.path.name)
+    except FileNotFoundError:
+        c.decision, c.reason = VANISHED, "removed meanwhile (another gc run?)"
+        return
+    if fds is None:
+        c.decision, c.reason = KEPT, "its lock is held now (a writer starting, or another gc run)"
+        return
+    sfd, lfd = fds
+    try:
+        if not _is_stub(c.path):
+            c.decision, c.reason = KEPT, "no longer an empty stub (a writer is using it)"
+            return
+        c.freed = _rm_at(parent_fd, c.path.name, where=str(c.path), keep_last=(staging.LOCK,))
+        c.decision = REMOVED
+    finally:
+        os.close(lfd)
+        os.close(sfd)
+
+
 def _remove_ours(c: Candidate, parent_fd: int) -> None:
+    if c.owner is None:
+        _remove_stub(c, parent_fd)
+        return
     name = c.path.name
     # 1. fresh liveness verdict (a gc run may have overlapped, time has passed since the scan)
     owner = staging.read_owner(c.path)
@@ -642,8 +737,9 @@ def _remove_ours(c: Candidate, parent_fd: int) -> None:
         parsed = staging.parse_name(name)
         if parsed and os.path.lexists(c.path / staging.OLD) and not os.path.lexists(c.path.parent / parsed[0]):
             raise OSError(errno.EEXIST, "old/ holds the only copy of the checkpoint; not removing", str(c.path))
-        # 4. remove: data first, then the lock, the owner record last (stays recognisable)
-        c.freed = _rm_at(parent_fd, name, keep_last=(staging.LOCK, staging.OWNER))
+        # 4. remove: data first (an interrupted removal stays recognisable by its owner record),
+        # then the owner record, the lock last (a racing gc run finds no owner and backs off)
+        c.freed = _rm_at(parent_fd, name, where=str(c.path), keep_last=(staging.OWNER, staging.LOCK))
         c.decision = REMOVED
     finally:
         os.close(lfd)
@@ -660,10 +756,11 @@ def _remove_foreign(c: Candidate, parent_fd: int) -> None:
     if (st.st_dev, st.st_ino) != c.ino or st.st_mtime > c.mtime:
         c.decision, c.reason = KEPT, "changed since the scan"
         return
-    if c.is_dir and _lock_held_any(c.path):
-        c.decision, c.reason = KEPT, f"foreign ({c.match}): a process holds its lock file"
+    why = _live_inside(c, _measure(c.path).nested_staging if c.is_dir else [])
+    if why:
+        c.decision, c.reason = KEPT, why
         return
-    c.freed = _rm_at(parent_fd, name)
+    c.freed = _rm_at(parent_fd, name, where=str(c.path))
     c.decision = REMOVED
 
 
@@ -688,8 +785,8 @@ def remove(res: GcResult, progress: Progress | None = None) -> GcResult:
         except _Deferred as exc:
             c.decision, c.reason = DEFERRED, str(exc)
         except OSError as exc:
-            where = f" ({exc.filename})" if exc.filename and str(exc.filename) != c.path.name else ""
-            _fail(res, c, f"{exc.strerror or exc}{where}")
+            what = exc.filename if exc.filename and str(exc.filename) != str(c.path) else None
+            _fail(res, c, f"cannot remove {what}: {exc.strerror or exc}" if what else f"{exc.strerror or exc}")
         finally:
             os.close(parent_fd)
         if progress and c.decision in (REMOVED, DEFERRED, FAILED):

@@ -86,6 +86,22 @@ def remove_tree(path: Path) -> None:
         os.unlink(path)
 
 
+def remove_staging(d: Path) -> None:
+    """Remove a staging directory so that an interruption leaves something gc-tmp still
+    recognises: the data first, then the owner record, then the lock, then the directory."""
+    for part in (staging.DATA, staging.OLD, staging.READY):
+        remove_tree(d / part)
+    for part in sorted(os.listdir(d)) if os.path.isdir(d) else []:
+        if part not in (staging.OWNER, staging.LOCK):
+            remove_tree(d / part)
+    remove_tree(d / staging.OWNER)
+    remove_tree(d / staging.LOCK)
+    try:
+        os.rmdir(d)
+    except FileNotFoundError:
+        pass
+
+
 class Stage:
     """One writer's staging directory for one destination."""
 
@@ -238,7 +254,7 @@ class Stage:
         if self.dir is None:
             return
         try:
-            remove_tree(self.dir)
+            remove_staging(self.dir)
         except OSError:
             pass  # leftovers are gc-tmp's job; the publish already succeeded
         finally:
@@ -299,22 +315,33 @@ def recover(staging_dir: Path) -> str | None:
 
 def recover_destination(dest: Path) -> list[str]:
     """Before writing ``dest``: finish any half-done publish a dead writer left for it, and remove
-    the dead writer's staging directory when it ran on this host (others are gc-tmp's, by age)."""
+    the dead writer's staging directory when it ran on this host (others are gc-tmp's, by age).
+    The staging lock is taken first, so a concurrent gc-tmp run and this never work on one
+    directory at once."""
     import socket
 
     done = []
     for d in _siblings(dest.parent, dest.name):
+        owner = staging.read_owner(d)
+        if owner is None or staging.judge_owner(d, owner).alive:
+            continue
+        lock = staging.LockFile(d / staging.LOCK)
         try:
-            owner = staging.read_owner(d)
-            if owner is None or staging.judge_owner(d, owner).alive:
+            lock.acquire()
+        except OSError:
+            continue  # someone (gc-tmp, a writer) holds it
+        try:
+            if staging.read_owner(d) != owner:
                 continue
             what = recover(d)
             if what:
                 done.append(f"{d.name}: {what}")
             if owner.get("host") == socket.gethostname():
-                remove_tree(d)
+                remove_staging(d)
         except OSError:
             continue
+        finally:
+            lock.release()
     return done
 
 

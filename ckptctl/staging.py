@@ -77,6 +77,14 @@ def process_start_time(pid: int) -> int | None:
         return None
 
 
+def _proc_state(pid: int) -> str | None:
+    try:
+        raw = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return raw[raw.rfind(")") + 2:][:1] or None
+
+
 def owner_record(dest: Path, command: str | None = None) -> dict[str, Any]:
     pid = os.getpid()
     return {
@@ -132,12 +140,18 @@ class LockFile:
 
 def lock_is_held(staging: Path) -> bool:
     """True when some process holds the staging directory's lock (probing never blocks)."""
-    try:
-        fd = os.open(staging / LOCK, os.O_RDONLY | os.O_CLOEXEC)
-    except OSError as exc:
-        if exc.errno == errno.ENOENT:
-            return False
-        raise
+    fd = None
+    # NFS emulates flock with fcntl locks, whose exclusive form needs a writable descriptor.
+    for mode in (os.O_RDWR, os.O_RDONLY):
+        try:
+            fd = os.open(staging / LOCK, mode | os.O_CLOEXEC)
+            break
+        except OSError as exc:
+            if exc.errno == errno.ENOENT:
+                return False
+            if exc.errno not in (errno.EACCES, errno.EROFS, errno.EPERM) or mode == os.O_RDONLY:
+                raise
+    assert fd is not None
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -173,6 +187,8 @@ def judge_owner(staging: Path, owner: dict[str, Any] | None) -> Liveness:
     start = process_start_time(pid)
     if start is None:
         return Liveness(False, f"pid {pid} is gone")
+    if _proc_state(pid) == "Z":
+        return Liveness(False, f"pid {pid} has exited (zombie, not yet reaped)")
     if owner.get("start_time") is not None and start != owner["start_time"]:
         return Liveness(False, f"pid {pid} now belongs to another process")
     # Same process still running but its lock is free: it is between creating the directory and

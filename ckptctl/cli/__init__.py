@@ -8,6 +8,7 @@ import typer
 
 from ckptctl._version import __version__
 from ckptctl.cli.export_cmd import export
+from ckptctl.cli.gc_cmd import gc_tmp
 from ckptctl.cli.inspect_cmd import inspect
 from ckptctl.cli.resave_cmd import resave
 
@@ -36,6 +37,7 @@ def _root(
 
 
 app.command("export")(export)
+app.command("gc-tmp")(gc_tmp)
 app.command("inspect")(inspect)
 app.command("resave")(resave)
 

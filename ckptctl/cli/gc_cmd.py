@@ -9,7 +9,7 @@ from rich.table import Table
 
 from ckptctl.cli._options import DryRunOpt, JsonOpt, QuietOpt, VerboseOpt
 from ckptctl.cli._output import Output
-from ckptctl.errors import EXIT_FINDINGS, EXIT_OPERATIONAL, UsageError
+from ckptctl.errors import EXIT_FINDINGS, EXIT_OPERATIONAL, Interrupted, UsageError
 from ckptctl.sizes import format_size
 
 _PRESETS_HELP = ("temp-shards, miles, orbax, safetensors-tmp, incomplete, trainer-tmp "
@@ -17,12 +17,12 @@ _PRESETS_HELP = ("temp-shards, miles, orbax, safetensors-tmp, incomplete, traine
 
 
 def gc_tmp(
-    roots: Annotated[List[str], typer.Argument(help="Directories to clean up below (never / or your home directory).", show_default=False)],
-    older_than: Annotated[str, typer.Option("--older-than", help="Age after which foreign leftovers, and staging of writers on other hosts whose lock is free, go: 30m, 6h, 2d.")] = "1h",
-    min_age: Annotated[str, typer.Option("--min-age", help="Nothing modified more recently than this is removed, even a dead writer's staging.")] = "60s",
-    max_depth: Annotated[int, typer.Option("--max-depth", help="How deep below each root to look (1 = the root's own entries).")] = 4,
-    pattern: Annotated[Optional[List[str]], typer.Option("--pattern", help="Also remove entries whose name matches this glob, judged by age only; repeatable.")] = None,
-    preset: Annotated[Optional[List[str]], typer.Option("--preset", help=f"Also remove what another tool leaks, judged by age only: {_PRESETS_HELP}.")] = None,
+    roots: Annotated[List[str], typer.Argument(metavar="ROOT", help="Directories to clean up below (never / or your home directory).", show_default=False)],
+    older_than: Annotated[str, typer.Option("--older-than", metavar="AGE", help="Age after which foreign leftovers, and staging of writers on other hosts whose lock is free, go: 30m, 6h, 2d.")] = "1h",
+    min_age: Annotated[str, typer.Option("--min-age", metavar="AGE", help="Nothing modified more recently than this is removed, even a dead writer's staging.")] = "60s",
+    max_depth: Annotated[int, typer.Option("--max-depth", metavar="N", help="How deep below each root to look (1 = the root's own entries).")] = 4,
+    pattern: Annotated[Optional[List[str]], typer.Option("--pattern", metavar="GLOB", help="Also remove entries whose name matches this glob, judged by age only; repeatable.")] = None,
+    preset: Annotated[Optional[List[str]], typer.Option("--preset", metavar="NAME", help=f"Also remove what another tool leaks, judged by age only: {_PRESETS_HELP}.")] = None,
     check: Annotated[bool, typer.Option("--check", help="Remove nothing; exit 1 when anything leaked (for monitoring).")] = False,
     dry_run: DryRunOpt = False,
     json_: JsonOpt = False,
@@ -40,7 +40,12 @@ def gc_tmp(
                             min_age=_duration(parse_duration, "--min-age", min_age),
                             max_depth=max_depth, presets=tuple(preset or ()), patterns=tuple(pattern or ()),
                             dry_run=dry_run or check)
-        result = gc.run(roots, opts, progress=out.debug)
+        try:
+            result = gc.run(roots, opts, progress=out.debug)
+        except KeyboardInterrupt:
+            raise Interrupted("interrupted before every leftover was handled",
+                              "run gc-tmp again: a partly removed staging directory keeps its owner record "
+                              "until its data is gone, so the next run finishes it") from None
     code = 0
     if result.problems:
         code = EXIT_OPERATIONAL
@@ -49,7 +54,7 @@ def gc_tmp(
     if json_:
         out.emit_json(out.document(code == 0, check=check, **result.to_dict()))
     else:
-        _render(out, result, check=check)
+        _render(out, result)
     for p in result.problems:
         out.error(f"{p.path}: {p.message}")
     if result.problems:
@@ -75,12 +80,14 @@ _DECISION_LABEL = {"would-remove": "would remove"}
 def _owner_cell(c) -> str:
     if c.kind == "foreign":
         return f"foreign: {c.match}"
-    if c.kind == "unknown" or not c.owner:
+    if c.kind == "unknown":
         return "unknown"
+    if not c.owner:
+        return "none (empty stub)"
     return f"pid {c.owner.get('pid', '?')} @ {c.owner.get('host', '?')}"
 
 
-def _render(out: Output, result, *, check: bool) -> None:
+def _render(out: Output, result) -> None:
     from ckptctl.gc import format_age
 
     roots = ", ".join(str(r) for r in result.roots)
