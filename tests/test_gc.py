@@ -214,10 +214,10 @@ def test_zombie_writer_is_dead(tmp_path):
     z = subprocess.Popen(["true"])
     try:
         for _ in range(1000):  # wait until it has exited (it stays a zombie: not reaped yet)
-            if gc._proc_state(z.pid) == "Z":
+            if staging._proc_state(z.pid) == "Z":
                 break
             os.sched_yield()
-        assert gc._proc_state(z.pid) == "Z"
+        assert staging._proc_state(z.pid) == "Z"
         d = make_staging(tmp_path, "ckpt", pid=z.pid, start_time=staging.process_start_time(z.pid))
         rc, doc = gc_json(tmp_path, "--min-age", "0")
         assert decisions(doc) == {d.name: "removed"} and "zombie" in doc["candidates"][0]["reason"]
