@@ -141,7 +141,7 @@ class ProgressReporter:
         if self.rich:
             self._rich(event)
         elif event.phase == "shard-done":
-            self.out.err.print(f"wrote {event.file} ({event.done:,}/{event.total:,} bytes)")
+            self.out.err.print(f"{event.message or 'wrote'} {event.file} ({event.done:,}/{event.total:,} bytes)")
         elif event.phase == "publish":
             self.out.err.print("publishing")
 

@@ -24,13 +24,19 @@ def inspect(
     """Show what a checkpoint holds: files, tensors, parameters, dtypes, config. Reads headers only."""
     out = Output("inspect", json_mode=json_, quiet=quiet, verbose=verbose)
     with out.guard():
+        from ckptctl import layout as L
+        from ckptctl.errors import UsageError
         from ckptctl.inspect import inspect_path
         from ckptctl.resolve import resolve_path
+
+        kinds = (L.SAFETENSORS, L.PYTORCH, L.PEFT, L.DCP)
+        if only is not None and only not in kinds:
+            raise UsageError(f"--only must be one of {', '.join(kinds)}, not {only!r}",
+                             f"run `ckptctl inspect {path}` to see which families it holds")
 
         res = inspect_path(resolve_path(path), only=only, name_filter=filter_)
         if json_:
             doc = out.document(True, **res.to_dict(with_tensors=True))
-            doc["schema_version"] = 1
             out.emit_json(doc)
             return
         _render(out, res, show_tensors=tensors or bool(filter_))

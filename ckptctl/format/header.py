@@ -92,6 +92,55 @@ def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return out
 
 
+class _BadJson(Exception):
+    """JSON that Python's parser accepts but serde_json (the safetensors crate) rejects."""
+
+
+def _reject_constant(name: str) -> Any:
+    raise _BadJson(f"{name} is not a JSON value")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if value in (float("inf"), float("-inf")):
+        raise _BadJson(f"number out of range: {text[:40]}")
+    return value
+
+
+def _int_or_negative_zero(text: str) -> int | float:
+    try:
+        value = int(text)
+    except ValueError:  # over Python's 4300-digit limit; serde_json: out of f64 range
+        raise _BadJson(f"number out of range: {text[:40]}...") from None
+    # serde_json reads "-0" as the float -0.0, which is not a valid size or offset.
+    return -0.0 if value == 0 and text.startswith("-") else value
+
+
+# serde_json's default recursion limit: the 128th nested array/object is refused.
+MAX_JSON_DEPTH = 127
+
+
+def _serde_problem(obj: Any) -> str | None:
+    """What serde_json would refuse in an already parsed document: lone surrogate escapes and
+    nesting deeper than its recursion limit (both accepted by Python's json)."""
+    stack: list[tuple[Any, int]] = [(obj, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if depth > MAX_JSON_DEPTH:
+            return f"nesting deeper than {MAX_JSON_DEPTH} levels"
+        items = value.items() if isinstance(value, dict) else enumerate(value)
+        for key, item in items:
+            for s in (key, item):
+                if isinstance(s, str):
+                    try:
+                        s.encode("utf-8")
+                    except UnicodeEncodeError:
+                        return f"lone surrogate escape in string {s[:40]!r}"
+            if isinstance(item, (dict, list)):
+                stack.append((item, depth + 1))
+    return None
+
+
 _REDOWNLOAD = "the file is damaged or incomplete: download or export it again"
 
 
@@ -104,6 +153,47 @@ def _sniff(prefix: bytes) -> str | None:
     if low.startswith((b"<!doctype html", b"<html", b"<?xml", b"<head", b"<body")):
         return "html"
     return None
+
+
+def _check_prefix(hdr: Header, prefix: bytes) -> int | None:
+    """Checks that need only the first bytes and the file size. Returns the header length when
+    the JSON can be read, None when a finding already makes the file unreadable."""
+    shown, size = hdr.path, hdr.file_size
+    kind = _sniff(prefix)
+    if kind == "lfs":
+        hdr.add("header.lfs_pointer",
+                f"{shown} is a git-LFS pointer ({size} bytes), not the safetensors data",
+                hint="run `git lfs pull` (or download the file again) to fetch the real content")
+        return None
+    if kind == "html":
+        hdr.add("header.html_page",
+                f"{shown} is an HTML/XML page ({size} bytes), not a safetensors file",
+                hint="the download saved an error or login page: download the file again")
+        return None
+    if size < 8:
+        hdr.add("header.too_small",
+                f"{shown} is {size} bytes, smaller than the 8-byte header length field",
+                hint=_REDOWNLOAD)
+        return None
+    (n,) = struct.unpack("<Q", prefix[:8])
+    hdr.header_len = n
+    if n > MAX_HEADER_SIZE:
+        hdr.add("header.too_large",
+                f"{shown}: header length {n} exceeds the 100,000,000-byte limit",
+                hint="this is not a safetensors file, or its first 8 bytes are corrupt",
+                header_len=n)
+        return None
+    if 8 + n > size:
+        hdr.add("header.length_exceeds_file",
+                f"{shown}: header length {n} runs past the end of the {size}-byte file",
+                hint=_REDOWNLOAD, header_len=n)
+        return None
+    if n > HUB_MAX_HEADER_SIZE:
+        hdr.add("header.hub_limit",
+                f"{shown}: header of {n} bytes is over the Hub's 25,000,000-byte metadata limit",
+                severity=WARNING, hint="the Hub's metadata API will refuse this file; use fewer, larger tensors",
+                header_len=n)
+    return n
 
 
 def read_header(path: str | os.PathLike[str], *, display: str | None = None) -> Header:
@@ -119,40 +209,9 @@ def read_header(path: str | os.PathLike[str], *, display: str | None = None) -> 
             size = os.fstat(f.fileno()).st_size
             hdr = Header(path=shown, file_size=size)
             prefix = f.read(min(size, 512))
-            kind = _sniff(prefix)
-            if kind == "lfs":
-                hdr.add("header.lfs_pointer",
-                        f"{shown} is a git-LFS pointer ({size} bytes), not the safetensors data",
-                        hint="run `git lfs pull` (or download the file again) to fetch the real content")
+            n = _check_prefix(hdr, prefix)
+            if n is None:
                 return hdr
-            if kind == "html":
-                hdr.add("header.html_page",
-                        f"{shown} is an HTML/XML page ({size} bytes), not a safetensors file",
-                        hint="the download saved an error or login page: download the file again")
-                return hdr
-            if size < 8:
-                hdr.add("header.too_small",
-                        f"{shown} is {size} bytes, smaller than the 8-byte header length field",
-                        hint=_REDOWNLOAD)
-                return hdr
-            (n,) = struct.unpack("<Q", prefix[:8])
-            hdr.header_len = n
-            if n > MAX_HEADER_SIZE:
-                hdr.add("header.too_large",
-                        f"{shown}: header length {n} exceeds the 100,000,000-byte limit",
-                        hint="this is not a safetensors file, or its first 8 bytes are corrupt",
-                        header_len=n)
-                return hdr
-            if 8 + n > size:
-                hdr.add("header.length_exceeds_file",
-                        f"{shown}: header length {n} runs past the end of the {size}-byte file",
-                        hint=_REDOWNLOAD, header_len=n)
-                return hdr
-            if n > HUB_MAX_HEADER_SIZE:
-                hdr.add("header.hub_limit",
-                        f"{shown}: header of {n} bytes is over the Hub's 25,000,000-byte metadata limit",
-                        severity=WARNING, hint="the Hub's metadata API will refuse this file; use fewer, larger tensors",
-                        header_len=n)
             if n <= len(prefix) - 8:
                 raw = prefix[8:8 + n]
             else:
@@ -160,28 +219,21 @@ def read_header(path: str | os.PathLike[str], *, display: str | None = None) -> 
                 raw = f.read(n)
     except OSError as exc:
         raise from_oserror(exc, "cannot read safetensors file") from None
+    if len(raw) != n:  # the file shrank while we read it
+        hdr.add("header.length_exceeds_file",
+                f"{shown}: header length {n} runs past the end of the file (it changed while being read)",
+                hint=_REDOWNLOAD, header_len=n)
+        return hdr
     _parse_into(hdr, raw)
     return hdr
 
 
 def parse_header_bytes(data: bytes, *, path: str = "<bytes>") -> Header:
-    """Validate a whole in-memory safetensors file (used by tests and fuzzing)."""
+    """Validate a whole in-memory safetensors file (used by tests and fuzzing); the same checks
+    and findings as :func:`read_header`."""
     hdr = Header(path=path, file_size=len(data))
-    kind = _sniff(data[:512])
-    if kind:
-        hdr.add("header.lfs_pointer" if kind == "lfs" else "header.html_page",
-                f"{path} is not safetensors data ({kind})")
-        return hdr
-    if len(data) < 8:
-        hdr.add("header.too_small", f"{path} is {len(data)} bytes, smaller than 8")
-        return hdr
-    (n,) = struct.unpack("<Q", data[:8])
-    hdr.header_len = n
-    if n > MAX_HEADER_SIZE:
-        hdr.add("header.too_large", f"{path}: header length {n} exceeds the limit")
-        return hdr
-    if 8 + n > len(data):
-        hdr.add("header.length_exceeds_file", f"{path}: header length {n} runs past the end")
+    n = _check_prefix(hdr, data[:512])
+    if n is None:
         return hdr
     _parse_into(hdr, data[8:8 + n])
     return hdr
@@ -203,16 +255,23 @@ def _parse_into(hdr: Header, raw: bytes) -> None:
         hdr.add("header.leading_whitespace",
                 f"{shown}: header has {len(text) - len(stripped)} bytes of whitespace before '{{'",
                 severity=WARNING, hint="the format says the header MUST begin with '{'; re-save the file")
-    decoder = json.JSONDecoder(object_pairs_hook=_no_duplicates)
+    decoder = json.JSONDecoder(object_pairs_hook=_no_duplicates, parse_constant=_reject_constant,
+                               parse_float=_finite_float, parse_int=_int_or_negative_zero)
     try:
         obj, end = decoder.raw_decode(stripped)
     except _Duplicate as exc:
         hdr.add("header.duplicate_key", f"{shown}: key {exc.key!r} appears more than once in the header",
                 tensor=exc.key, hint="parsers disagree on which copy wins: re-export the file")
         return
-    except (json.JSONDecodeError, RecursionError) as exc:
-        msg = exc.msg if isinstance(exc, json.JSONDecodeError) else "nesting too deep"
+    except (json.JSONDecodeError, RecursionError, _BadJson) as exc:
+        msg = (exc.msg if isinstance(exc, json.JSONDecodeError)
+               else "nesting too deep" if isinstance(exc, RecursionError) else str(exc))
         hdr.add("header.bad_json", f"{shown}: header is not valid JSON: {msg}", hint=_REDOWNLOAD)
+        return
+    problem = _serde_problem(obj) if isinstance(obj, (dict, list)) else None
+    if problem:
+        hdr.add("header.bad_json", f"{shown}: header is not valid JSON for safetensors: {problem}",
+                hint=_REDOWNLOAD)
         return
     padding = stripped[end:]
     if padding.strip(" "):

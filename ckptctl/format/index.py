@@ -55,7 +55,7 @@ def read_index(path: str | os.PathLike[str], *, display: str | None = None) -> I
         idx.add("index.duplicate_key", f"{idx.path}: key {exc.args[0]!r} appears twice", hint=_REBUILD,
                 tensor=exc.args[0])
         return idx
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+    except (ValueError, RecursionError) as exc:  # bad UTF-8, bad JSON, an int over 4300 digits
         idx.add("index.bad_json", f"{idx.path}: not valid JSON ({exc.__class__.__name__})", hint=_REBUILD)
         return idx
     if not isinstance(obj, dict):

@@ -1,0 +1,128 @@
+"""``*.safetensors.index.json``: reading (one finding per problem) and encoding."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from huggingface_hub import save_torch_state_dict
+
+from ckptctl.errors import InputError
+from ckptctl.findings import ERROR
+from ckptctl.format.index import MAX_INDEX_SIZE, encode_index, read_index
+
+
+def write(tmp_path: Path, content: bytes | str | dict, name: str = "model.safetensors.index.json") -> Path:
+    p = tmp_path / name
+    if isinstance(content, dict):
+        content = json.dumps(content)
+    p.write_bytes(content.encode("utf-8") if isinstance(content, str) else content)
+    return p
+
+
+def codes(idx) -> list[str]:
+    return [f.code for f in idx.findings]
+
+
+GOOD = {"metadata": {"total_size": 12}, "weight_map": {"a": "model-00001-of-00002.safetensors",
+                                                       "b": "model-00002-of-00002.safetensors",
+                                                       "c": "model-00001-of-00002.safetensors"}}
+
+
+def test_valid_index(tmp_path: Path) -> None:
+    idx = read_index(write(tmp_path, GOOD), display="shown.json")
+    assert idx.ok and idx.findings == []
+    assert idx.path == "shown.json"
+    assert idx.weight_map == GOOD["weight_map"]
+    assert idx.metadata == {"total_size": 12}
+    assert idx.shards == ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+
+
+@pytest.mark.parametrize("content", [b'{"weight_map": {', b"", b"\xff\xfe{}", b"{'single': 'quotes'}",
+                                     b'{"weight_map": {}} trailing', b"[" * 100_000,
+                                     b'{"metadata": {"total_size": ' + b"9" * 5000 + b'}, "weight_map": {}}'])
+def test_bad_json(tmp_path: Path, content: bytes) -> None:
+    idx = read_index(write(tmp_path, content))
+    assert codes(idx) == ["index.bad_json"]
+    assert not idx.ok and idx.findings[0].severity == ERROR and idx.findings[0].hint
+
+
+def test_duplicate_top_level_key(tmp_path: Path) -> None:
+    text = '{"metadata": {}, "weight_map": {"a": "x.safetensors"}, "weight_map": {"b": "y.safetensors"}}'
+    idx = read_index(write(tmp_path, text))
+    assert codes(idx) == ["index.duplicate_key"]
+    assert idx.findings[0].tensor == "weight_map"
+
+
+def test_duplicate_tensor_in_weight_map(tmp_path: Path) -> None:
+    text = '{"metadata": {}, "weight_map": {"a": "x.safetensors", "a": "y.safetensors"}}'
+    idx = read_index(write(tmp_path, text))
+    assert codes(idx) == ["index.duplicate_key"]
+    assert idx.findings[0].tensor == "a"
+    assert idx.weight_map == {}  # nothing is trusted from an ambiguous index
+
+
+@pytest.mark.parametrize("doc", [
+    {"metadata": {}},
+    {"metadata": {}, "weight_map": None},
+    {"metadata": {}, "weight_map": ["a"]},
+    {"metadata": {}, "weight_map": {"a": 1}},
+    {"metadata": {}, "weight_map": {"a": ["x.safetensors"]}},
+    [],
+    "weight_map",
+])
+def test_missing_or_bad_weight_map(tmp_path: Path, doc) -> None:
+    idx = read_index(write(tmp_path, json.dumps(doc)))
+    assert codes(idx) == ["index.bad_schema"]
+
+
+def test_missing_metadata(tmp_path: Path) -> None:
+    idx = read_index(write(tmp_path, {"weight_map": {"a": "x.safetensors"}}))
+    assert codes(idx) == ["index.no_metadata"]
+    assert idx.weight_map == {"a": "x.safetensors"}  # the map itself is still usable
+
+
+def test_metadata_not_object(tmp_path: Path) -> None:
+    idx = read_index(write(tmp_path, {"metadata": "x", "weight_map": {}}))
+    assert codes(idx) == ["index.bad_schema"]
+
+
+def test_too_large_is_refused_without_reading(tmp_path: Path) -> None:
+    p = tmp_path / "model.safetensors.index.json"
+    with open(p, "wb") as f:
+        f.truncate(MAX_INDEX_SIZE + 1)  # sparse: refused from its size alone
+    idx = read_index(p)
+    assert codes(idx) == ["index.too_large"]
+    with open(p, "r+b") as f:
+        f.truncate(MAX_INDEX_SIZE)
+    assert codes(read_index(p)) == ["index.bad_json"]  # at the limit it is read (and is NULs)
+
+
+def test_missing_file_raises(tmp_path: Path) -> None:
+    with pytest.raises(InputError):
+        read_index(tmp_path / "absent.index.json")
+
+
+def test_encode_round_trip(tmp_path: Path) -> None:
+    wm = {"z": "model-00002-of-00002.safetensors", "a": "model-00001-of-00002.safetensors"}
+    raw = encode_index(wm, 100, total_parameters=25, extra_metadata={"format": "pt"})
+    assert raw.endswith(b"}\n")
+    doc = json.loads(raw)
+    assert list(doc) == ["metadata", "weight_map"]
+    assert list(doc["weight_map"]) == ["a", "z"]
+    assert doc["metadata"] == {"format": "pt", "total_parameters": 25, "total_size": 100}
+    idx = read_index(write(tmp_path, raw))
+    assert idx.ok and idx.weight_map == wm
+
+
+def test_reads_huggingface_hub_index(tmp_path: Path) -> None:
+    sd = {f"layer.{i}.weight": torch.full((64,), float(i)) for i in range(6)}
+    save_torch_state_dict(sd, tmp_path, max_shard_size=600)
+    idx = read_index(tmp_path / "model.safetensors.index.json")
+    assert idx.ok and idx.findings == []
+    assert set(idx.weight_map) == set(sd)
+    assert len(idx.shards) > 1
+    assert all((tmp_path / s).is_file() for s in idx.shards)
+    assert idx.metadata["total_size"] == 6 * 64 * 4
