@@ -11,6 +11,7 @@ from ckptctl.cli.export_cmd import export
 from ckptctl.cli.gc_cmd import gc_tmp
 from ckptctl.cli.inspect_cmd import inspect
 from ckptctl.cli.resave_cmd import resave
+from ckptctl.cli.verify_cmd import verify
 
 app = typer.Typer(
     name="ckptctl",
@@ -40,6 +41,7 @@ app.command("export")(export)
 app.command("gc-tmp")(gc_tmp)
 app.command("inspect")(inspect)
 app.command("resave")(resave)
+app.command("verify")(verify)
 
 
 def main() -> None:

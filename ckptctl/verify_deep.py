@@ -1,0 +1,248 @@
+"""``verify --deep``: read every byte once, hash it, and decode floats for NaN/Inf/all-zero.
+
+One file at a time, two threads: the reader fills a small ring of fixed-size buffers and feeds
+each to sha256 (hashlib releases the GIL), the decoder walks the tensors that the buffer covers
+with numpy (bit masks on integer views, which release the GIL too). Memory stays at
+``BUFFERS x chunk_bytes`` plus numpy temporaries of one chunk, whatever the file size. Nothing
+here imports torch.
+
+Floats are classified from their bits, which works the same for every float format numpy lacks
+(bfloat16, the fp8 family): an exponent of all ones is Inf (mantissa zero) or NaN; a value is zero
+when every bit but the sign is zero.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import queue
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from ckptctl.findings import INFO, WARNING, Finding
+from ckptctl.format.header import Header, TensorInfo
+
+CHUNK_BYTES = 8 * 1024 * 1024
+BUFFERS = 3
+
+
+@dataclass(frozen=True)
+class _FloatBits:
+    bits: int
+    exp: int  # exponent mask (all ones = Inf/NaN); 0 when the format has no Inf/NaN by exponent
+    man: int  # mantissa mask
+    absmask: int  # every bit but the sign
+    nan_only: int | None = None  # formats whose only special value is one NaN pattern (after absmask)
+    nan_is_signbit: bool = False  # FNUZ: 0x80 is the NaN
+
+
+# The widths and masks of each float format, little-endian integer views.
+FLOAT_BITS: dict[str, _FloatBits] = {
+    "F64": _FloatBits(64, 0x7FF0000000000000, 0x000FFFFFFFFFFFFF, 0x7FFFFFFFFFFFFFFF),
+    "F32": _FloatBits(32, 0x7F800000, 0x007FFFFF, 0x7FFFFFFF),
+    "C64": _FloatBits(32, 0x7F800000, 0x007FFFFF, 0x7FFFFFFF),  # two F32 per element
+    "F16": _FloatBits(16, 0x7C00, 0x03FF, 0x7FFF),
+    "BF16": _FloatBits(16, 0x7F80, 0x007F, 0x7FFF),
+    "F8_E5M2": _FloatBits(8, 0x7C, 0x03, 0x7F),
+    "F8_E4M3": _FloatBits(8, 0, 0, 0x7F, nan_only=0x7F),  # e4m3fn: no Inf, NaN = S.1111.111
+    "F8_E4M3FNUZ": _FloatBits(8, 0, 0, 0xFF, nan_is_signbit=True),
+    "F8_E5M2FNUZ": _FloatBits(8, 0, 0, 0xFF, nan_is_signbit=True),
+    "F4": _FloatBits(8, 0, 0, 0x77),  # two e2m1 values per byte, no Inf/NaN
+}
+NOT_DECODED = frozenset({"F8_E8M0", "F6_E2M3", "F6_E3M2"})  # no zero / not byte-addressable
+
+
+@dataclass
+class TensorStats:
+    nan: int = 0
+    inf: int = 0
+    nonzero: bool = False
+
+
+@dataclass
+class DeepResult:
+    sha256: str
+    bytes_read: int
+    findings: list[Finding] = field(default_factory=list)
+
+
+def _np_dtype(bits: int) -> Any:
+    import numpy as np
+
+    return {8: np.uint8, 16: np.dtype("<u2"), 32: np.dtype("<u4"), 64: np.dtype("<u8")}[bits]
+
+
+class _TensorScanner:
+    """Consumes one tensor's bytes in order, in pieces of any size (element splits are carried)."""
+
+    def __init__(self, info: TensorInfo) -> None:
+        self.info = info
+        self.fb = FLOAT_BITS.get(info.dtype)
+        self.itemsize = self.fb.bits // 8 if self.fb else 1
+        self.carry = b""
+        self.stats = TensorStats()
+
+    def feed(self, mv: memoryview) -> None:
+        if self.fb is None:
+            return
+        if self.carry:
+            need = self.itemsize - len(self.carry)
+            self.carry += bytes(mv[:need])
+            mv = mv[need:]
+            if len(self.carry) < self.itemsize:
+                return
+            self._check(self.carry)
+            self.carry = b""
+        n = len(mv) - len(mv) % self.itemsize
+        if n:
+            self._check(mv[:n])
+        if n < len(mv):
+            self.carry = bytes(mv[n:])
+
+    def _check(self, buf: Any) -> None:
+        import numpy as np
+
+        fb = self.fb
+        assert fb is not None
+        a = np.frombuffer(buf, dtype=_np_dtype(fb.bits))
+        st = self.stats
+        if fb.exp:
+            special = (a & fb.exp) == fb.exp
+            if special.any():
+                nan = int(np.count_nonzero(special & ((a & fb.man) != 0)))
+                st.nan += nan
+                st.inf += int(np.count_nonzero(special)) - nan
+        elif fb.nan_only is not None:
+            st.nan += int(np.count_nonzero((a & fb.absmask) == fb.nan_only))
+        elif fb.nan_is_signbit:
+            st.nan += int(np.count_nonzero(a == 0x80))
+        if not st.nonzero:
+            st.nonzero = bool(np.any(a & fb.absmask)) if not fb.nan_is_signbit else bool(np.any(a))
+
+
+def _plan(header: Header | None) -> list[tuple[int, int, TensorInfo]]:
+    """(absolute begin, absolute end, tensor) for every tensor with data, in file order."""
+    if header is None or not header.ok:
+        return []
+    base = header.data_start
+    return [(base + t.begin, base + t.end, t) for t in header.tensors.values() if t.end > t.begin]
+
+
+def scan_file(path: str, display: str, header: Header | None = None, *, chunk_bytes: int = CHUNK_BYTES,
+              progress: Callable[[int], None] | None = None) -> DeepResult:
+    """Hash ``path`` and, when ``header`` is a valid safetensors header, check its floats.
+
+    Raises OSError when the file cannot be read (or shrinks while it is read).
+    """
+    chunk_bytes = max(64, int(chunk_bytes))
+    plan = _plan(header)
+    scanners = {t.name: _TensorScanner(t) for _, _, t in plan}
+    h = hashlib.sha256()
+    free: queue.Queue[bytearray] = queue.Queue()
+    for _ in range(BUFFERS):
+        free.put(bytearray(chunk_bytes))
+    work: queue.Queue[tuple[bytearray, int, int] | None] = queue.Queue(maxsize=BUFFERS)
+    errors: list[BaseException] = []
+
+    def decode() -> None:
+        idx = 0
+        try:
+            while True:
+                item = work.get()
+                if item is None:
+                    return
+                buf, start, n = item
+                end = start + n
+                mv = memoryview(buf)[:n]
+                try:
+                    while idx < len(plan) and plan[idx][1] <= start:
+                        idx += 1
+                    j = idx
+                    while j < len(plan) and plan[j][0] < end:
+                        b, e, t = plan[j]
+                        lo, hi = max(b, start), min(e, end)
+                        if hi > lo:
+                            scanners[t.name].feed(mv[lo - start:hi - start])
+                        j += 1
+                finally:
+                    del mv
+                    free.put(buf)
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the reader thread
+            errors.append(exc)
+            while True:  # keep draining so the reader never blocks
+                item = work.get()
+                if item is None:
+                    return
+                free.put(item[0])
+
+    worker = threading.Thread(target=decode, name="ckptctl-verify-decode", daemon=True) if plan else None
+    if worker:
+        worker.start()
+    total = 0
+    try:
+        with open(path, "rb", buffering=0) as f:
+            expected = os.fstat(f.fileno()).st_size
+            while True:
+                buf = free.get()
+                n = f.readinto(buf)
+                if not n:
+                    free.put(buf)
+                    break
+                h.update(memoryview(buf)[:n])
+                if worker:
+                    work.put((buf, total, n))
+                else:
+                    free.put(buf)
+                total += n
+                if progress:
+                    progress(n)
+    finally:
+        if worker:
+            work.put(None)
+            worker.join()
+    if errors:
+        raise errors[0]
+    if total != expected:
+        raise OSError(f"file changed size while it was read ({expected} -> {total} bytes)")
+    return DeepResult(h.hexdigest(), total, _findings(display, plan, scanners, header))
+
+
+def _findings(display: str, plan: list[tuple[int, int, TensorInfo]], scanners: dict[str, _TensorScanner],
+              header: Header | None) -> list[Finding]:
+    out: list[Finding] = []
+    skipped: set[str] = set()
+    zero_vectors: list[str] = []
+    if header is not None and header.ok:
+        skipped = {t.dtype for t in header.tensors.values() if t.dtype in NOT_DECODED}
+    for _, _, t in plan:
+        st = scanners[t.name].stats
+        if scanners[t.name].fb is None:
+            continue
+        if st.nan:
+            out.append(Finding("deep.nan", WARNING, display,
+                               f"tensor {t.name!r} holds {st.nan} NaN values", "check the training run "
+                               "that produced it (loss spike, overflow) before publishing", t.name, {"count": st.nan}))
+        if st.inf:
+            out.append(Finding("deep.inf", WARNING, display,
+                               f"tensor {t.name!r} holds {st.inf} infinite values", "check the training run "
+                               "that produced it (overflow in a low-precision cast?)", t.name, {"count": st.inf}))
+        numel = t.numel
+        if not st.nonzero and numel > 1 and t.dtype not in NOT_DECODED:
+            if len(t.shape) >= 2:
+                out.append(Finding("deep.all_zero", WARNING, display,
+                                   f"tensor {t.name!r} {list(t.shape)} is all zeros",
+                                   "a zero-filled weight matrix usually means a failed or interrupted write "
+                                   "(or an untrained LoRA B); re-export it", t.name))
+            else:
+                zero_vectors.append(t.name)
+    if zero_vectors:
+        out.append(Finding("deep.all_zero_vector", INFO, display,
+                           f"{len(zero_vectors)} vectors are all zeros ({', '.join(zero_vectors[:3])}"
+                           f"{', ...' if len(zero_vectors) > 3 else ''}); normal for fresh biases and some norms",
+                           None, zero_vectors[0], {"tensors": zero_vectors[:200]}))
+    if skipped:
+        out.append(Finding("deep.not_decoded", INFO, display,
+                           f"values of dtype {', '.join(sorted(skipped))} are hashed but not checked for NaN/zero",
+                           None))
+    return out
