@@ -16,6 +16,7 @@ from typing import Any
 from ckptctl import layout as L
 from ckptctl.errors import InputError
 from ckptctl.findings import Finding
+from ckptctl.format import dtypes as dt
 from ckptctl.format.header import load_header
 
 CONFIG_FIELDS = (
@@ -41,10 +42,7 @@ class TensorRow:
 
     @property
     def parameters(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
+        return dt.numel(self.shape)
 
 
 @dataclass

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Iterable
 
+from ckptctl.format import dtypes as dt
 from ckptctl.format.header import TensorInfo, TensorSpec, encode_header
 
 MAX_SHARDS = 99_999
@@ -104,11 +105,6 @@ def make_plan(specs: list[TensorSpec], *, max_shard_size: int, prefix: str = "mo
         sp.header, sp.layout = encode_header(sp.specs, md)
         shards.append(sp)
     total = sum(s.nbytes for s in specs)
-    params = 0
-    for s in specs:
-        p = 1
-        for d in s.shape:
-            p *= d
-        params += p
+    params = sum(dt.numel(s.shape) for s in specs)
     index = f"{prefix}.safetensors.index.json" if n > 1 else None
     return Plan(shards, index, total, params, aliases)

@@ -29,6 +29,7 @@ from typing import Any
 from ckptctl import layout as L
 from ckptctl.errors import InputError, UnrepairableError, UsageError
 from ckptctl.findings import ERROR, Finding
+from ckptctl.format import dtypes as dt
 from ckptctl.format.header import Header, TensorInfo, TensorSpec, encode_header, read_header
 from ckptctl.format.index import read_index
 from ckptctl.plan import Plan, ShardPlan
@@ -276,16 +277,9 @@ def _keep_layout_plan(root: Path, files: list[str], rep: Repair, metadata: dict[
                 rep.fixes.append(f"dropped {h.file_size - h.data_start - h.data_bytes} trailing bytes of {n}")
         shards.append(sp)
     total = sum(s.data_bytes for s in shards)
-    params = sum(_numel(t.shape) for s in shards for t in s.specs)
+    params = sum(dt.numel(t.shape) for s in shards for t in s.specs)
     index = "model.safetensors.index.json" if n_out > 1 else None
     return Plan(shards, index, total, params), src, entries_for(src, None)
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 def _link_matching(plan: Plan, root: Path, entries: list[Entry]) -> None:

@@ -63,26 +63,28 @@ def boot_id() -> str | None:
         return None
 
 
-def process_start_time(pid: int) -> int | None:
-    """The process's start time in clock ticks since boot (field 22 of /proc/PID/stat)."""
+def _proc_stat(pid: int) -> list[str] | None:
+    """The fields of /proc/PID/stat after the command name (which may hold spaces and ')')."""
     try:
         raw = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return None
-    # comm may contain spaces and parentheses: split after the last ')'.
-    rest = raw[raw.rfind(")") + 2:].split()
+    return raw[raw.rfind(")") + 2:].split() or None
+
+
+def process_start_time(pid: int) -> int | None:
+    """The process's start time in clock ticks since boot (field 22 of /proc/PID/stat)."""
+    fields = _proc_stat(pid)
     try:
-        return int(rest[19])
+        return int(fields[19]) if fields else None
     except (IndexError, ValueError):
         return None
 
 
 def _proc_state(pid: int) -> str | None:
-    try:
-        raw = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    return raw[raw.rfind(")") + 2:][:1] or None
+    """R, S, D, T, Z, ... (field 3 of /proc/PID/stat)."""
+    fields = _proc_stat(pid)
+    return fields[0] if fields else None
 
 
 def owner_record(dest: Path, command: str | None = None) -> dict[str, Any]:

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from ckptctl.findings import ERROR, INFO, WARNING, Finding
+from ckptctl.format import dtypes as dt
 
 
 @dataclass(frozen=True)
@@ -41,10 +42,7 @@ class TensorMeta:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
+        return dt.numel(self.shape)
 
 
 FLOATS = frozenset({"F16", "BF16", "F32", "F64"})

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Optional
 
 import typer
 
@@ -10,3 +10,19 @@ JsonOpt = Annotated[bool, typer.Option("--json", help="Print exactly one JSON do
 QuietOpt = Annotated[int, typer.Option("--quiet", "-q", count=True, help="Less output on stderr (no progress).")]
 VerboseOpt = Annotated[int, typer.Option("--verbose", "-v", count=True, help="More output on stderr.")]
 DryRunOpt = Annotated[bool, typer.Option("--dry-run", help="Show the plan and change nothing.")]
+
+
+DTYPE_CHOICES = ("keep", "bf16", "fp16", "fp32")
+
+
+def _dtype(value: str) -> str:
+    if value not in DTYPE_CHOICES:
+        raise typer.BadParameter(f"{value!r} is not one of {', '.join(DTYPE_CHOICES)}")
+    return value
+
+
+DtypeOpt = Annotated[str, typer.Option("--dtype", callback=_dtype,
+                                       help="keep, bf16, fp16 or fp32 (floating tensors only; config.json follows).")]
+ManifestOpt = Annotated[bool, typer.Option("--manifest", help="Write ckptctl.manifest.json (every file's size and sha256).")]
+LabelOpt = Annotated[Optional[str], typer.Option("--label", help="A label recorded in the manifest, e.g. the training step.")]
+NoFsyncOpt = Annotated[bool, typer.Option("--no-fsync", help="Skip fsync (scratch output only: not crash-safe).")]

@@ -8,30 +8,22 @@ from typing import Annotated, Optional
 import typer
 from rich.table import Table
 
-from ckptctl.cli._options import DryRunOpt, JsonOpt, QuietOpt, VerboseOpt
+from ckptctl.cli._options import (DryRunOpt, DtypeOpt, JsonOpt, LabelOpt, ManifestOpt, NoFsyncOpt, QuietOpt,
+                                  VerboseOpt)
 from ckptctl.cli._output import Output, ProgressReporter
 from ckptctl.sizes import format_size
 
-DTYPE_CHOICES = ("keep", "bf16", "fp16", "fp32")
-
-
-def _dtype(value: str) -> str:
-    if value not in DTYPE_CHOICES:
-        raise typer.BadParameter(f"{value!r} is not one of {', '.join(DTYPE_CHOICES)}")
-    return value
-
-
 def export(
-    src: Annotated[str, typer.Argument(help="Source: safetensors file/dir, .bin/.pt, PEFT adapter dir, DCP dir, or a cached repo id.")],
-    dst: Annotated[str, typer.Argument(help="Destination directory (published atomically).")],
+    src: Annotated[str, typer.Argument(metavar="SRC", help="Source: safetensors file/dir, .bin/.pt, PEFT adapter dir, DCP dir, or a cached repo id.")],
+    dst: Annotated[str, typer.Argument(metavar="DST", help="Destination directory (published atomically).")],
     max_shard_size: Annotated[str, typer.Option("--max-shard-size", help="Shard size limit: 5GB (decimal, as huggingface_hub) or 2GiB.")] = "5GB",
-    dtype: Annotated[str, typer.Option("--dtype", callback=_dtype, help="keep, bf16, fp16 or fp32 (floating tensors only; config.json follows).")] = "keep",
+    dtype: DtypeOpt = "keep",
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an existing destination atomically.")] = False,
-    manifest: Annotated[bool, typer.Option("--manifest", help="Write ckptctl.manifest.json (every file's size and sha256).")] = False,
-    label: Annotated[Optional[str], typer.Option("--label", help="A label recorded in the manifest, e.g. the training step.")] = None,
+    manifest: ManifestOpt = False,
+    label: LabelOpt = None,
     key: Annotated[Optional[str], typer.Option("--key", help="For training checkpoints: the key that holds the state dict (e.g. state_dict).")] = None,
     only: Annotated[Optional[str], typer.Option("--only", help="Which weights in SRC: safetensors, pytorch, peft or dcp.")] = None,
-    no_fsync: Annotated[bool, typer.Option("--no-fsync", help="Skip fsync (scratch output only: not crash-safe).")] = False,
+    no_fsync: NoFsyncOpt = False,
     dry_run: DryRunOpt = False,
     json_: JsonOpt = False,
     quiet: QuietOpt = 0,

@@ -13,7 +13,7 @@ from ckptctl.sizes import format_size
 
 
 def inspect(
-    path: Annotated[str, typer.Argument(help="Checkpoint directory, weights file, or repo id in the local HF cache.")],
+    path: Annotated[str, typer.Argument(metavar="PATH", help="Checkpoint directory, weights file, or repo id in the local HF cache.")],
     tensors: Annotated[bool, typer.Option("--tensors", help="List every tensor.")] = False,
     filter_: Annotated[Optional[str], typer.Option("--filter", help="Only tensors whose name matches this glob.")] = None,
     only: Annotated[Optional[str], typer.Option("--only", help="Which weights family: safetensors, pytorch, peft, dcp.")] = None,

@@ -6,9 +6,10 @@ from typing import Annotated, Optional
 
 import typer
 
-from ckptctl.cli._options import DryRunOpt, JsonOpt, QuietOpt, VerboseOpt
+from ckptctl.cli._options import (DryRunOpt, DtypeOpt, JsonOpt, LabelOpt, ManifestOpt, NoFsyncOpt, QuietOpt,
+                                  VerboseOpt)
 from ckptctl.cli._output import Output, ProgressReporter
-from ckptctl.cli.export_cmd import _dtype, render_result
+from ckptctl.cli.export_cmd import render_result
 
 PREFER = ("index", "single", "safetensors", "pytorch")
 
@@ -23,13 +24,13 @@ def resave(
     directory: Annotated[str, typer.Argument(metavar="DIR", help="Checkpoint directory to rewrite in place.")],
     output: Annotated[Optional[str], typer.Option("--output", "-o", help="Write the result here instead of replacing DIR.")] = None,
     max_shard_size: Annotated[Optional[str], typer.Option("--max-shard-size", help="Re-shard: 5GB (decimal) or 2GiB.")] = None,
-    dtype: Annotated[str, typer.Option("--dtype", callback=_dtype, help="keep, bf16, fp16 or fp32 (config.json follows).")] = "keep",
+    dtype: DtypeOpt = "keep",
     repair: Annotated[bool, typer.Option("--repair", help="Fix what verify finds when the fix is certain.")] = False,
     prefer: Annotated[Optional[str], typer.Option("--prefer", callback=_prefer, help="Which family to keep when two are complete: index, single, safetensors, pytorch.")] = None,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="With --output: replace an existing OUT.")] = False,
-    manifest: Annotated[bool, typer.Option("--manifest", help="Write ckptctl.manifest.json.")] = False,
-    label: Annotated[Optional[str], typer.Option("--label", help="Label recorded in the manifest.")] = None,
-    no_fsync: Annotated[bool, typer.Option("--no-fsync", help="Skip fsync (scratch only).")] = False,
+    manifest: ManifestOpt = False,
+    label: LabelOpt = None,
+    no_fsync: NoFsyncOpt = False,
     dry_run: DryRunOpt = False,
     json_: JsonOpt = False,
     quiet: QuietOpt = 0,

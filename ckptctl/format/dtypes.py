@@ -6,6 +6,7 @@ official writer uses to lay tensors out (descending), so it must not be changed.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 
@@ -72,8 +73,10 @@ def from_torch(dtype) -> DType:
         raise ValueError(f"torch dtype {dtype} has no safetensors equivalent") from None
 
 
+def numel(shape: tuple[int, ...] | list[int]) -> int:
+    """Number of elements of a shape (1 for a scalar)."""
+    return math.prod(shape)
+
+
 def nbytes(dtype: DType, shape: tuple[int, ...] | list[int]) -> int:
-    numel = 1
-    for d in shape:
-        numel *= d
-    return numel * dtype.bits // 8
+    return numel(shape) * dtype.bits // 8

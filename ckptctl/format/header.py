@@ -42,10 +42,7 @@ class TensorInfo:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
+        return dt.numel(self.shape)
 
 
 @dataclass

@@ -28,10 +28,7 @@ class SourceTensor:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
+        return dt.numel(self.shape)
 
 
 @dataclass
