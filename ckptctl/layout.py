@@ -182,16 +182,19 @@ def _scan_dir(root: Path, names: list[str]) -> Layout:
             idx = read_index(root / index_name, display=str(root / index_name))
             # A broken index is reported, never silently replaced by a directory listing.
             lay.findings.extend(idx.findings)
-            files = [s for s in idx.shards if "/" not in s and "\\" not in s and s != ".." and s in names]
-            for s in idx.shards:
-                if s not in files:
+            indexed = idx.shards  # sorted once: the property rebuilds it on every access
+            present = set(names)
+            files = [s for s in indexed if "/" not in s and "\\" not in s and s != ".." and s in present]
+            kept = set(files)
+            for s in indexed:
+                if s not in kept:
                     _add(lay, "layout.shard_missing", ERROR, str(root / index_name),
                          f"{index_name} names {s!r}, which is not a file in {root}",
                          "restore the shard (download or export it again), or rebuild the index with "
                          "`ckptctl resave --repair`")
             if not idx.ok:
                 files = shard_files
-            unref = [n for n in shard_files if n not in set(idx.shards)] if idx.ok else []
+            unref = [n for n in shard_files if n not in set(indexed)] if idx.ok else []
             for n in unref:
                 _add(lay, "layout.unreferenced_shard", ERROR, str(root / n),
                      f"{n} is not named by {index_name}", "run `ckptctl resave --repair` to remove it")

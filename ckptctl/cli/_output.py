@@ -95,7 +95,8 @@ class Output:
         return doc
 
     def emit_json(self, doc: dict[str, Any]) -> None:
-        sys.stdout.write(json.dumps(doc, indent=2, ensure_ascii=False, default=str) + "\n")
+        # One line: scripts read it, and only the compact form uses json's C encoder.
+        sys.stdout.write(json.dumps(doc, ensure_ascii=False, default=str) + "\n")
         sys.stdout.flush()
 
     def print(self, renderable: Any = "") -> None:
