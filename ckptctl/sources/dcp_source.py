@@ -1,17 +1,15 @@
 """torch DCP checkpoints (``.metadata`` + ``*.distcp``) as a source.
 
 ``.metadata`` is a pickle; torch's own reader unpickles it without restrictions, so ckptctl reads
-it with an allow-list unpickler (DCP's metadata classes, torch.Size, dtypes, layouts) and hands
-that object to torch's FileSystemReader. Every referenced ``.distcp`` byte range is checked to
+it with verify's allow-list unpickler (DCP's metadata classes, torch.Size, dtypes, layouts) and
+hands that object to torch's FileSystemReader. Every referenced ``.distcp`` byte range is checked to
 exist before anything is read. Tensors are then loaded one at a time with ``dcp.load`` (chunks
 from several ranks assembled by torch), so peak memory is bounded by the largest tensor.
 """
 
 from __future__ import annotations
 
-import io
 import os
-import pickle
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -19,58 +17,36 @@ from ckptctl.errors import InputError, from_oserror
 from ckptctl.format import dtypes as dt
 from ckptctl.sources.base import CHUNK_BYTES, Source, SourceTensor
 
-_ALLOWED_MODULES = {
-    "torch.distributed.checkpoint.metadata": {
-        "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
-        "TensorProperties", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING",
-    },
-    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
-    "torch.serialization": {"_get_layout"},
-    "collections": {"OrderedDict"},
-    "pathlib": {"PosixPath", "PurePosixPath", "Path"},
-}
 MAX_METADATA_BYTES = 1 << 30
 
 
-class _RestrictedUnpickler(pickle.Unpickler):
-    def find_class(self, module: str, name: str) -> Any:
-        allowed = _ALLOWED_MODULES.get(module)
-        if allowed and name in allowed:
-            return super().find_class(module, name)
-        if module == "torch":
-            import torch
-
-            obj = getattr(torch, name, None)
-            if name == "Size" or isinstance(obj, (torch.dtype, torch.layout, torch.memory_format)):
-                return obj
-        raise pickle.UnpicklingError(f"global {module}.{name} is not allowed in DCP metadata")
-
-
 def read_dcp_metadata(root: Path) -> Any:
-    """The checkpoint's Metadata object, unpickled with an allow-list. Raises InputError."""
+    """The checkpoint's Metadata object, unpickled with verify's allow-list (DCP's own classes,
+    torch.Size, dtypes, layouts). Raises InputError."""
+    from ckptctl.verify_pickle import read_dcp_metadata as read_allowed
+
     path = root / ".metadata"
     try:
         size = path.stat().st_size
-        if size > MAX_METADATA_BYTES:
-            raise InputError(f"{path}: {size} bytes is too large for DCP metadata", "this is not a DCP checkpoint")
-        raw = path.read_bytes()
     except FileNotFoundError:
         raise InputError(f"{root}: no .metadata file; the DCP save did not finish",
                          "save the checkpoint again (DCP writes .metadata last)") from None
     except OSError as exc:
         raise from_oserror(exc, "cannot read DCP metadata") from None
-    import torch.distributed.checkpoint.metadata as md  # noqa: F401  (registers the classes)
-
+    if size > MAX_METADATA_BYTES:
+        raise InputError(f"{path}: {size} bytes is too large for DCP metadata", "this is not a DCP checkpoint")
     try:
-        meta = _RestrictedUnpickler(io.BytesIO(raw)).load()
-    except pickle.UnpicklingError as exc:
-        raise InputError(f"{path}: refused to unpickle ({exc})",
-                         "DCP metadata may hold only DCP's own classes; this file is not safe to load") from None
-    except Exception as exc:  # noqa: BLE001 - any corruption of the pickle stream
-        raise InputError(f"{path}: corrupt DCP metadata ({type(exc).__name__}: {str(exc)[:120]})",
-                         "save the checkpoint again") from None
-    if not isinstance(meta, md.Metadata) or not isinstance(meta.state_dict_metadata, dict):
-        raise InputError(f"{path}: not DCP Metadata ({type(meta).__name__})", "this is not a DCP checkpoint")
+        meta, findings = read_allowed(str(path), str(path))
+    except OSError as exc:
+        raise from_oserror(exc, "cannot read DCP metadata") from None
+    if meta is None:
+        f = findings[0]
+        msg = f.message
+        if f.code == "dcp.unsafe_global":
+            msg = f"{path}: refused to unpickle: {f.message}"
+        raise InputError(msg, f.hint)
+    if not isinstance(meta.state_dict_metadata, dict):
+        raise InputError(f"{path}: not DCP Metadata", "this is not a DCP checkpoint")
     return meta
 
 
