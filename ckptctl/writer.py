@@ -261,8 +261,11 @@ class TensorWriter:
 
 
 def write_shard(path: Path, shard: ShardPlan, entries: dict[str, Entry], tw: TensorWriter, *, fsync: bool,
-                progress: ProgressFn | None = None, grand: list[int] | None = None) -> None:
-    """One whole shard: header, then every tensor in file order, then fsync."""
+                progress: ProgressFn | None = None, grand: list[int] | None = None,
+                keep_fd: bool = False) -> int | None:
+    """One whole shard: header, then every tensor in file order, then fsync. With ``keep_fd`` it
+    returns a duplicate of the writing descriptor (same open file description, so an fsync on it
+    sees every writeback error of these writes) for the caller to fsync and close."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
     try:
         _pwrite_all(fd, shard.header, 0)
@@ -279,6 +282,14 @@ def write_shard(path: Path, shard: ShardPlan, entries: dict[str, Entry], tw: Ten
         _faults.point("fsync-shard")
         if fsync:
             os.fsync(fd)
+        return os.dup(fd) if keep_fd else None
+    finally:
+        os.close(fd)
+
+
+def _fsync_and_close(fd: int) -> None:
+    try:
+        os.fsync(fd)
     finally:
         os.close(fd)
 
@@ -392,26 +403,41 @@ class ExportJob:
         return data
 
     def write_shards(self, data: Path) -> None:
+        """Write (or link) every shard. Each written shard is fsynced on a background thread while
+        the next one is written; every fsync has finished (and any error raised) on return."""
+        from concurrent.futures import ThreadPoolExecutor
+
         assert self.plan is not None
         tw = TensorWriter(self.opts.chunk_bytes, self.result)
         progress = self.opts.progress
         grand = [0, self.plan.total_size]
+        syncer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckptctl-fsync")
+        pending = []
         try:
             for shard in self.plan.shards:
                 _faults.point("shard-start")
+                path = data / shard.name
                 try:
                     if shard.link_from:
-                        _link_or_copy(Path(shard.link_from), data / shard.name)
+                        _link_or_copy(Path(shard.link_from), path)
                         grand[0] += shard.data_bytes
                     else:
-                        write_shard(data / shard.name, shard, self.by_name, tw, fsync=self.opts.fsync,
-                                    progress=progress, grand=grand)
+                        fd = write_shard(path, shard, self.by_name, tw, fsync=False, progress=progress,
+                                         grand=grand, keep_fd=self.opts.fsync)
+                        if fd is not None:
+                            pending.append((shard.name, syncer.submit(_fsync_and_close, fd)))
                 except OSError as exc:
                     raise from_oserror(exc, f"cannot write {shard.name}", phase="write") from None
                 if progress:
                     progress(ProgressEvent("shard-done", shard.name, grand[0], grand[1],
                                            message="linked" if shard.link_from else "wrote"))
+            for name, fut in pending:
+                try:
+                    fut.result()  # never retried: a failed fsync aborts the publish
+                except OSError as exc:
+                    raise from_oserror(exc, f"cannot make {name} durable", phase="write") from None
         finally:
+            syncer.shutdown(wait=True)
             tw.close()
         _faults.point("shards-written")
 

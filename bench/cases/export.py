@@ -14,13 +14,13 @@ SPEC = Spec(size=2 * 10**9, dtype="bf16", shards=4)
 BIN = Spec(size=10**9, dtype="bf16", bin=True)
 
 # huggingface_hub's way: materialise every tensor, then write (deletes the old files first).
-HUB_SAVE = ("import sys, glob; from safetensors.torch import load_file; "
+HUB_SAVE = ("import os, sys, glob; from safetensors.torch import load_file; "
             "from huggingface_hub import save_torch_state_dict as s; sd = {}; "
             "[sd.update(load_file(f)) for f in sorted(glob.glob(sys.argv[1] + '/*.safetensors'))]; "
-            "s(sd, sys.argv[2], max_shard_size='1GB')")
-HUB_SAVE_BIN = ("import sys, torch; from huggingface_hub import save_torch_state_dict as s; "
+            "os.makedirs(sys.argv[2]); s(sd, sys.argv[2], max_shard_size='1GB')")
+HUB_SAVE_BIN = ("import os, sys, torch; from huggingface_hub import save_torch_state_dict as s; "
                 "sd = torch.load(sys.argv[1] + '/pytorch_model.bin', weights_only=True, mmap=True); "
-                "s(sd, sys.argv[2], max_shard_size='1GB')")
+                "os.makedirs(sys.argv[2]); s(sd, sys.argv[2], max_shard_size='1GB')")
 
 
 def _cases() -> list[Case]:

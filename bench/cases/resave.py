@@ -19,10 +19,11 @@ SPEC = Spec(size=2 * 10**9, dtype="bf16", shards=4)
 TINY = Spec(tiny_shards=1000, layers=1000)
 FP32 = Spec(size=10**9, dtype="fp32", shards=2)
 
-HUB_BF16 = ("import sys, glob, torch; from safetensors.torch import load_file; "
+HUB_BF16 = ("import os, sys, glob, torch; from safetensors.torch import load_file; "
             "from huggingface_hub import save_torch_state_dict as s; sd = {}; "
             "[sd.update({k: v.to(torch.bfloat16) for k, v in load_file(f).items()}) "
-            "for f in sorted(glob.glob(sys.argv[1] + '/*.safetensors'))]; s(sd, sys.argv[2], max_shard_size='5GB')")
+            "for f in sorted(glob.glob(sys.argv[1] + '/*.safetensors'))]; os.makedirs(sys.argv[2]); "
+            "s(sd, sys.argv[2], max_shard_size='5GB')")
 
 
 def damaged_copy(src: Path, dst: Path) -> None:

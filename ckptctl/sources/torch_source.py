@@ -79,6 +79,7 @@ class TorchSource(Source):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._tensors: dict[str, Any] = {}
+        self._file_backed = False  # tensors are private, read-only mappings of the pickle files
 
     @classmethod
     def open(cls, root: Path, files: list[str], *, kind: str = "pytorch", key: str | None = None
@@ -93,7 +94,9 @@ class TorchSource(Source):
                         raise InputError(f"tensor {k!r} appears in two pickle shards",
                                          f"run `ckptctl verify {root}`")
                     state[k] = v
-        return cls.from_state_dict(state, path=root, kind=kind)
+        src = cls.from_state_dict(state, path=root, kind=kind)
+        src._file_backed = True
+        return src
 
     @classmethod
     def from_state_dict(cls, state: Mapping[str, Any], *, path: Path | None = None,
@@ -163,7 +166,34 @@ class TorchSource(Source):
             if convert:
                 part = part.to(getattr(torch, dt.BY_NAME[target_dtype].torch_name))
             yield memoryview(part.view(torch.uint8).numpy())
+        if self._file_backed:
+            _drop_pages(self._tensors[t.name])
 
     def close(self) -> None:
         self._tensors.clear()
 
+
+
+_MADV_DONTNEED = 4
+_libc: Any = None
+
+
+def _drop_pages(tensor: Any) -> None:
+    """Give back the page cache pages a file-backed (MAP_PRIVATE, never written) tensor mapped
+    in, so a multi-GB pickle does not accumulate in our RSS. Only ever called for tensors that
+    ``torch.load(mmap=True)`` created: pages are re-read from the file if touched again."""
+    import ctypes
+    import mmap
+
+    global _libc
+    storage = tensor.untyped_storage()
+    start, size = storage.data_ptr(), storage.nbytes()
+    if not start or not size:
+        return
+    page = mmap.PAGESIZE
+    lo = start - start % page
+    hi = start + size
+    hi += -hi % page
+    if _libc is None:
+        _libc = ctypes.CDLL(None, use_errno=True)
+    _libc.madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), _MADV_DONTNEED)
