@@ -124,8 +124,11 @@ def _add(lay: Layout, code: str, severity: str, path: str, message: str, hint: s
     lay.findings.append(Finding(code, severity, path, message, hint))
 
 
-def scan(path: str | os.PathLike[str]) -> Layout:
-    """Describe what ``path`` holds. Raises :class:`InputError` when it does not exist."""
+def scan(path: str | os.PathLike[str], *, names: list[str] | None = None) -> Layout:
+    """Describe what ``path`` holds. Raises :class:`InputError` when it does not exist.
+
+    ``names`` restricts a directory scan to those entries (verify passes the entries left after
+    screening out links that escape the directory)."""
     p = Path(path)
     try:
         is_dir = p.is_dir()
@@ -136,11 +139,24 @@ def scan(path: str | os.PathLike[str]) -> Layout:
         raise InputError(f"no such file or directory: {p}", "check the path (a repo id needs the local HF cache)")
     if not is_dir:
         return _scan_file(p)
+    if names is not None:
+        return _scan_dir(p, sorted(names))
     try:
         names = sorted(os.listdir(p))
     except OSError as exc:
         raise InputError(f"cannot list {p}: {exc.strerror}", "check the directory's permissions") from None
     return _scan_dir(p, names)
+
+
+def _regular(root: Path, name: str) -> bool:
+    """A regular file after following links (an HF cache snapshot links into ../../blobs), so
+    reading it cannot block like a FIFO or a device would."""
+    import stat
+
+    try:
+        return stat.S_ISREG(os.stat(root / name).st_mode)
+    except OSError:
+        return False
 
 
 def _scan_file(p: Path) -> Layout:
@@ -178,6 +194,12 @@ def _scan_dir(root: Path, names: list[str]) -> Layout:
         single = f"{stem}.{ext}"
         has_index = index_name in names
         has_single = single in names
+        if has_index and not _regular(root, index_name):
+            _add(lay, "layout.unsafe_index", ERROR, str(root / index_name),
+                 f"{index_name} is not a regular file (a directory, FIFO, device or dangling link)",
+                 "replace it with a real index: `ckptctl resave --repair` rebuilds it from the shard headers")
+            claimed.add(index_name)
+            has_index = False
         if has_index:
             idx = read_index(root / index_name, display=str(root / index_name))
             # A broken index is reported, never silently replaced by a directory listing.

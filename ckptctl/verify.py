@@ -523,7 +523,7 @@ class _Dir:
         self._screen_links()
         view = [n for n in self.names if n not in self.hidden]
         try:
-            lay = L._scan_dir(self.root, view)  # noqa: SLF001 - scan a view without escaping links
+            lay = L.scan(self.root, names=view)  # the view has no escaping links
         except CkptctlError as exc:
             self.io("", exc)
             return

@@ -334,3 +334,15 @@ def test_empty_dir_and_bad_paths(tmp_path: Path) -> None:
     touch(tmp_path, "notes.txt")
     with pytest.raises(InputError):
         L.scan(tmp_path / "notes.txt")
+
+
+def test_fifo_index_is_reported_and_never_opened(tmp_path):
+    """A FIFO where the index should be would block a reader forever: layout never opens it."""
+    import os
+
+    save_file({"a": torch.zeros(2)}, str(tmp_path / "model-00001-of-00002.safetensors"))
+    save_file({"b": torch.zeros(2)}, str(tmp_path / "model-00002-of-00002.safetensors"))
+    os.mkfifo(tmp_path / "model.safetensors.index.json")
+    lay = L.scan(tmp_path)
+    assert "layout.unsafe_index" in {f.code for f in lay.findings}
+    assert sorted(lay.families[0].files) == ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
