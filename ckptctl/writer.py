@@ -69,6 +69,7 @@ class ExportResult:
     parameters: int = 0
     total_size: int = 0
     bytes_to_write: int = 0
+    space_available: int | None = None  # free bytes on the destination's filesystem at planning time
     bytes_copied_by_kernel: int = 0
     bytes_streamed: int = 0
     extras: list[str] = field(default_factory=list)
@@ -376,6 +377,13 @@ class ExportJob:
                                 - set(plan.files) - set(self.extra_blobs))
         result.converted = sum(1 for e in self.entries if e.dtype != e.tensor.dtype)
         result.manifest = MANIFEST_NAME if opts.manifest else None
+        probe = dest.parent
+        while not probe.exists() and probe != probe.parent:
+            probe = probe.parent
+        try:
+            result.space_available = free_space(probe)
+        except OSError:
+            result.space_available = None
         if opts.progress:
             opts.progress(ProgressEvent("plan", total=plan.total_size))
         return result

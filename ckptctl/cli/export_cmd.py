@@ -88,8 +88,9 @@ def render_result(out: Output, result) -> None:
     for name in result.extras:
         table.add_row(name, "", "")
     out.print(table)
+    space = f" ({format_size(result.space_available)} free)" if result.space_available is not None else ""
     lines = [f"{result.tensors:,} tensors, {result.parameters:,} parameters, "
-             f"{format_size(result.bytes_to_write)} to write"]
+             f"{format_size(result.bytes_to_write)} to write{space}"]
     if result.converted:
         lines.append(f"{result.converted:,} tensors converted")
     if result.aliases:
