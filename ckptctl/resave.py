@@ -340,8 +340,31 @@ def resave(root: str | os.PathLike[str], opts: ExportOptions, *, output: str | o
         o = _with(opts, overwrite, default_shard="5GB")
         if plan.index_name:
             o.metadata = {**_old_index_metadata(root), **(o.metadata or {})}
+        _note_index_changes(root, plan, rep)
         res = write_checkpoint(entries, dest, o, extras=extras, plan=plan)
     return ResaveResult(res, rep)
+
+
+def _note_index_changes(root: Path, plan: Plan, rep: Repair) -> None:
+    """Say what the rebuilt index corrects in the old one (when the old one was readable)."""
+    p = root / L.ST_INDEX
+    if not plan.index_name or not p.is_file():
+        return
+    old = read_index(p)
+    if not old.ok:
+        return
+    new_map = plan.weight_map
+    if old.metadata.get("total_size") != plan.total_size:
+        rep.fixes.append(f"index total_size {old.metadata.get('total_size')!r} -> {plan.total_size}")
+    missing = sorted(set(new_map) - set(old.weight_map))
+    if missing:
+        rep.fixes.append(f"added {len(missing)} tensor(s) missing from the index (e.g. {missing[0]})")
+    stale = sorted(set(old.weight_map) - set(new_map))
+    if stale:
+        rep.fixes.append(f"dropped {len(stale)} index entr(ies) for tensors no shard holds (e.g. {stale[0]})")
+    moved = sorted(k for k in set(new_map) & set(old.weight_map) if old.weight_map[k] != new_map[k])
+    if moved:
+        rep.fixes.append(f"remapped {len(moved)} tensor(s) to the shard that holds them (e.g. {moved[0]})")
 
 
 def _old_index_metadata(root: Path) -> dict[str, str]:
