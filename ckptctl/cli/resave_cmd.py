@@ -54,7 +54,7 @@ def resave(
             out.emit_json(out.document(True, **result.to_dict()))
             return
         for fix in result.repair.fixes:
-            out.print(("would: " if dry_run else "fixed: ") + fix)
+            out.print(("to fix: " if dry_run else "fixed: ") + fix)
         render_result(out, result.export)
         if result.export.linked:
             out.print(("would link" if dry_run else "linked") + " unchanged: " + ", ".join(result.export.linked))
