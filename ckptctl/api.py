@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from ckptctl import layout as L
-from ckptctl.errors import InputError, UsageError
+from ckptctl.errors import CkptctlError, InputError, UsageError
 from ckptctl.format import dtypes as dt
 from ckptctl.sources.base import Source, SourceTensor, open_source
 from ckptctl.writer import Entry, ExportOptions, ExportResult, entries_for, write_checkpoint
@@ -47,7 +47,13 @@ def prepare_export(src: str | os.PathLike[str], dst: str | os.PathLike[str], opt
     if _inside(src_p, dst_p) and os.path.lexists(dst_p):
         raise UsageError(f"source {src_p} is inside the destination {dst_p}",
                          "replacing the destination would remove the source; export elsewhere")
-    with open_source(src_p, key=key, only=only) as source:
+    try:
+        source = open_source(src_p, key=key, only=only)
+    except CkptctlError as exc:
+        if exc.phase is None and exc.exit_code != 2:
+            exc.phase = "read-source"  # an I/O failure reading the source's metadata
+        raise
+    with source:
         entries = entries_for(source, opts.dtype)
         if source.is_adapter:
             extras = {p.name: p for p in source.extras if p.name == "adapter_config.json"}

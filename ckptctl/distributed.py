@@ -196,7 +196,7 @@ def write_distributed(local: list[Entry], dest: str | os.PathLike[str], opts: Ex
         if conflicts:
             raise InputError("ranks disagree on the tensors: " + "; ".join(conflicts[:3]),
                              "every tensor name must have one dtype and shape on all ranks")
-        job.prepare()
+        job.prepare(recover=ctx.is_leader)
         if opts.dry_run or not ctx.is_leader:
             return None
         data = job.stage()

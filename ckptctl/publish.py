@@ -230,17 +230,24 @@ class Stage:
                     _faults.point("two-rename-between")
                     os.rename(data, dest)
             self.published = True
+        except CkptctlError:
+            raise
+        except OSError as exc:
+            self._undo_half_publish()
+            raise from_oserror(exc, "cannot publish the checkpoint", phase="publish") from None
+        try:
             _faults.point("published")
             if self.fsync:
                 fsync_path(self.parent, directory=True)
                 fsync_path(self.dir, directory=True)
-        except CkptctlError:
-            raise
         except OSError as exc:
-            if not self.published:
-                self._undo_half_publish()
-            raise from_oserror(exc, "cannot publish the checkpoint", phase="publish") from None
+            cause = from_oserror(exc, "fsync after the rename")
+            raise OperationalError(
+                f"the new version of {dest} is in place, but making it durable failed: {cause.message}",
+                "the storage reported an error: check the device; after a power cut the destination may hold "
+                "the previous version", phase="publish") from None
         return how
+
 
     def _undo_half_publish(self) -> None:
         """After a failed exchange-less publish, put the old version back."""

@@ -88,7 +88,7 @@ def _config_mismatches(tensors: dict[str, TensorInfo], cfg: dict[str, Any] | Non
             bad += t.shape[0] != vocab
     if isinstance(layers, int):
         idx = {int(m.group(1)) for n in tensors for m in [re.search(r"\.(?:layers|h|blocks)\.(\d+)\.", n)] if m}
-        if idx and idx != set(range(layers)):
+        if idx and (len(idx) != layers or min(idx) != 0 or max(idx) != layers - 1):  # never range(layers)
             bad += 1
     return bad
 
@@ -303,6 +303,10 @@ def _link_matching(plan: Plan, root: Path, entries: list[Entry]) -> None:
 def resave(root: str | os.PathLike[str], opts: ExportOptions, *, output: str | os.PathLike[str] | None = None,
            repair: bool = False, prefer: str | None = None) -> ResaveResult:
     root = Path(root)
+    if not opts.dry_run:  # a dead writer's half-done publish of this very directory comes first
+        from ckptctl.publish import recover_destination
+
+        recover_destination(Path(os.path.abspath(root)))
     if not root.is_dir():
         raise InputError(f"{root} is not a checkpoint directory", "resave works on a directory")
     if prefer not in (None, "index", "single", "safetensors", "pytorch"):

@@ -406,14 +406,20 @@ def _check_layers(ctx: _Ctx, spec: Spec, root: str, d: Dims, tensors: dict[str, 
         if m.group(2) in suffixes:
             by_rule.setdefault(m.group(2), []).append(t)
     if d.layers is not None:
-        expected = set(range(d.layers))
-        missing = sorted(expected - present)
-        extra = sorted(present - expected)
+        # never materialise range(num_hidden_layers): config.json is untrusted input
+        extra = sorted(i for i in present if i >= d.layers)
+        n_missing = max(0, d.layers - sum(1 for i in present if i < d.layers))
+        missing = []
+        i = 0
+        while len(missing) < min(n_missing, 200):
+            if i not in present:
+                missing.append(i)
+            i += 1
         where = f"{root}{spec.layer}.N"
         if missing:
             ctx.add("config.layer_missing", ERROR,
-                    f"num_hidden_layers is {d.layers} but {len(missing)} layers have no tensors under {where} "
-                    f"(missing: {', '.join(map(str, missing[:10]))}{' ...' if len(missing) > 10 else ''}); they "
+                    f"num_hidden_layers is {d.layers} but {n_missing} layers have no tensors under {where} "
+                    f"(missing: {', '.join(map(str, missing[:10]))}{' ...' if n_missing > 10 else ''}); they "
                     "would be randomly initialised", "restore the missing shard(s) or fix num_hidden_layers",
                     missing=missing[:200])
         if extra:
@@ -450,6 +456,53 @@ _FIX_ADAPTER = "fix adapter_config.json, or save the adapter again with peft"
 
 def _valid_match(key: str, target: str) -> bool:
     return key == target or key.endswith("." + target)
+
+
+def _user_patterns(acfg: dict[str, Any]) -> list[str]:
+    """Every regex adapter_config.json hands to ``re``, as peft builds them."""
+    out: list[str] = []
+    for k in ("target_modules", "exclude_modules"):
+        if isinstance(acfg.get(k), str):
+            out.append(acfg[k])
+    lp = acfg.get("layers_pattern")
+    for p in [lp] if isinstance(lp, str) else lp if isinstance(lp, list) else []:
+        out.append(rf".*\.{p}\.(\d+)\.")
+    for k in ("rank_pattern", "alpha_pattern"):
+        if isinstance(acfg.get(k), dict):
+            out.extend(rf"(.*\.)?({p})$" for p in acfg[k])
+    return out
+
+
+def _config_field_problem(acfg: dict[str, Any]) -> str | None:
+    """Why adapter_config.json's matching fields cannot be used as peft uses them, or None."""
+    def str_or_strs(v: Any) -> bool:
+        return v is None or isinstance(v, str) or (isinstance(v, list) and all(isinstance(x, str) for x in v))
+
+    for k in ("exclude_modules", "layers_pattern", "modules_to_save"):
+        if not str_or_strs(acfg.get(k)):
+            return f"{k!r} is {acfg.get(k)!r}, not a string or a list of strings"
+    layers = acfg.get("layers_to_transform")
+    if not (layers is None or (isinstance(layers, int) and not isinstance(layers, bool))
+            or (isinstance(layers, list) and all(isinstance(x, int) and not isinstance(x, bool) for x in layers))):
+        return f"'layers_to_transform' is {layers!r}, not an integer or a list of integers"
+    for k in ("rank_pattern", "alpha_pattern"):
+        v = acfg.get(k)
+        if v is not None and not (isinstance(v, dict) and all(isinstance(x, str) for x in v)):
+            return f"{k!r} is {v!r}, not an object with pattern keys"
+    for p in _user_patterns(acfg):
+        try:
+            re.compile(p)
+        except re.error as exc:
+            return f"invalid regex {p!r} ({exc})"
+    return None
+
+
+# A quantified group whose body is itself quantified: (a+)+, (\w+\.?\w*)*, (x{2,})+ ...
+_NESTED_QUANTIFIER = re.compile(r"\((?:[^()\\]|\\.)*(?:[+*]|\{\d*,?\d*\})(?:[^()\\]|\\.)*\)(?:[+*]|\{\d*,\d*\})")
+
+
+def _backtracking_risk(pattern: str) -> bool:
+    return bool(_NESTED_QUANTIFIER.search(pattern))
 
 
 def peft_target_match(acfg: dict[str, Any], key: str) -> bool:
@@ -540,13 +593,15 @@ def check_adapter(display: str, acfg: Any, tensors: dict[str, TensorMeta], *,
         ctx.add("adapter.missing_field", ERROR, f"{display}: 'target_modules' is {tm!r}, not a list or regex",
                 _FIX_ADAPTER, field="target_modules")
         return ctx.findings
-    try:
-        for pat in ([tm] if isinstance(tm, str) else []) + (
-                [acfg["exclude_modules"]] if isinstance(acfg.get("exclude_modules"), str) else []):
-            re.compile(pat)
-    except re.error as exc:
-        ctx.add("adapter.bad_config", ERROR, f"{display}: invalid regex in target_modules/exclude_modules ({exc})",
-                _FIX_ADAPTER)
+    problem = _config_field_problem(acfg)
+    if problem:
+        ctx.add("adapter.bad_config", ERROR, f"{display}: {problem}", _FIX_ADAPTER)
+        return ctx.findings
+    risky = [p for p in _user_patterns(acfg) if _backtracking_risk(p)]
+    if risky:
+        ctx.add("adapter.regex_not_checked", WARNING,
+                f"{display}: pattern {risky[0]!r} nests quantifiers (it can take exponential time); module "
+                "matching was skipped", "peft may hang on it too: write the pattern without nested repetition")
         return ctx.findings
 
     modules: dict[str, _Module] = {}

@@ -16,6 +16,7 @@ from __future__ import annotations
 import io
 import os
 import pickle
+import pickletools
 import struct
 import zipfile
 from dataclasses import dataclass, field
@@ -424,6 +425,15 @@ def read_dcp_metadata(path: str, display: str) -> tuple[Any | None, list[Finding
     """Unpickle a DCP ``.metadata`` file with only torch's checkpoint classes allowed."""
     with open(path, "rb") as f:
         data = f.read()
+    try:
+        # pickletools checks every length field against the bytes that are there; the C
+        # unpickler would first allocate what a hostile length field asks for.
+        for _ in pickletools.genops(data):
+            pass
+    except Exception as exc:  # noqa: BLE001 - genops raises ValueError and assorted errors on garbage
+        return None, [Finding("dcp.bad_metadata", ERROR, display,
+                              f"{display}: unreadable DCP metadata ({type(exc).__name__}: {str(exc)[:160]})",
+                              "the save did not finish or the file is damaged: save it again")]
     up = _DcpUnpickler(data)
     try:
         md = up.load()

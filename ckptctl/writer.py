@@ -153,14 +153,15 @@ def superseded(dest: Path, *, adapter: bool) -> tuple[list[str], list[str]]:
     return sorted(drop & set(names)), keep
 
 
-def _link_or_copy(src: Path, dst: Path) -> None:
-    """Hard-link a file (copy where linking fails); recreate symlinks; recurse into directories."""
+def _link_or_copy(src: Path, dst: Path, *, fsync: bool = True) -> None:
+    """Hard-link a file (copy where linking fails, and fsync the copy); recreate symlinks;
+    recurse into directories."""
     if src.is_symlink():
         os.symlink(os.readlink(src), dst)
     elif src.is_dir():
         os.mkdir(dst)
         for child in sorted(os.listdir(src)):
-            _link_or_copy(src / child, dst / child)
+            _link_or_copy(src / child, dst / child, fsync=fsync)
     else:
         try:
             os.link(src, dst)
@@ -168,6 +169,9 @@ def _link_or_copy(src: Path, dst: Path) -> None:
             if exc.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP, errno.EACCES):
                 raise
             shutil.copy2(src, dst)
+            if fsync:
+                fd = os.open(dst, os.O_RDONLY | os.O_CLOEXEC)
+                _fsync_and_close(fd)
 
 
 def _sync_config_dtype(raw: bytes, stored: str) -> bytes:
@@ -338,9 +342,15 @@ class ExportJob:
         self.extra_blobs: dict[str, bytes] = {}
         self.stage_: Stage | None = None
 
-    def prepare(self) -> ExportResult:
-        """Validate, plan from metadata, decide what the old version loses and keeps."""
+    def prepare(self, *, recover: bool = True) -> ExportResult:
+        """Validate, plan from metadata, decide what the old version loses and keeps.
+
+        First (unless a dry run, or ``recover=False`` on ranks that are not the leader) finish any
+        half-done publish a dead writer left for this destination, so what is kept is decided
+        from the destination as it really is."""
         opts, result, dest = self.opts, self.result, self.dest
+        if recover and not opts.dry_run:
+            result.recovered = recover_destination(dest)
         if not self.entries:
             raise InputError("there are no tensors to write", "check the source: it holds no weights")
         try:
@@ -404,7 +414,6 @@ class ExportJob:
             raise DiskFullError(
                 f"not enough free space in {dest.parent}: need {self.result.bytes_to_write:,} bytes, "
                 f"{avail:,} available", "free space or write elsewhere; nothing was written", phase="plan")
-        self.result.recovered = recover_destination(dest)
         self.stage_ = Stage(dest, fsync=self.opts.fsync, command=self.opts.command)
         data = self.stage_.create()
         self.stage_.check_competitors()
@@ -427,7 +436,7 @@ class ExportJob:
                 path = data / shard.name
                 try:
                     if shard.link_from:
-                        _link_or_copy(Path(shard.link_from), path)
+                        _link_or_copy(Path(shard.link_from), path, fsync=self.opts.fsync)
                         grand[0] += shard.data_bytes
                     else:
                         fd = write_shard(path, shard, self.by_name, tw, fsync=False, progress=progress,
@@ -466,7 +475,7 @@ class ExportJob:
             for name, blob in sorted(self.extra_blobs.items()):
                 stage.write_file(name, blob)
             for name in self.result.carried:
-                _link_or_copy(self.dest / name, data / name)
+                _link_or_copy(self.dest / name, data / name, fsync=opts.fsync)
             _faults.point("extras-written")
             if opts.manifest:
                 doc = build_manifest(data, _walk_files(data), label=opts.label)

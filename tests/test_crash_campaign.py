@@ -98,9 +98,6 @@ def test_rerun_after_a_kill_recovers_by_itself(prepared, zygote, tmp_path, scena
     assert o.after_recovery == "new" and o.rerun_identical and o.gc_removed == 0
 
 
-@pytest.mark.xfail(strict=True, reason="writer.py ExportJob.prepare() decides the carried files (superseded) "
-                   "before stage() runs recover_destination(): a retry after a crash between the two renames "
-                   "sees no destination, carries nothing, and its publish drops README.md")
 def test_export_retry_in_the_two_rename_window_keeps_the_destinations_other_files(prepared, zygote, tmp_path):
     o = H.run_trial(prepared("export-two-rename"), H.Fault("point", "two-rename-between"), tmp_path / "t", zygote,
                     recovery="rerun")
@@ -108,9 +105,6 @@ def test_export_retry_in_the_two_rename_window_keeps_the_destinations_other_file
     assert not o.violations, _show(o)
 
 
-@pytest.mark.xfail(strict=True, reason="resave.py resave() refuses a directory that is not there (exit 2, "
-                   "'is not a checkpoint directory') before anything calls publish.recover_destination(): a "
-                   "retry after a crash between the two renames cannot recover; only gc-tmp can")
 def test_resave_retry_in_the_two_rename_window_recovers(prepared, zygote, tmp_path):
     o = H.run_trial(prepared("resave-two-rename"), H.Fault("point", "two-rename-between"), tmp_path / "t", zygote,
                     recovery="rerun")
@@ -357,8 +351,6 @@ def test_eacces_after_the_data_is_written_removes_the_staging(prepared, zygote, 
     assert H.snapshot(p.ws) == before and H.our_staging(p.ws) == []
 
 
-@pytest.mark.xfail(strict=True, reason="format/header.py:218 raises from_oserror(...) without a phase, and "
-                   "api.prepare_export does not add one: an unreadable source prints no '(phase: ...)'")
 def test_eacces_on_a_source_shard_names_the_phase(prepared, zygote, tmp_path):
     _can_drop_dac(zygote, tmp_path)
     prep = prepared("export-single-to-sharded")
@@ -380,9 +372,6 @@ def test_errno_at_each_phase_exits_3_names_the_phase_and_cleans_up(prepared, zyg
     assert not o.violations, o
 
 
-@pytest.mark.xfail(strict=True, reason="publish.py Stage.publish: an fsync error on the parent after the rename "
-                   "(fault point 'published') is reported as 'cannot publish ... nothing was published', but the "
-                   "destination already holds the new version and the old one is deleted")
 def test_fsync_error_after_the_rename_says_the_new_version_is_in_place(prepared, zygote, tmp_path):
     prep = prepared("export-sharded-to-single")
     p = prep.instantiate(tmp_path / "t")
@@ -582,9 +571,6 @@ def test_every_file_written_is_fsynced_before_ready_and_the_parent_after_the_ren
     assert H.snapshot(p.dst) == prep.new_snapshot
 
 
-@pytest.mark.xfail(strict=True, reason="writer.py _link_or_copy: when os.link fails (EPERM from "
-                   "fs.protected_hardlinks, EXDEV, EMLINK, ENOTSUP) the file is copied with shutil.copy2 and never "
-                   "fsynced, yet the version is marked ready and published")
 def test_a_carried_file_that_cannot_be_hard_linked_is_fsynced_too(prepared, zygote, tmp_path):
     if Path("/proc/sys/fs/protected_hardlinks").read_text().strip() != "1":
         pytest.skip("fs.protected_hardlinks is off: linking cannot fail this way")
