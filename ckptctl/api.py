@@ -20,7 +20,6 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, Mapping
 
-from ckptctl import layout as L
 from ckptctl.errors import CkptctlError, InputError, UsageError
 from ckptctl.format import dtypes as dt
 from ckptctl.sources.base import Source, SourceTensor, open_source
@@ -37,7 +36,7 @@ def prepare_export(src: str | os.PathLike[str], dst: str | os.PathLike[str], opt
                    key: str | None = None, only: str | None = None):
     """Open the source and work out the entries, options and extras of an export."""
     src_p, dst_p = Path(src), Path(dst)
-    if os.path.lexists(dst_p) and os.path.isdir(src_p) and os.path.samefile(src_p, dst_p):
+    if os.path.isdir(src_p) and os.path.realpath(src_p) == os.path.realpath(dst_p):
         raise UsageError(f"source and destination are the same directory: {src_p}",
                          "use `ckptctl resave DIR` to rewrite a checkpoint in place")
     src_dir = src_p if src_p.is_dir() else src_p.parent

@@ -74,6 +74,14 @@ class _Ctx:
     node: int
     node_ranks: list[int]  # global ranks of this rank's node (all ranks for shared storage)
     leader: int  # global rank that stages and publishes for this rank
+    owns_group: bool = False  # we created the Gloo group: destroy it when done
+
+    def close(self) -> None:
+        if self.owns_group:
+            try:
+                self.dist.destroy_process_group(self.group)
+            except Exception:  # noqa: BLE001 - a group broken by a dead peer cannot be torn down cleanly
+                pass
 
     @property
     def is_leader(self) -> bool:
@@ -86,13 +94,14 @@ def _context(group: Any, storage: str, node_rank: int | None, timeout: float) ->
     if not dist.is_available() or not dist.is_initialized():
         raise InputError("torch.distributed is not initialized",
                          "call torch.distributed.init_process_group first (or run under torchrun)")
-    if group is None:
+    owned = group is None
+    if owned:
         group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout))
     rank, world = dist.get_rank(), dist.get_world_size()
     if storage not in (SHARED, NODE_LOCAL):
         raise InputError(f"unknown storage scope {storage!r}", "use 'shared' or 'node-local'")
     if storage == SHARED:
-        return _Ctx(dist, group, rank, world, 0, list(range(world)), 0)
+        return _Ctx(dist, group, rank, world, 0, list(range(world)), 0, owned)
     if node_rank is None:
         if "GROUP_RANK" in os.environ:
             node_rank = int(os.environ["GROUP_RANK"])
@@ -102,7 +111,7 @@ def _context(group: Any, storage: str, node_rank: int | None, timeout: float) ->
     nodes = [None] * world
     dist.all_gather_object(nodes, node_rank, group=group)
     mine = [r for r, n in enumerate(nodes) if n == node_rank]
-    return _Ctx(dist, group, rank, world, node_rank, mine, min(mine))
+    return _Ctx(dist, group, rank, world, node_rank, mine, min(mine), owned)
 
 
 def _phase(ctx: _Ctx, name: str, fn: Callable[[], Any], on_failure: Callable[[], None] | None = None) -> list[Any]:
@@ -153,6 +162,16 @@ def write_distributed(local: list[Entry], dest: str | os.PathLike[str], opts: Ex
     ``extras`` and ``opts.manifest`` are taken from the leader.
     """
     ctx = _context(group, storage, node_rank, timeout)
+    try:
+        return _write(ctx, local, dest, opts, storage=storage, order=order, split_shards=split_shards,
+                      extras=extras, aliases=aliases)
+    finally:
+        ctx.close()
+
+
+def _write(ctx: _Ctx, local: list[Entry], dest: str | os.PathLike[str], opts: ExportOptions, *, storage: str,
+           order: list[str] | None, split_shards: bool, extras: dict[str, Path | bytes] | None,
+           aliases: dict[str, str] | None) -> ExportResult:
     opts = replace(opts, progress=opts.progress if ctx.rank == 0 else None)
 
     # 1. plan ------------------------------------------------------------------------------

@@ -127,13 +127,12 @@ def config_summary(cfg: dict[str, Any]) -> dict[str, Any]:
 
 
 def read_config(root: Path) -> dict[str, Any] | None:
-    p = root / "config.json"
+    """config.json as a dict, or None when it is missing, unreadable or not a JSON object."""
     try:
-        return json.loads(p.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        return None
+        cfg = json.loads((root / "config.json").read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None
+    return cfg if isinstance(cfg, dict) else None
 
 
 def inspect_path(path: str | os.PathLike[str], *, only: str | None = None,
@@ -143,7 +142,7 @@ def inspect_path(path: str | os.PathLike[str], *, only: str | None = None,
     fam = lay.primary(only) if lay.families else None
     if fam is None:
         raise InputError(f"{p} holds no checkpoint weights", "pass a checkpoint directory or a weights file")
-    fmt = fam.kind if fam.kind != L.SAFETENSORS or len(fam.files) > 1 or fam.index else "safetensors"
+    fmt = fam.kind
     if fam.kind == L.SAFETENSORS:
         fmt = "safetensors-sharded" if fam.index else "safetensors"
     res = Inspection(path=str(p), format=fmt, findings=list(lay.findings))
@@ -155,8 +154,7 @@ def inspect_path(path: str | os.PathLike[str], *, only: str | None = None,
             size = None
         return {"name": name, "size": size, "role": role}
 
-    names = fam.files if lay.single_file else fam.files
-    for n in names:
+    for n in fam.files:
         res.files.append(file_row(n, "weights"))
     if fam.index:
         res.files.append(file_row(fam.index, "index"))
@@ -178,7 +176,7 @@ def inspect_path(path: str | os.PathLike[str], *, only: str | None = None,
             res.aliases = dict(src.aliases)
             for t in src.tensors:
                 res.tensors.append(TensorRow(t.name, t.dtype, t.shape, t.file and Path(t.file).name or
-                                             _torch_file(src, fam, t.name), t.nbytes))
+                                             _pickle_file(fam), t.nbytes))
     res.tensors.sort(key=lambda t: t.name)
     if name_filter:
         res.tensors = [t for t in res.tensors if fnmatchcase(t.name, name_filter)]
@@ -188,5 +186,6 @@ def inspect_path(path: str | os.PathLike[str], *, only: str | None = None,
     return res
 
 
-def _torch_file(src: Any, fam: L.Family, name: str) -> str:
+def _pickle_file(fam: L.Family) -> str:
+    """Which pickle a tensor came from (sharded pickles are not told apart: "*")."""
     return fam.files[0] if len(fam.files) == 1 else "*"

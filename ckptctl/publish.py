@@ -3,9 +3,10 @@
 ``Stage`` creates ``<parent>/_tmp_<name>.<stamp>-<rand>/`` with its owner record under an
 ``flock``, gives the writer ``data/`` to fill, and publishes ``data/`` onto the destination:
 
-- destination absent: ``renameat2(RENAME_NOREPLACE)`` (plain ``rename`` where unsupported);
-- destination present: ``renameat2(RENAME_EXCHANGE)``, after which ``data/`` holds the old
-  version and is removed with the staging directory;
+- destination absent when the job was planned: ``renameat2(RENAME_NOREPLACE)`` (check + plain
+  ``rename`` where unsupported), so a directory that appeared meanwhile is never replaced;
+- destination present (and ``--overwrite``): ``renameat2(RENAME_EXCHANGE)``, after which
+  ``data/`` holds the old version and is removed with the staging directory;
 - exchange unsupported (EINVAL/ENOSYS, e.g. NFS): a journaled two-rename. ``ready`` is written
   and fsynced first, then ``dest -> <staging>/old``, then ``<staging>/data -> dest``. A crash in
   between leaves a staging directory that :func:`recover` rolls forward (``ready`` present and
@@ -132,7 +133,7 @@ class Stage:
         self.dir = d
         try:
             self.lock = staging.LockFile(d / staging.LOCK)
-            self.lock.acquire()
+            self.lock.acquire(patience=1.0)  # our own new lock: only a probe can hold it
             record = json.dumps(staging.owner_record(self.dest, self.command), indent=2).encode()
             self._write_small(d / staging.OWNER, record)
             os.mkdir(d / staging.DATA, 0o755)
@@ -196,11 +197,15 @@ class Stage:
             raise from_oserror(exc, "cannot make the staged checkpoint durable", phase="seal") from None
         _faults.point("sealed")
 
-    def publish(self) -> str:
-        """Make data/ the destination. Returns how: 'rename', 'exchange' or 'two-rename'."""
+    def publish(self, *, replace: bool) -> str:
+        """Make data/ the destination. Returns how: 'rename', 'exchange' or 'two-rename'.
+
+        ``replace`` is whether the destination existed when the job was planned (and may be
+        replaced). When it did not, the rename never replaces anything: a directory that appeared
+        meanwhile makes the publish fail instead of being swapped out and deleted."""
         assert self.dir is not None
         dest, data = self.dest, self.data
-        exists = os.path.lexists(dest)
+        exists = replace and os.path.lexists(dest)
         _faults.point("publish")
         try:
             if not exists:
@@ -209,12 +214,16 @@ class Stage:
                     _faults.point("rename-noreplace")
                     _renameat2(data, dest, RENAME_NOREPLACE)
                 except OSError as exc:
-                    if exc.errno == errno.EEXIST:
-                        raise LockHeldError(f"{dest} appeared while we were writing it",
-                                            "another process created it; run again with --overwrite",
-                                            phase="publish") from None
+                    if exc.errno in (errno.EEXIST, errno.ENOTEMPTY):
+                        raise LockHeldError(f"{dest} appeared while we were writing it; it was left as it is",
+                                            "another process created it: check it, then run again (with "
+                                            "--overwrite to replace it)", phase="publish") from None
                     if exc.errno not in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP):
                         raise
+                    if os.path.lexists(dest):  # no NOREPLACE here: check, then rename (a small race)
+                        raise LockHeldError(f"{dest} appeared while we were writing it; it was left as it is",
+                                            "another process created it: check it, then run again (with "
+                                            "--overwrite to replace it)", phase="publish") from None
                     os.rename(data, dest)
             else:
                 how = "exchange"

@@ -19,7 +19,6 @@ lost; nothing is changed.
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import re
 from dataclasses import dataclass, field
@@ -121,8 +120,8 @@ def analyze(root: Path, *, prefer: str | None = None, repair: bool = False) -> t
 
     if not repair and (errors or lay.leftovers):
         first = (errors or [Finding("layout.leftover", ERROR, str(root), f"leftovers: {', '.join(lay.leftovers)}")])[0]
-        raise UnrepairableError(f"{root} needs repair: {first.message}",
-                                f"run `ckptctl resave --repair {root}` (add --dry-run to see the plan)")
+        raise UsageError(f"{root} needs repair: {first.message}",
+                         f"run `ckptctl resave --repair {root}` (add --dry-run to see the plan)")
 
     # Which model family, when safetensors and pickles are both there
     if pt_family and (shard_files or single):
@@ -168,11 +167,9 @@ def analyze(root: Path, *, prefer: str | None = None, repair: bool = False) -> t
         index_files = shard_files
     sharded = index_files or []
 
-    cfg = None
-    try:
-        cfg = json.loads((root / "config.json").read_text())
-    except (OSError, ValueError):
-        pass
+    from ckptctl.inspect import read_config
+
+    cfg = read_config(root)
 
     chosen: list[str]
     if sharded and single:
@@ -336,7 +333,11 @@ def resave(root: str | os.PathLike[str], opts: ExportOptions, *, output: str | o
         from ckptctl.sizes import parse_size
 
         entries = entries_for(src, o.dtype)
-        plan = make_plan([e.spec for e in entries], max_shard_size=parse_size(o.max_shard_size), metadata=src.metadata or None)
+        try:
+            plan = make_plan([e.spec for e in entries], max_shard_size=parse_size(o.max_shard_size),
+                             metadata=src.metadata or None)
+        except ValueError as exc:
+            raise UsageError(str(exc), "use a size like 5GB, 500MB or 2GiB") from None
         _link_matching(plan, root, entries)
         res = write_checkpoint(entries, dest, o, extras=extras, plan=plan)
     else:

@@ -122,13 +122,20 @@ class LockFile:
         self.path = path
         self.fd: int | None = None
 
-    def acquire(self) -> None:
+    def acquire(self, *, patience: float = 0.0) -> None:
+        """Take the lock without blocking; with ``patience`` seconds, retry briefly (a liveness
+        probe by gc-tmp or another writer holds it for microseconds)."""
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            os.close(fd)
-            raise
+        deadline = time.monotonic() + patience
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except OSError as exc:
+                if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN) or time.monotonic() >= deadline:
+                    os.close(fd)
+                    raise
+                time.sleep(0.005)
         self.fd = fd
 
     def release(self) -> None:

@@ -343,7 +343,7 @@ def _check_dtype(ctx: _Ctx, c: _Cfg, tensors: dict[str, TensorMeta]) -> None:
         ctx.add("config.dtype_mismatch", WARNING,
                 f"{ctx.display}: dtype is {raw!r} but most parameters are {dominant} "
                 f"({counts[dominant]:,} of {sum(counts.values()):,})",
-                f"set \"dtype\" in config.json to the tensors' dtype, or convert with `ckptctl resave --dtype`",
+                "set \"dtype\" in config.json to the tensors' dtype, or convert with `ckptctl resave --dtype`",
                 config=raw, tensors=dominant)
 
 

@@ -1,7 +1,7 @@
 """The streaming shard writer and the export of a tensor set to a published checkpoint.
 
-Flow (DESIGN.md section 2): plan from metadata; check the destination and free space; recover
-any half-done publish a dead writer left; stage; write each shard (header, then each tensor's
+Flow (DESIGN.md section 2): recover any half-done publish a dead writer left for the destination;
+plan from metadata; check the destination and free space; stage; write each shard (header, then each tensor's
 bytes: ranges of safetensors files are copied by the kernel with ``copy_file_range``, everything
 else streams in bounded chunks); write the index, the extras, the destination's non-weight files
 (hard links) and the manifest; fsync; publish; remove the staging directory. Any failure before
@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable
 
 from ckptctl import _faults, layout as L
-from ckptctl.errors import CkptctlError, DiskFullError, InputError, UsageError, from_oserror
+from ckptctl.errors import CkptctlError, DiskFullError, InputError, Interrupted, UsageError, from_oserror
 from ckptctl.format import dtypes as dt
 from ckptctl.format.header import TensorSpec
 from ckptctl.format.index import encode_index
@@ -146,6 +146,8 @@ def superseded(dest: Path, *, adapter: bool) -> tuple[list[str], list[str]]:
         for n in names:
             if n.endswith(".safetensors") and not n.startswith("adapter_model"):
                 drop.add(n)
+            if n.startswith("pytorch_model") and n.endswith((".bin", ".bin.index.json")):
+                drop.add(n)  # variants too (pytorch_model.fp16.bin): a loader may still pick them
             if n.endswith((".safetensors.index.json", ".bin.index.json")) or n == ".metadata":
                 drop.add(n)
     drop.add(MANIFEST_NAME)  # it describes the old version: never carry it over
@@ -341,6 +343,7 @@ class ExportJob:
         self.plan: Plan | None = plan
         self.extra_blobs: dict[str, bytes] = {}
         self.stage_: Stage | None = None
+        self.dest_existed = False
 
     def prepare(self, *, recover: bool = True) -> ExportResult:
         """Validate, plan from metadata, decide what the old version loses and keeps.
@@ -370,6 +373,7 @@ class ExportJob:
                 raise InputError(str(exc), "check the tensor names and --max-shard-size") from None
         plan = self.plan
         exists = check_destination(dest, overwrite=opts.overwrite)
+        self.dest_existed = exists
         removed, carried = superseded(dest, adapter=self.adapter) if exists else ([], [])
         self.extra_blobs = _resolve_extras(self._extras_in, self.entries)
         result.index = plan.index_name
@@ -490,7 +494,7 @@ class ExportJob:
         assert self.stage_ is not None and self.plan is not None
         if self.opts.progress:
             self.opts.progress(ProgressEvent("publish"))
-        self.result.publish = self.stage_.publish()
+        self.result.publish = self.stage_.publish(replace=self.dest_existed)
         _faults.point("after-publish")
         self.stage_.finish()
         self.result.seconds = time.monotonic() - self.started
@@ -525,7 +529,12 @@ def write_checkpoint(entries: list[Entry], dest: str | os.PathLike[str], opts: E
         phase = "publish"
         return job.publish()
     except BaseException as exc:
+        published = job.stage_ is not None and job.stage_.published
         job.abort()
+        if isinstance(exc, KeyboardInterrupt) and published:
+            raise Interrupted(f"interrupted after publishing: {job.dest} holds the new version",
+                              "nothing to redo; `ckptctl gc-tmp` removes anything left behind",
+                              phase="cleanup") from None
         if isinstance(exc, CkptctlError) and exc.phase is None:
             exc.phase = phase
         raise

@@ -4,9 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import pickle
-import shutil
-from pathlib import Path
 
 import pytest
 import torch
@@ -320,3 +317,55 @@ def test_library_errors_are_typed(tmp_path):
         save_state_dict({"a": torch.zeros(1, device="meta")}, tmp_path / "x")
     with pytest.raises(InputError):
         save_state_dict({}, tmp_path / "x")
+
+
+def test_fifo_where_a_shard_should_be_is_refused_without_hanging(tmp_path):
+    src = tmp_path / "src"
+    src.mkdir()
+    os.mkfifo(src / "model.safetensors")
+    p = run_ckptctl("export", str(src), str(tmp_path / "out"), timeout=60)
+    assert p.returncode == 2 and "not a regular file" in p.stderr and not (tmp_path / "out").exists()
+    p = run_ckptctl("inspect", str(src), timeout=60)
+    assert p.returncode == 2 and "header.not_a_file" in p.stderr
+
+
+def test_destination_created_during_the_write_is_never_replaced(tmp_path):
+    """Without --overwrite a destination that appears while we write is left alone (exit 3)."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    write_single(tmp_path / "src", state(1))
+    dst = tmp_path / "out"
+    env = dict(os.environ, CKPTCTL_STOP_AT="sealed")
+    proc = subprocess.Popen([sys.executable, "-m", "ckptctl", "export", str(tmp_path / "src"), str(dst)],
+                            stderr=subprocess.PIPE, env=env)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        st = open(f"/proc/{proc.pid}/stat").read()
+        if st[st.rfind(")") + 2] == "T":
+            break
+        time.sleep(0.01)
+    dst.mkdir()
+    (dst / "precious.txt").write_text("mine")
+    proc.send_signal(signal.SIGCONT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 3 and b"appeared while we were writing" in err
+    assert os.listdir(dst) == ["precious.txt"] and staging_dirs(tmp_path) == []
+
+
+def test_stale_pickle_variants_are_dropped_on_overwrite(tmp_path):
+    out = tmp_path / "out"
+    write_single(out, state(1))
+    torch.save(state(2), out / "pytorch_model.fp16.bin")
+    (out / "training_args.bin").write_bytes(b"args")
+    write_single(tmp_path / "src", state(3))
+    run_ckptctl("export", str(tmp_path / "src"), str(out), "--overwrite", check=True)
+    assert sorted(os.listdir(out)) == ["model.safetensors", "training_args.bin"]
+
+
+def test_bad_choice_with_json_still_prints_one_document(tmp_path):
+    write_single(tmp_path / "src", state(1))
+    p = run_ckptctl("export", str(tmp_path / "src"), str(tmp_path / "o"), "--dtype", "fp8", "--json")
+    assert p.returncode == 2 and json.loads(p.stdout)["ok"] is False and "fp8" in p.stderr

@@ -12,7 +12,6 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 
 from ckptctl import staging
 from tests.ckpt_helpers import load_dir, load_hub, run_ckptctl, same, staging_dirs, state, write_sharded, write_single

@@ -6,15 +6,13 @@ import json
 import os
 import shutil
 import signal
-import struct
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from ckptctl import ExportOptions, save_state_dict
-from ckptctl.resave import resave
+from ckptctl import save_state_dict
 from tests.ckpt_helpers import load_dir, load_hub, run_ckptctl, same, staging_dirs, state
 
 
@@ -90,7 +88,7 @@ def test_repair_stale_index_beside_single_file(tmp_path):
         f.unlink()  # what transformers leaves: a single file saved over a sharded one
     new = state(2)
     save_file(new, str(d / "model.safetensors"), metadata={"format": "pt"})
-    assert run_ckptctl("resave", str(d)).returncode == 1  # needs --repair
+    assert run_ckptctl("resave", str(d)).returncode == 2  # refuses to act without --repair
     doc = _repair(d)
     assert doc["bytes_streamed"] == 0 and doc["bytes_copied_by_kernel"] == 0
     assert sorted(os.listdir(d)) == ["config.json", "model.safetensors"]
@@ -108,7 +106,7 @@ def test_repair_stale_single_file_beside_index_uses_config(tmp_path):
 
 def test_both_complete_needs_prefer(tmp_path):
     d = tmp_path / "c"
-    sd = _ckpt(d, config=False)
+    _ckpt(d, config=False)
     save_file(state(9), str(d / "model.safetensors"))
     before = _snapshot(d)
     p = run_ckptctl("resave", "--repair", str(d))

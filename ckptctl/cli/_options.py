@@ -12,16 +12,8 @@ VerboseOpt = Annotated[int, typer.Option("--verbose", "-v", count=True, help="Mo
 DryRunOpt = Annotated[bool, typer.Option("--dry-run", help="Show the plan and change nothing.")]
 
 
-DTYPE_CHOICES = ("keep", "bf16", "fp16", "fp32")
-
-
-def _dtype(value: str) -> str:
-    if value not in DTYPE_CHOICES:
-        raise typer.BadParameter(f"{value!r} is not one of {', '.join(DTYPE_CHOICES)}")
-    return value
-
-
-DtypeOpt = Annotated[str, typer.Option("--dtype", callback=_dtype,
+# Validated by the core (a UsageError inside Output.guard), so --json still gets its document.
+DtypeOpt = Annotated[str, typer.Option("--dtype",
                                        help="keep, bf16, fp16 or fp32 (floating tensors only; config.json follows).")]
 ManifestOpt = Annotated[bool, typer.Option("--manifest", help="Write ckptctl.manifest.json (every file's size and sha256).")]
 LabelOpt = Annotated[Optional[str], typer.Option("--label", help="A label recorded in the manifest, e.g. the training step.")]

@@ -19,7 +19,7 @@ import typer
 from rich.console import Console
 
 from ckptctl._version import __version__
-from ckptctl.errors import EXIT_INTERRUPTED, CkptctlError, Interrupted
+from ckptctl.errors import CkptctlError, Interrupted
 
 SCHEMA_VERSION = 1
 
@@ -122,7 +122,7 @@ class Output:
         if self.json_mode:
             self.emit_json(self.document(False, error=exc.to_dict()))
         self.error(str(exc), exc.hint)
-        raise typer.Exit(exc.exit_code if exc.exit_code else EXIT_INTERRUPTED)
+        raise typer.Exit(exc.exit_code)
 
 
 class ProgressReporter:

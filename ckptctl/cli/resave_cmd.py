@@ -11,22 +11,13 @@ from ckptctl.cli._options import (DryRunOpt, DtypeOpt, JsonOpt, LabelOpt, Manife
 from ckptctl.cli._output import Output, ProgressReporter
 from ckptctl.cli.export_cmd import render_result
 
-PREFER = ("index", "single", "safetensors", "pytorch")
-
-
-def _prefer(value: Optional[str]) -> Optional[str]:
-    if value is not None and value not in PREFER:
-        raise typer.BadParameter(f"{value!r} is not one of {', '.join(PREFER)}")
-    return value
-
-
 def resave(
     directory: Annotated[str, typer.Argument(metavar="DIR", help="Checkpoint directory to rewrite in place.")],
     output: Annotated[Optional[str], typer.Option("--output", "-o", help="Write the result here instead of replacing DIR.")] = None,
     max_shard_size: Annotated[Optional[str], typer.Option("--max-shard-size", help="Re-shard: 5GB (decimal) or 2GiB.")] = None,
     dtype: DtypeOpt = "keep",
     repair: Annotated[bool, typer.Option("--repair", help="Fix what verify finds when the fix is certain.")] = False,
-    prefer: Annotated[Optional[str], typer.Option("--prefer", callback=_prefer, help="Which family to keep when two are complete: index, single, safetensors, pytorch.")] = None,
+    prefer: Annotated[Optional[str], typer.Option("--prefer", help="Which family to keep when two are complete: index, single, safetensors, pytorch.")] = None,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="With --output: replace an existing OUT.")] = False,
     manifest: ManifestOpt = False,
     label: LabelOpt = None,

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import struct
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Iterable
 
 from ckptctl.errors import InputError, from_oserror
@@ -202,8 +202,16 @@ def read_header(path: str | os.PathLike[str], *, display: str | None = None) -> 
     p = os.fspath(path)
     shown = display or p
     try:
-        with open(p, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
+        # O_NONBLOCK: opening a FIFO must not wait for a writer; fstat then tells what it is.
+        fd = os.open(p, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        with os.fdopen(fd, "rb") as f:
+            st = os.fstat(f.fileno())
+            if not stat.S_ISREG(st.st_mode):
+                hdr = Header(path=shown, file_size=0)
+                hdr.add("header.not_a_file", f"{shown} is not a regular file (a FIFO, device or directory)",
+                        hint="replace it with the real shard")
+                return hdr
+            size = st.st_size
             hdr = Header(path=shown, file_size=size)
             prefix = f.read(min(size, 512))
             n = _check_prefix(hdr, prefix)

@@ -9,7 +9,6 @@ from several ranks assembled by torch), so peak memory is bounded by the largest
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any, Iterator
 

@@ -7,6 +7,7 @@ tensor data stays on disk until a chunk of it is written. Tensors that share sto
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any, Iterator, Mapping
 
@@ -27,8 +28,16 @@ def load_pickle(path: Path, key: str | None) -> dict[str, Any]:
     """Load one pickle safely; returns a flat {name: tensor} dict."""
     import pickle
 
+    import stat
+
     import torch
 
+    try:
+        if not stat.S_ISREG(os.stat(path).st_mode):
+            raise InputError(f"{path} is not a regular file (a FIFO, device or directory)",
+                             "replace it with the real checkpoint file")
+    except OSError as exc:
+        raise from_oserror(exc, "cannot read pickle checkpoint") from None
     try:
         obj = torch.load(str(path), map_location="cpu", weights_only=True, mmap=True)
     except pickle.UnpicklingError as exc:
