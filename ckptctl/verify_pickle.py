@@ -22,6 +22,7 @@ import zipfile
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from ckptctl.format.header import sniff
 from ckptctl.findings import ERROR, INFO, WARNING, Finding
 from ckptctl.format import dtypes as dt
 
@@ -198,15 +199,6 @@ class PickleScan:
     findings: list[Finding] = field(default_factory=list)
 
 
-def _sniff(prefix: bytes) -> str | None:
-    head = prefix.lstrip()
-    if head.startswith(b"version https://git-lfs"):
-        return "lfs"
-    if head[:64].lower().startswith((b"<!doctype html", b"<html", b"<?xml", b"<head", b"<body")):
-        return "html"
-    return None
-
-
 def _load(data: bytes, max_pickles: int = 1) -> tuple[list[Any], list[str], str | None]:
     """Run the scanning unpickler over ``max_pickles`` consecutive pickles in ``data``."""
     up = _ScanUnpickler(data)
@@ -230,7 +222,7 @@ def scan_torch_file(path: str, display: str) -> PickleScan:
 
     with open(path, "rb") as f:
         prefix = f.read(512)
-    kind = _sniff(prefix)
+    kind = sniff(prefix)
     if kind == "lfs":
         add("pickle.lfs_pointer", ERROR, f"{display} is a git-LFS pointer, not the checkpoint data",
             "run `git lfs pull` (or download the file again) to fetch the real content")

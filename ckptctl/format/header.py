@@ -75,16 +75,16 @@ class Header:
         )
 
 
-class _Duplicate(Exception):
+class DuplicateKey(Exception):
     def __init__(self, key: str) -> None:
         self.key = key
 
 
-def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+def no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for key, value in pairs:
         if key in out:
-            raise _Duplicate(key)
+            raise DuplicateKey(key)
         out[key] = value
     return out
 
@@ -141,7 +141,7 @@ def _serde_problem(obj: Any) -> str | None:
 _REDOWNLOAD = "the file is damaged or incomplete: download or export it again"
 
 
-def _sniff(prefix: bytes) -> str | None:
+def sniff(prefix: bytes) -> str | None:
     """Recognise what is commonly found where a shard should be."""
     head = prefix.lstrip()
     if head.startswith(b"version https://git-lfs"):
@@ -156,7 +156,7 @@ def _check_prefix(hdr: Header, prefix: bytes) -> int | None:
     """Checks that need only the first bytes and the file size. Returns the header length when
     the JSON can be read, None when a finding already makes the file unreadable."""
     shown, size = hdr.path, hdr.file_size
-    kind = _sniff(prefix)
+    kind = sniff(prefix)
     if kind == "lfs":
         hdr.add("header.lfs_pointer",
                 f"{shown} is a git-LFS pointer ({size} bytes), not the safetensors data",
@@ -260,11 +260,11 @@ def _parse_into(hdr: Header, raw: bytes) -> None:
         hdr.add("header.leading_whitespace",
                 f"{shown}: header has {len(text) - len(stripped)} bytes of whitespace before '{{'",
                 severity=WARNING, hint="the format says the header MUST begin with '{'; re-save the file")
-    decoder = json.JSONDecoder(object_pairs_hook=_no_duplicates, parse_constant=_reject_constant,
+    decoder = json.JSONDecoder(object_pairs_hook=no_duplicate_keys, parse_constant=_reject_constant,
                                parse_float=_finite_float, parse_int=_int_or_negative_zero)
     try:
         obj, end = decoder.raw_decode(stripped)
-    except _Duplicate as exc:
+    except DuplicateKey as exc:
         hdr.add("header.duplicate_key", f"{shown}: key {exc.key!r} appears more than once in the header",
                 tensor=exc.key, hint="parsers disagree on which copy wins: re-export the file")
         return

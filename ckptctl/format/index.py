@@ -9,6 +9,7 @@ from typing import Any
 
 from ckptctl.errors import from_oserror
 from ckptctl.findings import ERROR, Finding, has_errors
+from ckptctl.format.header import DuplicateKey, no_duplicate_keys
 
 MAX_INDEX_SIZE = 10 * 1024 * 1024  # huggingface_hub's MAX_INDEX_FILE_SIZE
 
@@ -50,10 +51,10 @@ def read_index(path: str | os.PathLike[str], *, display: str | None = None) -> I
     except OSError as exc:
         raise from_oserror(exc, "cannot read index") from None
     try:
-        obj = json.loads(raw.decode("utf-8"), object_pairs_hook=_strict_pairs)
-    except _DupKey as exc:
-        idx.add("index.duplicate_key", f"{idx.path}: key {exc.args[0]!r} appears twice", hint=_REBUILD,
-                tensor=exc.args[0])
+        obj = json.loads(raw.decode("utf-8"), object_pairs_hook=no_duplicate_keys)
+    except DuplicateKey as exc:
+        idx.add("index.duplicate_key", f"{idx.path}: key {exc.key!r} appears twice", hint=_REBUILD,
+                tensor=exc.key)
         return idx
     except (ValueError, RecursionError) as exc:  # bad UTF-8, bad JSON, an int over 4300 digits
         idx.add("index.bad_json", f"{idx.path}: not valid JSON ({exc.__class__.__name__})", hint=_REBUILD)
@@ -76,19 +77,6 @@ def read_index(path: str | os.PathLike[str], *, display: str | None = None) -> I
     else:
         idx.metadata = dict(meta)
     return idx
-
-
-class _DupKey(Exception):
-    pass
-
-
-def _strict_pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in pairs:
-        if k in out:
-            raise _DupKey(k)
-        out[k] = v
-    return out
 
 
 def encode_index(weight_map: dict[str, str], total_size: int, *, total_parameters: int | None = None,
