@@ -75,3 +75,16 @@ def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
 
 def staging_dirs(parent: Path) -> list[Path]:
     return sorted(p for p in parent.iterdir() if p.name.startswith("_tmp_"))
+
+
+def wait_stopped(pid: int, timeout: float = 60) -> None:
+    """Wait until a process stopped itself (CKPTCTL_STOP_AT): state T in /proc/PID/stat."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        if stat[stat.rfind(")") + 2] == "T":
+            return
+        time.sleep(0.01)
+    raise AssertionError("writer did not stop")

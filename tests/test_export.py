@@ -14,8 +14,8 @@ from ckptctl import ExportOptions, export, save_state_dict
 from ckptctl.errors import InputError, UsageError
 from ckptctl.manifest import MANIFEST_NAME, sha256_file
 from ckptctl.plan import group
-from tests.ckpt_helpers import (load_dir, load_hub, run_ckptctl, same, staging_dirs, state, write_sharded,
-                                write_single)
+from tests.ckpt_helpers import (load_dir, load_hub, run_ckptctl, same, staging_dirs, state, wait_stopped,
+                                write_sharded, write_single)
 
 
 # --- the four cases that broke mcore-bridge's saver ------------------------------------------
@@ -334,19 +334,13 @@ def test_destination_created_during_the_write_is_never_replaced(tmp_path):
     import signal
     import subprocess
     import sys
-    import time
 
     write_single(tmp_path / "src", state(1))
     dst = tmp_path / "out"
     env = dict(os.environ, CKPTCTL_STOP_AT="sealed")
     proc = subprocess.Popen([sys.executable, "-m", "ckptctl", "export", str(tmp_path / "src"), str(dst)],
                             stderr=subprocess.PIPE, env=env)
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        st = open(f"/proc/{proc.pid}/stat").read()
-        if st[st.rfind(")") + 2] == "T":
-            break
-        time.sleep(0.01)
+    wait_stopped(proc.pid)
     dst.mkdir()
     (dst / "precious.txt").write_text("mine")
     proc.send_signal(signal.SIGCONT)

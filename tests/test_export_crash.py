@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 from ckptctl import staging
-from tests.ckpt_helpers import load_dir, load_hub, run_ckptctl, same, staging_dirs, state, write_sharded, write_single
+from tests.ckpt_helpers import (load_dir, load_hub, run_ckptctl, same, staging_dirs, state, wait_stopped,
+                                write_sharded, write_single)
 
 KILL_POINTS = ["stage-created", "shard-start", "write-data", "fsync-shard", "shards-written", "index",
                "extras-written", "manifest-written", "sealed", "publish", "published", "after-publish"]
@@ -129,16 +130,6 @@ def small_fs(tmp_path):
     subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
 
 
-def _wait_stopped(pid: int) -> None:
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-        if stat[stat.rfind(")") + 2] == "T":
-            return
-        time.sleep(0.01)
-    raise AssertionError("writer did not stop")
-
-
 def test_enospc_on_small_tmpfs(tmp_path, small_fs):
     src = tmp_path / "src"
     write_single(src, state(1, n=4, rows=256, cols=256))  # 1 MiB of tensors
@@ -154,7 +145,7 @@ def test_enospc_on_small_tmpfs(tmp_path, small_fs):
     env = dict(os.environ, CKPTCTL_STOP_AT="stage-created")
     proc = subprocess.Popen([sys.executable, "-m", "ckptctl", "export", str(tmp_path / "src2"), str(dst),
                              "--overwrite"], stderr=subprocess.PIPE, env=env)
-    _wait_stopped(proc.pid)
+    wait_stopped(proc.pid)
     filler = small_fs / "filler"
     with open(filler, "wb") as f:
         try:

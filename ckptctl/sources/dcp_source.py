@@ -134,6 +134,10 @@ class DcpSource(Source):
         try:
             dcp.load({fqn: buf}, storage_reader=_reader_class()(self.path, self._meta), no_dist=True)
         except Exception as exc:  # noqa: BLE001 - torch wraps read errors in CheckpointException
+            cause = exc.__cause__ or exc.__context__
+            if isinstance(exc, OSError) or isinstance(cause, OSError):
+                raise from_oserror(exc if isinstance(exc, OSError) else cause, f"cannot read tensor {t.name!r}",
+                                   phase="write") from None
             raise InputError(f"{self.path}: cannot read tensor {t.name!r} ({type(exc).__name__}: {str(exc)[:200]})",
                              "the DCP files are damaged: save the checkpoint again") from None
         return buf
