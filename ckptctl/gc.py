@@ -678,14 +678,21 @@ def _lock_staging(parent_fd: int, name: str) -> tuple[int, int] | None:
         raise
 
 
-def _remove_stub(c: Candidate, parent_fd: int) -> None:
+def _lock_or_decide(c: Candidate, parent_fd: int, held: str) -> tuple[int, int] | None:
+    """Take the candidate's staging lock; when that is not possible, record why and return None."""
     try:
         fds = _lock_staging(parent_fd, c.path.name)
     except FileNotFoundError:
         c.decision, c.reason = VANISHED, "removed meanwhile (another gc run?)"
-        return
+        return None
     if fds is None:
-        c.decision, c.reason = KEPT, "its lock is held now (a writer starting, or another gc run)"
+        c.decision, c.reason = KEPT, f"its lock is held now ({held})"
+    return fds
+
+
+def _remove_stub(c: Candidate, parent_fd: int) -> None:
+    fds = _lock_or_decide(c, parent_fd, "a writer starting, or another gc run")
+    if fds is None:
         return
     sfd, lfd = fds
     try:
@@ -717,13 +724,8 @@ def _remove_ours(c: Candidate, parent_fd: int) -> None:
         c.decision, c.reason = KEPT, f"writer alive: {live.reason}"
         return
     # 2. take the staging lock ourselves: a second gc run (or anyone) now backs off
-    try:
-        fds = _lock_staging(parent_fd, name)
-    except FileNotFoundError:
-        c.decision, c.reason = VANISHED, "removed meanwhile (another gc run?)"
-        return
+    fds = _lock_or_decide(c, parent_fd, "another gc run, or a writer")
     if fds is None:
-        c.decision, c.reason = KEPT, "its lock is held now (another gc run, or a writer)"
         return
     sfd, lfd = fds
     try:

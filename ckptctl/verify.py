@@ -490,6 +490,27 @@ class _Dir:
             return None
         return target
 
+    def listed_file(self, name: str, *, code_outside: str, source: str, what: str, code_missing: str,
+                    missing: str, hint_missing: str, hint_not_file: str) -> int | None:
+        """Size of a file that a document (DCP metadata, manifest) lists, or None after reporting
+        why it cannot be used: outside the directory, missing, unreadable or not a regular file."""
+        target = self.resolve(name, code=code_outside, source=source, what=what)
+        if target is None:
+            return None
+        if not os.path.lexists(target):
+            self.add(code_missing, ERROR, self.disp(name), f"{name} {missing}", hint_missing, name=name)
+            return None
+        try:
+            regular, size = _regular(target)
+        except OSError as exc:
+            self.io(name, exc)
+            return None
+        if not regular:
+            self.add("dir.not_a_file", ERROR, self.disp(name), f"{self.disp(name)} is not a regular file",
+                     hint_not_file)
+            return None
+        return size
+
     def open_json(self, name: str, code_bad: str) -> tuple[bool, Any]:
         """Parse a JSON file of the directory. (False, None) when absent or refused."""
         if name not in self.names:
@@ -903,23 +924,12 @@ class _Dir:
         self.res.findings.extend(req.findings)
         self.res.tensors += req.tensors
         for rel, need in sorted(req.referenced.items()):
-            target = self.resolve(rel, code="dcp.path_outside", source=md_display, what="storage file")
-            if target is None:
-                continue
-            if not os.path.lexists(target):
-                self.add("dcp.file_missing", ERROR, self.disp(rel),
-                         f"{rel} is referenced by .metadata but does not exist",
-                         "the save did not finish on every rank (or the file was not copied): save it again",
-                         name=rel)
-                continue
-            try:
-                regular, size = _regular(target)
-            except OSError as exc:
-                self.io(rel, exc)
-                continue
-            if not regular:
-                self.add("dir.not_a_file", ERROR, self.disp(rel), f"{self.disp(rel)} is not a regular file",
-                         "save the checkpoint again")
+            size = self.listed_file(
+                rel, code_outside="dcp.path_outside", source=md_display, what="storage file",
+                code_missing="dcp.file_missing", missing="is referenced by .metadata but does not exist",
+                hint_missing="the save did not finish on every rank (or the file was not copied): save it again",
+                hint_not_file="save the checkpoint again")
+            if size is None:
                 continue
             self.record(rel, "weights")
             self.deep_queue.setdefault(rel, None)
@@ -1031,22 +1041,11 @@ class _Dir:
         shown = self.disp(MANIFEST_NAME)
         listed: dict[str, dict[str, Any]] = {}
         for name, entry in sorted(doc["files"].items()):
-            target = self.resolve(name, code="manifest.path_outside", source=shown, what="file")
-            if target is None:
-                continue
-            if not os.path.lexists(target):
-                self.add("manifest.file_missing", ERROR, self.disp(name),
-                         f"{name} is listed in the manifest but does not exist",
-                         "restore the file or re-export the checkpoint", name=name)
-                continue
-            try:
-                regular, size = _regular(target)
-            except OSError as exc:
-                self.io(name, exc)
-                continue
-            if not regular:
-                self.add("dir.not_a_file", ERROR, self.disp(name), f"{self.disp(name)} is not a regular file",
-                         "restore the file")
+            size = self.listed_file(
+                name, code_outside="manifest.path_outside", source=shown, what="file",
+                code_missing="manifest.file_missing", missing="is listed in the manifest but does not exist",
+                hint_missing="restore the file or re-export the checkpoint", hint_not_file="restore the file")
+            if size is None:
                 continue
             self.record(name, self.records[name].role if name in self.records else "extra")
             if size != entry["size"]:

@@ -392,6 +392,11 @@ def _check_embeddings(ctx: _Ctx, spec: Spec, root: str, d: Dims, tensors: dict[s
                 "separately, or drop the tensor with `ckptctl resave`", tensor=lm.name)
 
 
+def _first(items: list[int], total: int, shown: int = 10) -> str:
+    """The first ``shown`` items, with ' ...' when there are more (``total`` of them)."""
+    return ", ".join(map(str, items[:shown])) + (" ..." if total > shown else "")
+
+
 def _check_layers(ctx: _Ctx, spec: Spec, root: str, d: Dims, tensors: dict[str, TensorMeta],
                   quantized: bool) -> None:
     pat = re.compile(rf"^{re.escape(root)}{spec.layer}\.(\d+)\.(.+)$")
@@ -419,13 +424,13 @@ def _check_layers(ctx: _Ctx, spec: Spec, root: str, d: Dims, tensors: dict[str, 
         if missing:
             ctx.add("config.layer_missing", ERROR,
                     f"num_hidden_layers is {d.layers} but {n_missing} layers have no tensors under {where} "
-                    f"(missing: {', '.join(map(str, missing[:10]))}{' ...' if n_missing > 10 else ''}); they "
+                    f"(missing: {_first(missing, n_missing)}); they "
                     "would be randomly initialised", "restore the missing shard(s) or fix num_hidden_layers",
                     missing=missing[:200])
         if extra:
             ctx.add("config.layer_extra", ERROR,
                     f"num_hidden_layers is {d.layers} but tensors exist for layers "
-                    f"{', '.join(map(str, extra[:10]))}{' ...' if len(extra) > 10 else ''}; transformers "
+                    f"{_first(extra, len(extra))}; transformers "
                     "silently ignores them", "fix num_hidden_layers, or drop the stale layers with ckptctl resave",
                     extra=extra[:200])
     if quantized:

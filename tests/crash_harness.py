@@ -803,18 +803,21 @@ class Scenario:
         return [a.replace("{src}", str(src)).replace("{dst}", str(dst)) for a in self.args]
 
 
-def _old_sharded(d: Path) -> None:
-    _save_sharded(d, _state(1), max_shard_size=20_000)
+def _finish_old(d: Path) -> None:
+    """What every "old version" has beside its weights: config, a model card, a manifest."""
     _config(d)
     (d / "README.md").write_text("old model card\n")
     _write_manifest(d)
+
+
+def _old_sharded(d: Path) -> None:
+    _save_sharded(d, _state(1), max_shard_size=20_000)
+    _finish_old(d)
 
 
 def _old_single(d: Path) -> None:
     _save_single(d, _state(1))
-    _config(d)
-    (d / "README.md").write_text("old model card\n")
-    _write_manifest(d)
+    _finish_old(d)
 
 
 def _src_single(d: Path) -> None:
@@ -848,9 +851,7 @@ def _big(seed: int):
 
 def _old_small_single(d: Path) -> None:
     _save_single(d, _state(1, n=2))
-    _config(d)
-    (d / "README.md").write_text("old model card\n")
-    _write_manifest(d)
+    _finish_old(d)
 
 
 def _src_big(d: Path) -> None:
@@ -860,16 +861,12 @@ def _src_big(d: Path) -> None:
 
 def _old_big_single(d: Path) -> None:
     _save_single(d, _big(4))
-    _config(d)
-    (d / "README.md").write_text("old model card\n")
-    _write_manifest(d)
+    _finish_old(d)
 
 
 def _old_big_sharded(d: Path) -> None:
     _save_sharded(d, _big(5), max_shard_size=9_000_000)
-    _config(d)
-    (d / "README.md").write_text("old model card\n")
-    _write_manifest(d)
+    _finish_old(d)
 
 
 _COMMON = ["stage-create", "stage-created", "shard-start", "write-data", "fsync-shard", "shards-written",
