@@ -27,7 +27,8 @@ from pathlib import Path
 import numpy as np
 
 from ckptctl.format import dtypes as dt
-from ckptctl.format.header import TensorSpec, encode_header
+from ckptctl.format.header import encode_header
+from ckptctl.format.tensor import TensorSpec
 from ckptctl.sizes import format_size, parse_size
 
 WORK = Path(__file__).resolve().parent / "work"

@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 from typing import Iterable
 
 from ckptctl.format import dtypes as dt
-from ckptctl.format.header import TensorInfo, TensorSpec, encode_header
+from ckptctl.format.header import TensorInfo, encode_header
+from ckptctl.format.tensor import TensorSpec
 
 MAX_SHARDS = 99_999
 

@@ -29,7 +29,8 @@ from ckptctl import layout as L
 from ckptctl.errors import InputError, UnrepairableError, UsageError
 from ckptctl.findings import ERROR, Finding
 from ckptctl.format import dtypes as dt
-from ckptctl.format.header import Header, TensorInfo, TensorSpec, encode_header, read_header
+from ckptctl.format.header import Header, TensorInfo, encode_header, read_header
+from ckptctl.format.tensor import TensorSpec
 from ckptctl.format.index import read_index
 from ckptctl.plan import Plan, ShardPlan
 from ckptctl.sources.base import Source, SourceTensor

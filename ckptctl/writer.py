@@ -22,7 +22,7 @@ from typing import Any, Callable, Iterable
 from ckptctl import _faults, layout as L
 from ckptctl.errors import CkptctlError, DiskFullError, InputError, Interrupted, UsageError, from_oserror
 from ckptctl.format import dtypes as dt
-from ckptctl.format.header import TensorSpec
+from ckptctl.format.tensor import TensorSpec
 from ckptctl.format.index import encode_index
 from ckptctl.manifest import MANIFEST_NAME, build_manifest, encode_manifest
 from ckptctl.plan import Plan, ShardPlan, make_plan

@@ -26,13 +26,13 @@ from ckptctl.findings import ERROR, WARNING
 from ckptctl.format import dtypes as dt
 from ckptctl.format.header import (
     MAX_HEADER_SIZE,
-    TensorSpec,
     encode_header,
     header_size_of,
     load_header,
     parse_header_bytes,
     read_header,
 )
+from ckptctl.format.tensor import TensorSpec
 from ckptctl.errors import InputError
 
 FUZZ = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])

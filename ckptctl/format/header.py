@@ -18,6 +18,7 @@ from typing import Any, Iterable
 from ckptctl.errors import InputError, from_oserror
 from ckptctl.findings import ERROR, WARNING, Finding, has_errors
 from ckptctl.format import dtypes as dt
+from ckptctl.format.tensor import TensorSpec
 
 MAX_HEADER_SIZE = 100_000_000  # safetensors' MAX_HEADER_SIZE
 HUB_MAX_HEADER_SIZE = 25_000_000  # huggingface_hub refuses larger headers in its metadata API
@@ -28,13 +29,24 @@ METADATA_KEY = "__metadata__"
 
 @dataclass(frozen=True)
 class TensorInfo:
-    """One tensor of a safetensors file. ``begin``/``end`` are relative to the data section."""
+    """One tensor of a safetensors file: its spec and where its bytes sit. ``begin``/``end`` are
+    relative to the data section."""
 
-    name: str
-    dtype: str
-    shape: tuple[int, ...]
+    spec: TensorSpec
     begin: int
     end: int
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def dtype(self) -> str:
+        return self.spec.dtype  # type: ignore[return-value]
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.spec.shape
 
     @property
     def nbytes(self) -> int:
@@ -42,7 +54,7 @@ class TensorInfo:
 
     @property
     def numel(self) -> int:
-        return dt.numel(self.shape)
+        return dt.numel(self.spec.shape)
 
 
 @dataclass
@@ -413,7 +425,7 @@ def _check_entry(hdr: Header, name: str, entry: Any) -> TensorInfo | None:
             hdr.add("header.overflow", f"{shown}: tensor {name!r} shape {shape} overflows the 2^48 element limit",
                     tensor=name, hint=_REDOWNLOAD)
             return None
-    info = TensorInfo(name, dtype if isinstance(dtype, str) else "?", tuple(shape), begin, end)
+    info = TensorInfo(TensorSpec(name, dtype if isinstance(dtype, str) else "?", tuple(shape)), begin, end)
     if d is not None:
         bits = numel * d.bits
         if bits % 8:
@@ -444,20 +456,6 @@ def load_header(path: str | os.PathLike[str], *, display: str | None = None) -> 
 # Encoding
 
 
-@dataclass(frozen=True)
-class TensorSpec:
-    """What the encoder needs to know about a tensor: name, safetensors dtype, shape."""
-
-    name: str
-    dtype: str
-    shape: tuple[int, ...]
-
-    @property
-    def nbytes(self) -> int:
-        d = dt.BY_NAME[self.dtype]
-        return dt.nbytes(d, self.shape)
-
-
 def layout_order(specs: Iterable[TensorSpec]) -> list[TensorSpec]:
     """The order the official writer lays tensors out in: dtype rank descending, then name."""
     return sorted(specs, key=lambda s: (-dt.RANK[s.dtype], s.name))
@@ -483,7 +481,7 @@ def encode_header(specs: Iterable[TensorSpec], metadata: dict[str, str] | None =
             raise ValueError(f"duplicate tensor name {s.name!r}")
         n = s.nbytes
         obj[s.name] = {"dtype": s.dtype, "shape": list(s.shape), "data_offsets": [offset, offset + n]}
-        infos.append(TensorInfo(s.name, s.dtype, tuple(s.shape), offset, offset + n))
+        infos.append(TensorInfo(TensorSpec(s.name, s.dtype, tuple(s.shape)), offset, offset + n))
         offset += n
     text = json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
     pad = (-len(text)) % 8

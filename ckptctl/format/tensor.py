@@ -1,0 +1,32 @@
+"""The one record of a tensor's identity: name, safetensors dtype, shape.
+
+Every other tensor record (a header entry with its offsets, a source tensor with the file its
+bytes sit in, a verify or inspect row) holds a ``TensorSpec`` and adds only its own facts."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ckptctl.format import dtypes as dt
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """Name, safetensors dtype name (``None`` where a format does not say, e.g. an unreadable
+    pickle record) and shape."""
+
+    name: str
+    dtype: str | None
+    shape: tuple[int, ...]
+
+    @property
+    def numel(self) -> int:
+        return dt.numel(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the data as stored (the dtype must be known)."""
+        return dt.nbytes(dt.BY_NAME[self.dtype], self.shape)
+
+    def with_dtype(self, dtype: str) -> "TensorSpec":
+        return TensorSpec(self.name, dtype, self.shape)
