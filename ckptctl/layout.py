@@ -1,47 +1,36 @@
-"""What a path holds: weight families, extras, leftovers and ambiguities.
+"""What a path holds: weight families, extras, leftovers and ambiguities. The one model of a
+checkpoint directory that every command reads.
 
-Recognises a single ``.safetensors`` file; single-file and sharded safetensors checkpoints;
-PyTorch pickles (``pytorch_model.bin``, sharded with an index, ``.pt``/``.pth``); PEFT adapters;
-torch DCP directories; the non-weight extras; and temp/staging leftovers. Anything ambiguous is
-reported as a finding, never resolved by a silent guess.
+A *family* is one set of weights files that together form a checkpoint: a single file, or shards
+with their index. Files are grouped by their library name (``ckptctl.format.names``): stem
+(``model``, ``pytorch_model``, ``diffusion_pytorch_model``, ``adapter_model``), container
+(safetensors or pickle) and variant (``model.fp16.safetensors``). Each index is parsed here, once,
+and kept on its family (``Family.index_doc``) with its findings in ``Layout.findings``; nobody
+re-reads it. torch DCP directories, lone ``.pt`` files and stray ``*.safetensors`` files are
+families too. Anything ambiguous is reported as a finding, never resolved by a silent guess;
+:func:`choose` is the one policy that picks a family where a command must read one.
 """
 
 from __future__ import annotations
 
-import fnmatch
 import os
-import re
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
-from ckptctl.errors import InputError
+from ckptctl.errors import InputError, UsageError
 from ckptctl.findings import ERROR, INFO, WARNING, Finding
-from ckptctl.format.index import read_index
+from ckptctl.format import names as N
+from ckptctl.format.index import Index, read_index
 
 SAFETENSORS = "safetensors"
 PYTORCH = "pytorch"
 PEFT = "peft"
 DCP = "dcp"
 
-ST_INDEX = "model.safetensors.index.json"
-PT_INDEX = "pytorch_model.bin.index.json"
-
-# Files of one weights family: model.safetensors, model-00001-of-00002.safetensors, ...
-WEIGHT_NAME = re.compile(
-    r"^(?P<stem>model|pytorch_model|adapter_model)(?:\.(?P<variant>[A-Za-z0-9_]+))?"
-    r"(?:-(?P<i>\d{5})-of-(?P<n>\d{5}))?\.(?P<ext>safetensors|bin)$"
-)
-SHARD_NAME = re.compile(r"^(?P<prefix>.+)-(?P<i>\d{5})-of-(?P<n>\d{5})\.(?P<ext>safetensors|bin)$")
-
-# Names other tools (and crashed writers) leave behind. Matched against a directory entry's name.
-LEFTOVER_PATTERNS: dict[str, tuple[str, ...]] = {
-    "temp-shards": ("*-of-?????.safetensors", "*-of-?????.bin"),  # literal '?', mcore-bridge
-    "staging": ("_tmp_*",),  # ckptctl's and Miles' staging directories
-    "safetensors-tmp": (".tmp*",),  # safetensors >= 0.8 NamedTempFile
-    "incomplete": ("*.incomplete",),  # huggingface_hub partial downloads
-    "trainer-tmp": ("tmp-checkpoint-*",),  # transformers Trainer staging
-    "orbax": ("*.orbax-checkpoint-tmp*",),
-}
+ST_INDEX = N.index_name("model", N.SAFETENSORS_EXT)
+PT_INDEX = N.index_name("pytorch_model", N.BIN_EXT)
 
 EXTRA_NAMES = frozenset({
     "config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
@@ -53,16 +42,19 @@ EXTRA_NAMES = frozenset({
 # Extras copied by export from a source directory (README is the user's, not the model's).
 COPIED_EXTRAS = EXTRA_NAMES - {"README.md"}
 
+# Stems whose safetensors and pickle families hold the same model (they compete).
+_SLOT = {"model": "model", "pytorch_model": "model", "diffusion_pytorch_model": "diffusion_pytorch_model",
+         "adapter_model": "adapter_model"}
 
-def is_leftover(name: str) -> str | None:
-    """The leftover preset a name matches (literal '?' in temp shard names), or None."""
-    if "?????" in name and (name.endswith(".safetensors") or name.endswith(".bin")):
-        return "temp-shards"
-    for preset, patterns in LEFTOVER_PATTERNS.items():
-        if preset == "temp-shards":
-            continue
-        if any(fnmatch.fnmatchcase(name, p) for p in patterns):
-            return preset
+
+def is_leftover(name: str, *, is_dir: bool | None = None) -> str | None:
+    """The leftover kind a directory entry's name is (see ``names.LEFTOVERS``), or None. Without
+    ``is_dir`` the name is tried as a file and as a directory."""
+    kinds = (False, True) if is_dir is None else (is_dir,)
+    for d in kinds:
+        kind = N.leftover_kind(name, is_dir=d)
+        if kind:
+            return kind
     return None
 
 
@@ -74,10 +66,29 @@ class Family:
     files: list[str]  # data files, relative to the layout root (a file source: its own name)
     index: str | None = None
     container: str = SAFETENSORS  # safetensors | pytorch | dcp
+    stem: str | None = None  # the library's name (names.STEMS); None for DCP and stray files
+    variant: str | None = None  # model.<variant>.safetensors
+    index_doc: Index | None = field(default=None, repr=False)  # the parsed index, read once by scan
 
     @property
     def all_files(self) -> list[str]:
         return self.files + ([self.index] if self.index else [])
+
+    @property
+    def sharded(self) -> bool:
+        return self.index is not None or len(self.files) > 1
+
+    @property
+    def slot(self) -> tuple[str, str | None]:
+        """Families in the same slot hold the same model: at most one may be live."""
+        if self.stem:
+            return _SLOT[self.stem], self.variant
+        return ("model" if self.kind in (SAFETENSORS, PYTORCH) else self.kind), self.variant
+
+    def describe(self) -> str:
+        if self.index:
+            return f"{self.index} ({len(self.files)} shards)"
+        return ", ".join(self.files) if len(self.files) <= 3 else f"{len(self.files)} files"
 
 
 @dataclass
@@ -91,7 +102,12 @@ class Layout:
     findings: list[Finding] = field(default_factory=list)
 
     def family(self, kind: str) -> Family | None:
-        return next((f for f in self.families if f.kind == kind), None)
+        """The first family of ``kind`` that is not a variant."""
+        return next((f for f in self.families if f.kind == kind and f.variant is None), None)
+
+    @property
+    def variants(self) -> list[Family]:
+        return [f for f in self.families if f.variant is not None]
 
     @property
     def weight_files(self) -> set[str]:
@@ -99,25 +115,79 @@ class Layout:
 
     def primary(self, prefer: str | None = None) -> Family:
         """The one family a command should read; raises when there is none or it is ambiguous."""
-        fams = self.families
-        if prefer:
-            chosen = [f for f in fams if f.kind == prefer]
-            if not chosen:
-                raise InputError(f"{self.root} holds no {prefer} weights",
-                                 f"run `ckptctl inspect {self.root}` to see what it holds")
-            return chosen[0]
+        return choose(self, prefer=prefer)
+
+
+# --------------------------------------------------------------------------------------------
+# the one ranking policy
+
+
+@dataclass(frozen=True)
+class Assessment:
+    """What a caller that read the headers knows of a candidate family."""
+
+    complete: bool  # every file present with a sound header
+    agrees: bool  # consistent with config.json
+
+
+def candidates(lay: Layout) -> list[Family]:
+    """The families a command may read: the main (non-variant) ones, or a lone variant."""
+    main = [f for f in lay.families if f.variant is None]
+    return main or list(lay.families)
+
+
+def choose(lay: Layout, *, prefer: str | None = None,
+           assess: Callable[[Family], Assessment] | None = None) -> Family:
+    """Pick the family a command reads. ``prefer`` names a kind (``safetensors``, ``pytorch``,
+    ``peft``, ``dcp``) or, between a single file and a sharded family of the same kind, ``index``
+    or ``single``. With ``assess`` (a caller that has read the headers), a complete family that
+    agrees with config.json wins over one that does not; two sound families are never chosen
+    between silently. Raises :class:`InputError` / :class:`UsageError` with the next step."""
+    fams = candidates(lay)
+    if prefer in (SAFETENSORS, PYTORCH, PEFT, DCP):
+        fams = [f for f in fams if f.kind == prefer]
         if not fams:
-            raise InputError(f"{self.root} holds no checkpoint weights (no safetensors, .bin, adapter or DCP files)",
-                             "pass a checkpoint directory or a weights file")
-        if len(fams) == 1:
-            return fams[0]
-        kinds = {f.kind for f in fams}
-        if PEFT in kinds and len(kinds) == 2 and len(fams) == 2:
-            other = next(f for f in fams if f.kind != PEFT)
-            raise InputError(f"{self.root} holds both a PEFT adapter and {other.kind} model weights",
-                             f"choose one with --only {PEFT} or --only {other.kind}")
-        raise InputError(f"{self.root} holds several weight families: {', '.join(sorted(kinds))}",
-                         "choose one with --only, or repair the directory with `ckptctl resave --repair`")
+            raise InputError(f"{lay.root} holds no {prefer} weights",
+                             f"run `ckptctl inspect {lay.root}` to see what it holds")
+    elif prefer in ("index", "single"):
+        picked = [f for f in fams if f.sharded == (prefer == "index")]
+        fams = picked or fams
+    elif prefer is not None:
+        raise UsageError(f"unknown preference {prefer!r}", "use safetensors, pytorch, peft, dcp, index or single")
+    if not fams:
+        raise InputError(f"{lay.root} holds no checkpoint weights (no safetensors, .bin, adapter or DCP files)",
+                         "pass a checkpoint directory or a weights file")
+    if len(fams) == 1:
+        return fams[0]
+    if assess is not None:
+        judged = [(f, assess(f)) for f in fams]
+        sound = [f for f, a in judged if a.complete and a.agrees]
+        if len(sound) == 1:
+            return sound[0]
+        if not sound:
+            raise _Unsound(lay, fams)
+        fams = sound
+    kinds = {f.kind for f in fams}
+    if PEFT in kinds and len(kinds) == 2 and len(fams) == 2:
+        other = next(f for f in fams if f.kind != PEFT)
+        raise InputError(f"{lay.root} holds both a PEFT adapter and {other.kind} model weights",
+                         f"choose one with --only {PEFT} or --only {other.kind}")
+    if len(kinds) == 1 and {f.sharded for f in fams} == {True, False}:
+        raise InputError(f"{lay.root}: both a single file and a sharded family with an index hold "
+                         f"{next(iter(kinds))} weights ({'; '.join(f.describe() for f in fams)})",
+                         f"keep one with `ckptctl resave --repair --prefer index|single {lay.root}`")
+    raise InputError(f"{lay.root} holds several weight families: {', '.join(sorted(kinds))}",
+                     "choose one with --only, or repair the directory with `ckptctl resave --repair`")
+
+
+class _Unsound(InputError):
+    def __init__(self, lay: Layout, fams: list[Family]) -> None:
+        super().__init__(f"{lay.root}: none of the weight families ({'; '.join(f.describe() for f in fams)}) is "
+                         "complete and consistent with config.json", "restore one of them; nothing was changed")
+
+
+# --------------------------------------------------------------------------------------------
+# scanning
 
 
 def _add(lay: Layout, code: str, severity: str, path: str, message: str, hint: str | None = None) -> None:
@@ -139,164 +209,212 @@ def scan(path: str | os.PathLike[str], *, names: list[str] | None = None) -> Lay
         raise InputError(f"no such file or directory: {p}", "check the path (a repo id needs the local HF cache)")
     if not is_dir:
         return _scan_file(p)
-    if names is not None:
-        return _scan_dir(p, sorted(names))
+    if names is None:
+        try:
+            names = os.listdir(p)
+        except OSError as exc:
+            raise InputError(f"cannot list {p}: {exc.strerror}", "check the directory's permissions") from None
+    return _Scanner(p, sorted(names)).run()
+
+
+def _mode(path: Path) -> int | None:
+    """st_mode after following links (an HF cache snapshot links into ../../blobs), or None."""
     try:
-        names = sorted(os.listdir(p))
-    except OSError as exc:
-        raise InputError(f"cannot list {p}: {exc.strerror}", "check the directory's permissions") from None
-    return _scan_dir(p, names)
-
-
-def _regular(root: Path, name: str) -> bool:
-    """A regular file after following links (an HF cache snapshot links into ../../blobs), so
-    reading it cannot block like a FIFO or a device would."""
-    import stat
-
-    try:
-        return stat.S_ISREG(os.stat(root / name).st_mode)
+        return os.stat(path).st_mode
     except OSError:
-        return False
+        return None
+
+
+def _regular(path: Path) -> bool:
+    """A regular file, so reading it cannot block like a FIFO or a device would."""
+    m = _mode(path)
+    return m is not None and stat.S_ISREG(m)
 
 
 def _scan_file(p: Path) -> Layout:
     lay = Layout(root=p.parent, single_file=p.name)
     name = p.name
     if name.endswith(".safetensors"):
-        lay.families.append(Family(SAFETENSORS, [name]))
+        w = N.parse_weights_name(name)
+        lay.families.append(Family(SAFETENSORS, [name], stem=w.stem if w else None, variant=w.variant if w else None))
     elif name.endswith((".bin", ".pt", ".pth", ".ckpt")):
         lay.families.append(Family(PYTORCH, [name], container=PYTORCH))
-    elif name.endswith(".safetensors.index.json"):
-        return _scan_dir(p.parent, sorted(os.listdir(p.parent)))
+    elif N.parse_index_name(name) or name.endswith(N.INDEX_SUFFIXES):
+        return scan(p.parent)
     else:
         raise InputError(f"{p} is not a checkpoint file (expected .safetensors, .bin, .pt or .pth)",
                          "pass a weights file or a checkpoint directory")
     return lay
 
 
-def _scan_dir(root: Path, names: list[str]) -> Layout:
-    lay = Layout(root=root)
-    claimed: set[str] = set()
-    shown = str(root)
+class _Scanner:
+    def __init__(self, root: Path, names: list[str]) -> None:
+        self.root = root
+        self.names = names
+        self.present = set(names)
+        self.lay = Layout(root=root)
+        self.claimed: set[str] = set()
 
-    # Leftovers first: a temp shard must never count as a weights file.
-    for n in names:
-        if is_leftover(n):
-            lay.leftovers.append(n)
-            claimed.add(n)
-            _add(lay, "layout.leftover", WARNING, str(root / n),
-                 f"{n} looks like a leftover of an interrupted write", "remove it with `ckptctl gc-tmp` or "
-                 "`ckptctl resave --repair`; an upload would push it")
+    def run(self) -> Layout:
+        self._leftovers()
+        self._named_families()
+        self._dcp()
+        self._strays()
+        self._conflicts()
+        for n in self.names:
+            if n not in self.claimed:
+                (self.lay.extras if n in EXTRA_NAMES else self.lay.others).append(n)
+        return self.lay
 
-    def sharded(stem: str, ext: str, index_name: str, kind: str, container: str) -> None:
-        pattern = re.compile(rf"^{re.escape(stem)}-(\d{{5}})-of-(\d{{5}})\.{ext}$")
-        shard_files = [n for n in names if pattern.match(n) and n not in claimed]
-        single = f"{stem}.{ext}"
-        has_index = index_name in names
-        has_single = single in names
-        if has_index and not _regular(root, index_name):
-            _add(lay, "layout.unsafe_index", ERROR, str(root / index_name),
-                 f"{index_name} is not a regular file (a directory, FIFO, device or dangling link)",
+    def _is_dir(self, n: str) -> bool:
+        try:
+            return stat.S_ISDIR(os.lstat(self.root / n).st_mode)
+        except OSError:
+            return False
+
+    def _leftovers(self) -> None:
+        """First: a temp shard must never count as a weights file."""
+        beside = any(n.endswith(".safetensors") for n in self.names)
+        for n in self.names:
+            kind = N.leftover_kind(n, is_dir=self._is_dir(n), beside_safetensors=beside)
+            if kind:
+                self.lay.leftovers.append(n)
+                self.claimed.add(n)
+                _add(self.lay, "layout.leftover", WARNING, str(self.root / n),
+                     f"{n} looks like a leftover of an interrupted write ({kind})",
+                     "remove it with `ckptctl gc-tmp` or `ckptctl resave --repair`; an upload would push it")
+
+    def _named_families(self) -> None:
+        groups: dict[tuple[str, str, str | None], dict] = {}
+        for n in self.names:
+            if n in self.claimed:
+                continue
+            w = N.parse_weights_name(n)
+            if w is not None:
+                g = groups.setdefault(w.family, {"index": None, "single": None, "shards": []})
+                if w.shard:
+                    g["shards"].append(n)
+                else:
+                    g["single"] = n
+                continue
+            ix = N.parse_index_name(n)
+            if ix is not None:
+                groups.setdefault(ix, {"index": None, "single": None, "shards": []})["index"] = n
+        order = {"model": 0, "pytorch_model": 1, "diffusion_pytorch_model": 2, "adapter_model": 3}
+        for key in sorted(groups, key=lambda k: (order[k[0]], k[1] != "safetensors", k[2] or "")):
+            self._family(key, **groups[key])
+
+    def _family(self, key: tuple[str, str, str | None], *, index: str | None, single: str | None,
+                shards: list[str]) -> None:
+        stem, ext, variant = key
+        kind = PEFT if stem == N.ADAPTER_STEM else (SAFETENSORS if ext == N.SAFETENSORS_EXT else PYTORCH)
+        container = SAFETENSORS if ext == N.SAFETENSORS_EXT else PYTORCH
+        shown = str(self.root)
+        lay = self.lay
+
+        def fam(files: list[str], index: str | None = None, doc: Index | None = None) -> None:
+            lay.families.append(Family(kind, files, index=index, container=container, stem=stem, variant=variant,
+                                       index_doc=doc))
+            self.claimed.update(files)
+            if index:
+                self.claimed.add(index)
+
+        if index is not None and not _regular(self.root / index):
+            _add(lay, "layout.unsafe_index", ERROR, str(self.root / index),
+                 f"{index} is not a regular file (a directory, FIFO, device or dangling link)",
                  "replace it with a real index: `ckptctl resave --repair` rebuilds it from the shard headers")
-            claimed.add(index_name)
-            has_index = False
-        if has_index:
-            idx = read_index(root / index_name, display=str(root / index_name))
-            # A broken index is reported, never silently replaced by a directory listing.
-            lay.findings.extend(idx.findings)
-            indexed = idx.shards  # sorted once: the property rebuilds it on every access
-            present = set(names)
-            files = [s for s in indexed if "/" not in s and "\\" not in s and s != ".." and s in present]
-            kept = set(files)
-            for s in indexed:
-                if s not in kept:
-                    _add(lay, "layout.shard_missing", ERROR, str(root / index_name),
-                         f"{index_name} names {s!r}, which is not a file in {root}",
-                         "restore the shard (download or export it again), or rebuild the index with "
-                         "`ckptctl resave --repair`")
-            if not idx.ok:
-                files = shard_files
-            unref = [n for n in shard_files if n not in set(indexed)] if idx.ok else []
-            for n in unref:
-                _add(lay, "layout.unreferenced_shard", ERROR, str(root / n),
-                     f"{n} is not named by {index_name}", "run `ckptctl resave --repair` to remove it")
-            lay.families.append(Family(kind, files or shard_files, index=index_name, container=container))
-            claimed.update(shard_files)
-            claimed.update(files)
-            claimed.add(index_name)
-            if has_single:
+            self.claimed.add(index)
+            index = None
+        if index is not None:
+            doc = read_index(self.root / index, display=str(self.root / index))
+            lay.findings.extend(doc.findings)  # a broken index is reported, never silently replaced
+            files = self._indexed_files(index, doc) if doc.ok else []
+            if doc.ok:
+                named = set(doc.weight_map.values())
+                for n in shards:
+                    if n not in named:
+                        _add(lay, "layout.unreferenced_shard", ERROR, str(self.root / n),
+                             f"{n} is not named by {index}", "run `ckptctl resave --repair` to remove it")
+            fam(files or shards, index, doc)
+            self.claimed.update(shards)
+            if single:
                 _add(lay, "layout.index_and_single", ERROR, shown,
-                     f"both {single} and {index_name} are present; loaders disagree on which wins",
+                     f"both {single} and {index} are present; loaders disagree on which wins",
                      "keep one with `ckptctl resave --repair --prefer index|single`")
-                lay.families.append(Family(kind, [single], container=container))
-                claimed.add(single)
-        elif shard_files:
+                fam([single])
+            return
+        if shards:
             _add(lay, "layout.missing_index", ERROR, shown,
-                 f"{len(shard_files)} {stem} shards but no {index_name}",
+                 f"{len(shards)} {N.weights_file_name(stem, ext, variant=variant)} shards but no "
+                 f"{N.index_name(stem, ext, variant=variant)}",
                  "run `ckptctl resave --repair` to rebuild the index from the shard headers")
-            lay.families.append(Family(kind, shard_files, container=container))
-            claimed.update(shard_files)
-            if has_single:
-                lay.families.append(Family(kind, [single], container=container))
-                claimed.add(single)
-        elif has_single:
-            lay.families.append(Family(kind, [single], container=container))
-            claimed.add(single)
+            fam(shards)
+        if single:
+            fam([single])
+            if stem == N.ADAPTER_STEM and N.ADAPTER_CONFIG not in self.present:
+                _add(lay, "layout.adapter_without_config", ERROR, str(self.root / single),
+                     f"{single} without adapter_config.json", "copy the adapter_config.json that belongs to it")
 
-    sharded("model", "safetensors", ST_INDEX, SAFETENSORS, SAFETENSORS)
-    sharded("pytorch_model", "bin", PT_INDEX, PYTORCH, PYTORCH)
+    def _indexed_files(self, index: str, doc: Index) -> list[str]:
+        """The shards an index names that are safe member names and regular files."""
+        files = []
+        for s in doc.shards:
+            why = N.member_problem(s)
+            if why is None and _regular(self.root / s):
+                files.append(s)
+                continue
+            detail = f" ({why})" if why else ""
+            _add(self.lay, "layout.shard_missing", ERROR, str(self.root / index),
+                 f"{index} names {s!r}, which is not a file in {self.root}{detail}",
+                 "restore the shard (download or export it again), or rebuild the index with "
+                 "`ckptctl resave --repair`")
+        return files
 
-    # PEFT adapter
-    adapter_cfg = "adapter_config.json" in names
-    for fname, container in (("adapter_model.safetensors", SAFETENSORS), ("adapter_model.bin", PYTORCH)):
-        if fname in names:
-            lay.families.append(Family(PEFT, [fname], container=container))
-            claimed.add(fname)
-            if not adapter_cfg:
-                _add(lay, "layout.adapter_without_config", ERROR, str(root / fname),
-                     f"{fname} without adapter_config.json", "copy the adapter_config.json that belongs to it")
-
-    # torch DCP
-    distcp = [n for n in names if n.endswith(".distcp")]
-    if ".metadata" in names or distcp:
-        lay.families.append(Family(DCP, distcp, index=".metadata" if ".metadata" in names else None,
-                                   container=DCP))
-        claimed.update(distcp)
-        claimed.add(".metadata")
-        if ".metadata" not in names:
-            _add(lay, "layout.dcp_without_metadata", ERROR, shown, "*.distcp files without .metadata",
+    def _dcp(self) -> None:
+        distcp = [n for n in self.names if n.endswith(N.DCP_SUFFIX) and n not in self.claimed]
+        has_meta = N.DCP_METADATA in self.present
+        if not (has_meta or distcp):
+            return
+        self.lay.families.append(Family(DCP, distcp, index=N.DCP_METADATA if has_meta else None, container=DCP))
+        self.claimed.update(distcp)
+        self.claimed.add(N.DCP_METADATA)
+        if not has_meta:
+            _add(self.lay, "layout.dcp_without_metadata", ERROR, str(self.root), "*.distcp files without .metadata",
                  "the DCP save did not finish: save it again")
 
-    # Any other weights: a lone non-standard .safetensors or .pt file.
-    for n in names:
-        if n in claimed or n in EXTRA_NAMES:
-            continue
-        if n.endswith(".safetensors") and (root / n).is_file():
-            _add(lay, "layout.unrecognised_weights", ERROR if lay.family(SAFETENSORS) else WARNING,
-                 str(root / n), f"{n} is a safetensors file outside the checkpoint's naming scheme",
-                 "rename it, or remove it if it is stale: loaders that glob *.safetensors will pick it up")
-            if not lay.family(SAFETENSORS):
-                lay.families.append(Family(SAFETENSORS, [n]))
-                claimed.add(n)
-        elif n.endswith((".pt", ".pth")) and (root / n).is_file() and not lay.families:
-            lay.families.append(Family(PYTORCH, [n], container=PYTORCH))
-            claimed.add(n)
+    def _strays(self) -> None:
+        """Other weights: a lone non-standard .safetensors file, or a .pt file."""
+        lay = self.lay
+        for n in self.names:
+            if n in self.claimed or n in EXTRA_NAMES:
+                continue
+            if n.endswith(".safetensors") and _regular(self.root / n):
+                has_st = lay.family(SAFETENSORS) is not None
+                _add(lay, "layout.unrecognised_weights", ERROR if has_st else WARNING, str(self.root / n),
+                     f"{n} is a safetensors file outside the checkpoint's naming scheme",
+                     "rename it, or remove it if it is stale: loaders that glob *.safetensors will pick it up")
+                if not has_st:
+                    lay.families.append(Family(SAFETENSORS, [n]))
+                    self.claimed.add(n)
+            elif n.endswith((".pt", ".pth")) and _regular(self.root / n) and not lay.families:
+                lay.families.append(Family(PYTORCH, [n], container=PYTORCH))
+                self.claimed.add(n)
 
-    kinds = [f.kind for f in lay.families]
-    model_kinds = {k for k in kinds if k != PEFT}
-    if SAFETENSORS in model_kinds and PYTORCH in model_kinds:
-        _add(lay, "layout.two_families", ERROR, shown,
-             "both safetensors and pytorch_model*.bin weights are present",
-             "keep one with `ckptctl resave --repair --prefer safetensors` (an upload would push both)")
-    if kinds.count(PEFT) > 1:
-        _add(lay, "layout.two_adapters", ERROR, shown, "both adapter_model.safetensors and adapter_model.bin",
-             "remove the stale one")
-    if PEFT in kinds and model_kinds:
-        _add(lay, "layout.adapter_beside_model", INFO, shown,
-             "a PEFT adapter sits beside full model weights", None)
-
-    for n in names:
-        if n in claimed:
-            continue
-        (lay.extras if n in EXTRA_NAMES else lay.others).append(n)
-    return lay
+    def _conflicts(self) -> None:
+        lay, shown = self.lay, str(self.root)
+        by_slot: dict[tuple[str, str | None], set[str]] = {}
+        for f in lay.families:
+            by_slot.setdefault(f.slot, set()).add(f.container)
+        for (slot, variant), containers in sorted(by_slot.items(), key=lambda kv: (kv[0][0], kv[0][1] or "")):
+            if {SAFETENSORS, PYTORCH} <= containers:
+                if slot == "adapter_model":
+                    _add(lay, "layout.two_adapters", ERROR, shown,
+                         "both adapter_model.safetensors and adapter_model.bin", "remove the stale one")
+                else:
+                    what = f"{slot}.{variant}" if variant else slot
+                    _add(lay, "layout.two_families", ERROR, shown,
+                         f"both safetensors and pickle ({what}*.bin) weights are present",
+                         "keep one with `ckptctl resave --repair --prefer safetensors` (an upload would push both)")
+        kinds = {f.kind for f in lay.families}
+        if PEFT in kinds and kinds - {PEFT}:
+            _add(lay, "layout.adapter_beside_model", INFO, shown, "a PEFT adapter sits beside full model weights")

@@ -187,8 +187,7 @@ def test_dcp_directory(tmp_path: Path) -> None:
 LEFTOVERS = {
     "model-00001-of-?????.safetensors": "temp-shards",
     "pytorch_model-00002-of-?????.bin": "temp-shards",
-    "_tmp_x": "staging",
-    "_tmp_model.1a2b3c": "staging",
+    "_tmp_model.0123456789abcdef-0123abcd": "staging",  # ckptctl's own staging name, exactly
     ".tmpAbc123": "safetensors-tmp",
     "x.incomplete": "incomplete",
     "tmp-checkpoint-500": "trainer-tmp",
@@ -202,7 +201,9 @@ def test_is_leftover(name: str, preset: str) -> None:
 
 
 @pytest.mark.parametrize("name", ["model.safetensors", "model-00001-of-00002.safetensors", "config.json",
-                                  "tmp.txt", "my_tmp_file", "README.md", "pytorch_model.bin"])
+                                  "tmp.txt", "my_tmp_file", "README.md", "pytorch_model.bin",
+                                  # a user's folders: not provably anybody's leftover (names.LEFTOVERS)
+                                  "_tmp_x", "_tmp_scratch", ".tmpl", "tmp-checkpoint-final"])
 def test_not_leftover(name: str) -> None:
     assert L.is_leftover(name) is None
 
@@ -210,7 +211,7 @@ def test_not_leftover(name: str) -> None:
 def test_leftovers_in_dir(tmp_path: Path) -> None:
     save_file(sd(), tmp_path / "model.safetensors")
     for name in LEFTOVERS:
-        if name.startswith(("_tmp_", "tmp-checkpoint")):
+        if name.startswith(("_tmp_", "tmp-checkpoint")) or ".orbax-checkpoint-tmp-" in name:
             (tmp_path / name).mkdir()
         else:
             save_file(sd(1), tmp_path / name)  # a temp shard is a real safetensors file
