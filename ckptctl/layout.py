@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from ckptctl.errors import InputError, UsageError
+from ckptctl.errors import InputError, UnrepairableError, UsageError
 from ckptctl.findings import ERROR, INFO, WARNING, Finding
 from ckptctl.format import names as N
 from ckptctl.format.index import Index, read_index
@@ -136,14 +136,16 @@ def candidates(lay: Layout) -> list[Family]:
     return main or list(lay.families)
 
 
-def choose(lay: Layout, *, prefer: str | None = None,
-           assess: Callable[[Family], Assessment] | None = None) -> Family:
+def choose(lay: Layout, *, prefer: str | None = None, assess: Callable[[Family], Assessment] | None = None,
+           among: list[Family] | None = None) -> Family:
     """Pick the family a command reads. ``prefer`` names a kind (``safetensors``, ``pytorch``,
     ``peft``, ``dcp``) or, between a single file and a sharded family of the same kind, ``index``
     or ``single``. With ``assess`` (a caller that has read the headers), a complete family that
     agrees with config.json wins over one that does not; two sound families are never chosen
-    between silently. Raises :class:`InputError` / :class:`UsageError` with the next step."""
-    fams = candidates(lay)
+    between silently; none sound is a loss (:class:`UnrepairableError`). ``among`` narrows the
+    candidates (default :func:`candidates`). Raises :class:`InputError` / :class:`UsageError` with
+    the next step."""
+    fams = candidates(lay) if among is None else list(among)
     if prefer in (SAFETENSORS, PYTORCH, PEFT, DCP):
         fams = [f for f in fams if f.kind == prefer]
         if not fams:
@@ -180,7 +182,7 @@ def choose(lay: Layout, *, prefer: str | None = None,
                      "choose one with --only, or repair the directory with `ckptctl resave --repair`")
 
 
-class _Unsound(InputError):
+class _Unsound(UnrepairableError):
     def __init__(self, lay: Layout, fams: list[Family]) -> None:
         super().__init__(f"{lay.root}: none of the weight families ({'; '.join(f.describe() for f in fams)}) is "
                          "complete and consistent with config.json", "restore one of them; nothing was changed")
