@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ckptctl import layout as L
+from ckptctl.format.names import parse_shard_number, parse_weights_name
 from ckptctl.errors import CkptctlError, InputError, UsageError
 from ckptctl.findings import ERROR, INFO, SEVERITY_RANK, WARNING, Finding
 from ckptctl.format import dtypes as dt
@@ -201,7 +202,7 @@ def discover(root: Path) -> list[Path]:
 
 def _is_weights_name(n: str) -> bool:
     return (n.endswith((".safetensors", ".safetensors.index.json", ".bin.index.json", ".distcp"))
-            or n in (".metadata", "adapter_config.json") or bool(L.WEIGHT_NAME.match(n))) and not L.is_leftover(n)
+            or n in (".metadata", "adapter_config.json") or parse_weights_name(n) is not None) and not L.is_leftover(n)
 
 
 def verify_path(path: str | os.PathLike[str], *, display: str | None = None, options: VerifyOptions | None = None,
@@ -833,9 +834,9 @@ class _Dir:
         groups: dict[tuple[str, int], set[int]] = {}
         odd: list[str] = []
         for s in shards:
-            m = L.SHARD_NAME.match(os.path.basename(s))
+            m = parse_shard_number(s)
             if m and s.endswith(ext):
-                groups.setdefault((m.group("prefix"), int(m.group("n"))), set()).add(int(m.group("i")))
+                groups.setdefault((m[0], m[2]), set()).add(m[1])
             else:
                 odd.append(s)
         if odd and len(shards) > 1:
