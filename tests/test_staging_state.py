@@ -247,6 +247,7 @@ def test_a_lock_that_cannot_be_probed_counts_as_held_and_is_reported(tmp_path, d
         staging.acquire(d)
     assert err.value.errno == {"symlink": errno.ELOOP, "fifo": errno.EINVAL, "directory": errno.EISDIR}[kind]
     assert target.stat().st_size == 0 and not target.is_symlink()
+    assert staging.recover_destination(tmp_path / "ckpt") == [] and (d / staging.DATA).is_dir()  # skipped, no raise
 
 
 # ---------------------------------------------------------------------------------------------
