@@ -297,7 +297,7 @@ def resave(root: str | os.PathLike[str], opts: ExportOptions, *, output: str | o
            repair: bool = False, prefer: str | None = None) -> ResaveResult:
     root = Path(root)
     if not opts.dry_run:  # a dead writer's half-done publish of this very directory comes first
-        from ckptctl.publish import recover_destination
+        from ckptctl.staging import recover_destination
 
         recover_destination(Path(os.path.abspath(root)))
     if not root.is_dir():
