@@ -66,8 +66,9 @@ def index_entries(entries: list[Entry]) -> dict[str, Entry]:
     """The entries by name: the one check that no tensor name is given twice."""
     by_name: dict[str, Entry] = {}
     for e in entries:
-        if by_name.setdefault(e.name, e) is not e:
+        if e.name in by_name:
             raise InputError(f"tensor {e.name!r} is given twice", "tensor names must be unique")
+        by_name[e.name] = e
     return by_name
 
 
