@@ -60,9 +60,9 @@ def test_ranks_write_one_checkpoint_equal_to_single_process(tmp_path, world):
     assert run_ckptctl("inspect", str(dest)).returncode == 0
     # the plan does not depend on the rank count: same bytes as one process with the same order
     from ckptctl.api import save_state_dict
-    sd = full_state()
-    from tests.dist_worker import full_state as fs  # noqa: F401
     from ckptctl.distributed import _natural_key
+
+    sd = full_state()
     ordered = {k: sd[k] for k in sorted(sd, key=_natural_key)}
     save_state_dict(ordered, tmp_path / "single", max_shard_size="20KB",
                     extras={"config.json": b'{"model_type": "test"}'})

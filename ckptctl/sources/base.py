@@ -14,8 +14,35 @@ from ckptctl.format.tensor import TensorSpec
 CHUNK_BYTES = 16 * 1024 * 1024  # what one read/convert step holds in memory at most
 
 
+class SpecFields:
+    """A record that holds a ``spec`` (:class:`TensorSpec`) by composition: its name, dtype,
+    shape, element count and stored size, read through the spec."""
+
+    spec: TensorSpec
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def dtype(self) -> str:
+        return self.spec.dtype  # type: ignore[return-value]  # sources and the writer always know it
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.spec.shape
+
+    @property
+    def numel(self) -> int:
+        return self.spec.numel
+
+    @property
+    def nbytes(self) -> int:
+        return self.spec.nbytes
+
+
 @dataclass(init=False)
-class SourceTensor:
+class SourceTensor(SpecFields):
     """A tensor as a source lists it: its identity (``spec``) and, when its bytes can be copied as
     they are (safetensors sources), the file and absolute offset where they sit."""
 
@@ -30,26 +57,6 @@ class SourceTensor:
         self.spec = spec if isinstance(spec, TensorSpec) else TensorSpec(spec, dtype, tuple(shape))  # type: ignore[arg-type]
         self.file = file
         self.offset = offset
-
-    @property
-    def name(self) -> str:
-        return self.spec.name
-
-    @property
-    def dtype(self) -> str:
-        return self.spec.dtype  # type: ignore[return-value]  # sources always know the dtype
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return self.spec.shape
-
-    @property
-    def nbytes(self) -> int:
-        return self.spec.nbytes
-
-    @property
-    def numel(self) -> int:
-        return self.spec.numel
 
 
 @dataclass

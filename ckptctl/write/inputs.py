@@ -18,26 +18,17 @@ from ckptctl.errors import CkptctlError, InputError, UsageError
 from ckptctl.format import dtypes as dt
 from ckptctl.format import names as N
 from ckptctl.format.tensor import TensorSpec
-from ckptctl.sources.base import Source, SourceTensor, open_source
+from ckptctl.sources.base import Source, SourceTensor, SpecFields, open_source
 from ckptctl.write.options import ExportOptions, ExportSettings, target_dtype, validate
 
 @dataclass
-class Entry:
+class Entry(SpecFields):
     """One tensor to write: ``spec`` is what is stored (the dtype after any ``--dtype``
     conversion); ``source`` gives the bytes of ``tensor``, the source's own record of it."""
 
     spec: TensorSpec
     source: Source
     tensor: SourceTensor
-
-    @property
-    def name(self) -> str:
-        return self.spec.name
-
-    @property
-    def dtype(self) -> str:
-        """The stored dtype."""
-        return self.spec.dtype  # type: ignore[return-value]
 
     @property
     def converted(self) -> bool:
