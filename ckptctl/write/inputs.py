@@ -21,6 +21,7 @@ from ckptctl.format.tensor import TensorSpec
 from ckptctl.sources.base import Source, SourceTensor, SpecFields, open_source
 from ckptctl.write.options import ExportOptions, ExportSettings, target_dtype, validate
 
+
 @dataclass
 class Entry(SpecFields):
     """One tensor to write: ``spec`` is what is stored (the dtype after any ``--dtype``
