@@ -24,7 +24,8 @@ from ckptctl.errors import CkptctlError, DiskFullError, InputError, Interrupted,
 from ckptctl.format.index import encode_index
 from ckptctl.manifest import MANIFEST_NAME, build_manifest, encode_manifest, list_files
 from ckptctl.plan import Plan, make_plan, with_alias_records
-from ckptctl.publish import Stage, check_destination, check_writable, free_space, recover_destination
+from ckptctl.publish import Stage, check_destination, check_writable, free_space
+from ckptctl.staging import recover_destination
 from ckptctl.write.extras import read_extras
 from ckptctl.write.inputs import Entry, ExportInputs, build_inputs
 from ckptctl.write.options import ExportOptions, ProgressEvent, validate
