@@ -75,3 +75,15 @@ def test_validate_parses_every_option():
                      (ExportOptions(), {"key": ".model"}), (ExportOptions(prefix="a/b"), {})):
         with pytest.raises(UsageError):
             validate(opts, **kw)
+
+
+@pytest.mark.parametrize("bad", [["--max-shard-size", "5XB"], ["--dtype", "fp8"], ["--repair", "--prefer", "newest"]])
+def test_resave_refuses_a_bad_option_before_any_io(tmp_path, bad):
+    """resave recovers its directory's half-done publish first, but never on a bad option."""
+    src, dst, old, new = _half_done_two_rename(tmp_path)
+    before = {p.name: sorted(os.listdir(p)) for p in staging_dirs(tmp_path)}
+    p = run_ckptctl("resave", str(dst), "--json", *bad)
+    assert p.returncode == 2, p.stderr
+    assert json.loads(p.stdout)["ok"] is False and "Traceback" not in p.stderr
+    assert not os.path.lexists(dst)
+    assert {p.name: sorted(os.listdir(p)) for p in staging_dirs(tmp_path)} == before
