@@ -165,6 +165,14 @@ def _check_hf_cache(d: Path) -> None:
 # -- the tests -----------------------------------------------------------------------------------
 
 
+def test_ecosystem_fixture_builds_every_installed_entry(ecosystem: dict[str, Path]) -> None:
+    """First, so the whole corpus is built at once (the two-rank DCP builds run beside the others)."""
+    assert set(ecosystem) == {n for n in NAMES if not missing_libraries(n)}
+    for name, d in ecosystem.items():
+        assert d.is_dir() and any(d.iterdir()), name
+        assert d.name == dirname(name)
+
+
 @pytest.mark.parametrize("name", NAMES)
 def test_entry_reloads_bit_exactly(name: str, build_one) -> None:
     _require(name)
@@ -175,11 +183,12 @@ def test_entry_reloads_bit_exactly(name: str, build_one) -> None:
     loaded = entry.load(d)
     assert loaded, f"{name}: the loader returned no tensors"
     assert not compare(ref.tensors, loaded), compare(ref.tensors, loaded)[:20]
-    assert entry.parameters is not None and ref.parameters == entry.parameters
-    assert entry.forward is not None and ref.output is not None
-    out = entry.forward(d)
-    assert out.dtype == ref.output.dtype and out.shape == ref.output.shape and out.numel() > 0
-    assert bool((out == ref.output).all()), f"{name}: the reloaded model computes something else"
+    assert ref.parameters == entry.parameters
+    assert (entry.forward is None) == (ref.output is None)
+    if entry.forward is not None:
+        out = entry.forward(d)
+        assert out.numel() > 0
+        assert not compare({"output": ref.output}, {"output": out}), f"{name}: the reloaded model computes otherwise"
     _check_layout(name, d)
     assert _tree(d) == before, f"{name}: loading changed the directory"
 
@@ -188,7 +197,7 @@ def test_registry() -> None:
     assert len(set(NAMES)) == len(NAMES)
     assert {e.library for e in ENTRIES} == set(LIBRARIES)
     for e in ENTRIES:
-        assert e.name.split("/")[0] in (e.library, "sentence-transformers") and e.notes, e.name
+        assert e.name.split("/")[0] == e.library and e.notes, e.name
         assert by_name(e.name) is e
     with pytest.raises(KeyError, match="no corpus entry"):
         by_name("transformers/nope")
@@ -197,13 +206,6 @@ def test_registry() -> None:
     layouts = {e.layout for e in ENTRIES}
     assert {"single", "sharded", "variant", "variant-beside-main", "bin", "bin-sharded", "pipeline", "component",
             "st-root", "adapter", "dcp", "dcp-nested", "trainer", "hf-cache"} <= layouts
-
-
-def test_ecosystem_fixture_builds_every_installed_entry(ecosystem: dict[str, Path]) -> None:
-    assert set(ecosystem) == {n for n in NAMES if not missing_libraries(n)}
-    for name, d in ecosystem.items():
-        assert d.is_dir() and any(d.iterdir()), name
-        assert d.name == dirname(name)
 
 
 def test_fresh_copy_keeps_the_cache_links_working(build_one, tmp_path: Path) -> None:

@@ -21,6 +21,7 @@ import os
 import socket
 import subprocess
 import sys
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -54,9 +55,17 @@ def train(model: Any, steps: int = STEPS) -> Any:
 
 
 def _trained() -> dict[str, Any]:
+    """The training every rank does, here, unsharded, on one thread as the ranks run (OMP_NUM_THREADS=1)."""
+    import torch
+
     model = make_model("llama")
-    with seeded(0):
-        opt = train(model)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with seeded(0):
+            opt = train(model)
+    finally:
+        torch.set_num_threads(threads)
     return {"model": model, "optimizer": opt, "step": STEPS}
 
 
@@ -64,10 +73,9 @@ def _train_state_tensors(state: dict[str, Any]) -> dict[str, Any]:
     import torch
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-    optim = get_optimizer_state_dict(state["model"], state["optimizer"])
-    per_param = {fqn: {k: v for k, v in st.items()} for fqn, st in optim["state"].items()}
+    optim = get_optimizer_state_dict(state["model"], state["optimizer"])["state"]
     out = prefixed({"model": module_tensors(state["model"]),
-                    "optimizer": {f"{fqn}/{k}": v for fqn, st in per_param.items() for k, v in st.items()}})
+                    "optimizer": {f"{fqn}/{k}": v for fqn, st in optim.items() for k, v in st.items()}})
     out["step"] = torch.tensor(state["step"])
     return out
 
@@ -126,28 +134,40 @@ def _free_port() -> int:
 
 
 def launch(scenario: str, d: Path, world: int = 2, timeout: float = 300) -> None:
-    """Run this module as ``world`` real ranks writing ``d``; raise with their stderr if one fails."""
+    """Run this module as ``world`` real ranks writing ``d``; raise with their stderr if one fails. A
+    rendezvous port taken by someone else between our probe and the ranks' bind is retried."""
+    for attempt in range(3):
+        results = _run_ranks(scenario, d, world, timeout)
+        if all(rc == 0 for rc, _ in results):
+            return
+        if not any("address already in use" in err.lower() for _, err in results) or attempt == 2:
+            raise RuntimeError(f"{scenario}: ranks failed: " + "\n".join(
+                f"rank {r}: exit {rc}\n{err[-3000:]}" for r, (rc, err) in enumerate(results)))
+        for p in d.iterdir():  # nothing was saved before the rendezvous; clear it anyway
+            p.unlink()
+
+
+def _run_ranks(scenario: str, d: Path, world: int, timeout: float) -> list[tuple[int, str]]:
     port = _free_port()
+    path = os.pathsep.join(p for p in [str(TESTS_DIR), os.environ.get("PYTHONPATH", "")] if p)
     procs = []
     for rank in range(world):
         env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                    WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world), OMP_NUM_THREADS="1",
-                   PYTHONPATH=os.pathsep.join([str(TESTS_DIR), os.environ.get("PYTHONPATH", "")]))
+                   PYTHONPATH=path)
         procs.append(subprocess.Popen([sys.executable, "-m", "ecosystem.dcp_models", scenario, str(d)], env=env,
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     results = []
     try:
         for p in procs:
-            out, err = p.communicate(timeout=timeout)
+            _out, err = p.communicate(timeout=timeout)
             results.append((p.returncode, err))
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
                 p.wait()
-    if any(rc != 0 for rc, _ in results):
-        raise RuntimeError(f"{scenario}: ranks failed: " + "\n".join(f"rank {r}: exit {rc}\n{err[-3000:]}"
-                                                                     for r, (rc, err) in enumerate(results)))
+    return results
 
 
 def rank_main(scenario: str, dest: str) -> None:
@@ -157,7 +177,7 @@ def rank_main(scenario: str, dest: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    dist.init_process_group("gloo")
+    dist.init_process_group("gloo", timeout=timedelta(seconds=120))  # a dead peer fails us, not hangs us
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     model = make_model("llama")
     for layer in model.model.layers:

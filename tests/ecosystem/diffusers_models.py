@@ -16,7 +16,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from .entry import Recipe, count_parameters, module_tensors, prefixed, seeded
+from .entry import Recipe, count_parameters, fp16_beside_main, module_tensors, prefixed, seeded
 from .transformers_models import tiny_tokenizer, transformers_module
 
 SHARD = "40KB"
@@ -80,7 +80,6 @@ def run_vae(vae: Any) -> Any:
 def diffusers_module() -> Any:
     import diffusers
 
-    diffusers.utils.logging.set_verbosity_error()
     return diffusers
 
 
@@ -102,34 +101,12 @@ def _component(name: str, layout: str, make: Any, run: Any, *, save: Any = None,
                   notes=notes, requires=("diffusers",))
 
 
-def _pair(make: Any) -> Any:
-    """The fp32 component and the fp16 copy saved beside it."""
-    def pair() -> dict[str, Any]:
-        import copy
-
-        import torch
-
-        main = make()
-        return {"main": main, "fp16": copy.deepcopy(main).to(torch.float16)}
-    return pair
-
-
-def _save_pair(shard: str | None) -> Any:
-    def save(pair: dict[str, Any], d: Path) -> None:
-        kw = {"max_shard_size": shard} if shard else {}
-        pair["main"].save_pretrained(d, **kw)
-        pair["fp16"].save_pretrained(d, variant="fp16", **kw)
-    return save
-
-
 def _beside(name: str, make: Any, run: Any, shard: str | None, notes: str) -> Recipe:
-    return Recipe(
+    return fp16_beside_main(
         name=f"diffusers/{name}", library="diffusers", layout="variant-beside-main",
-        parameters=PARAMETERS[name.split("-")[0]], make=_pair(make), save=_save_pair(shard),
-        reload=lambda d: {"main": load_component(d), "fp16": load_component(d, "fp16")},
-        tensors=lambda pair: prefixed({k: module_tensors(m) for k, m in pair.items()}),
-        run=lambda pair: run(pair["main"]), count=lambda pair: count_parameters(pair["main"]),
-        notes=notes + "; tensors as main/<k> and fp16/<k>", requires=("diffusers",))
+        parameters=PARAMETERS[name.split("-")[0]], make=make, shard=shard, load=load_component,
+        tensors=module_tensors, run=run, count=count_parameters, notes=notes + "; tensors as main/<k> and fp16/<k>",
+        requires=("diffusers",))
 
 
 # -- pipelines ------------------------------------------------------------------------------------
@@ -162,17 +139,11 @@ def run_pipeline(pipe: Any) -> Any:
                 generator=torch.Generator().manual_seed(0)).images
 
 
-def _float32() -> Any:
+def _load_pipeline_family(d: Path, variant: str | None) -> Any:
+    """text_encoder/config.json names the dtype of the last save only: the main family is forced to float32."""
     import torch
 
-    return torch.float32
-
-
-def _pipeline_pair() -> dict[str, Any]:
-    import torch
-
-    main, fp16 = make_pipeline(), make_pipeline()
-    return {"main": main, "fp16": fp16.to(dtype=torch.float16)}
+    return load_pipeline(d, variant) if variant else load_pipeline(d, dtype=torch.float32)
 
 
 def _pipeline(name: str, layout: str, notes: str, *, shard: str | None = None) -> Recipe:
@@ -216,17 +187,14 @@ def recipes() -> list[Recipe]:
                   "text_encoder/ tokenizer/ scheduler/; tensors as <component>/<name>"),
         _pipeline("pipeline-sharded", "pipeline", "the pipeline with max_shard_size=10KB: unet/ and vae/ "
                   "sharded diffusion_pytorch_model-*, text_encoder/ sharded model-*", shard=PIPELINE_SHARD),
-        Recipe(name="diffusers/pipeline-fp16-beside-main", library="diffusers", layout="pipeline-variant",
-               parameters=PARAMETERS["pipeline"], make=_pipeline_pair,
-               save=lambda pair, d: (pair["main"].save_pretrained(d),
-                                     pair["fp16"].save_pretrained(d, variant="fp16")) and None,
-               reload=lambda d: {"main": load_pipeline(d, dtype=_float32()), "fp16": load_pipeline(d, "fp16")},
-               tensors=lambda pair: prefixed({k: pipeline_tensors(p) for k, p in pair.items()}),
-               run=lambda pair: run_pipeline(pair["main"]), count=lambda pair: pipeline_parameters(pair["main"]),
-               notes="the pipeline saved in fp32, then save_pretrained(variant='fp16') of its fp16 copy: every "
-                     "component holds both families; tensors as main/<component>/<k> and fp16/<component>/<k>. "
-                     "text_encoder/config.json says float16 (the last save wins): without torch_dtype=float32 "
-                     "the main family's text encoder loads as float16 and the pipeline fails",
-               requires=("diffusers", "transformers")),
+        fp16_beside_main(
+            name="diffusers/pipeline-fp16-beside-main", library="diffusers", layout="pipeline-variant",
+            parameters=PARAMETERS["pipeline"], make=make_pipeline, shard=None, load=_load_pipeline_family,
+            tensors=pipeline_tensors, run=run_pipeline, count=pipeline_parameters,
+            notes="the pipeline saved in fp32, then save_pretrained(variant='fp16') of its fp16 copy: every "
+                  "component holds both families; tensors as main/<component>/<k> and fp16/<component>/<k>. "
+                  "text_encoder/config.json says float16 (the last save wins): without torch_dtype=float32 "
+                  "the main family's text encoder loads as float16 and the pipeline fails",
+            requires=("diffusers", "transformers")),
     ]
 

@@ -145,3 +145,28 @@ def count_parameters(model: Any) -> int:
 def prefixed(parts: dict[str, dict[str, "torch.Tensor"]]) -> dict[str, "torch.Tensor"]:
     """Several models' tensors in one dict: ``<part>/<tensor name>``."""
     return {f"{part}/{k}": v for part, tensors in parts.items() for k, v in tensors.items()}
+
+
+def fp16_beside_main(*, make: Callable[[], Any], shard: str | None, load: Callable[[Path, str | None], Any],
+                     tensors: Callable[[Any], dict[str, "torch.Tensor"]], run: Callable[[Any], "torch.Tensor"],
+                     count: Callable[[Any], int], **fields: Any) -> Recipe:
+    """An object saved twice into one directory with ``save_pretrained``: its fp32 main family, then
+    ``variant="fp16"`` of an fp16 copy (in this order: saving a sharded main family second would remove
+    the variant's ``…-0000i-of-0000N`` shards). ``load(d, variant)`` loads one family (None: the main one).
+    Tensors are ``main/<k>`` and ``fp16/<k>``; forward and parameters are the main family's."""
+    def pair() -> dict[str, Any]:
+        import copy
+
+        import torch
+
+        main = make()
+        return {"main": main, "fp16": copy.deepcopy(main).to(torch.float16)}
+
+    def save(objs: dict[str, Any], d: Path) -> None:
+        kw = {"max_shard_size": shard} if shard else {}
+        objs["main"].save_pretrained(d, **kw)
+        objs["fp16"].save_pretrained(d, variant="fp16", **kw)
+
+    return Recipe(make=pair, save=save, reload=lambda d: {"main": load(d, None), "fp16": load(d, "fp16")},
+                  tensors=lambda objs: prefixed({k: tensors(m) for k, m in objs.items()}),
+                  run=lambda objs: run(objs["main"]), count=lambda objs: count(objs["main"]), **fields)

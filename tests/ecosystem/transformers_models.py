@@ -1,9 +1,10 @@
 """transformers: tiny random models of 40 classes built from configs, written by ``save_pretrained``.
 
-Every class gets a ``transformers/<model_type>`` entry (one ``model.safetensors``). Llama and
-Qwen2 also appear in every other layout transformers and its neighbours produce: sharded, tied and
-untied, ``variant="fp16"`` alone and beside the main family (single and sharded), bfloat16, and
-the legacy ``pytorch_model.bin`` (single and sharded). transformers 5 no longer writes pickles, so
+Every class gets a ``transformers/<model_type>`` entry (one ``model.safetensors``). The other
+layouts transformers and its neighbours produce use Llama, and Qwen2 / Qwen3 / GPT-2 where tying or
+dtype matters: sharded (untied, and tied), Llama tied, Qwen3 in bfloat16, ``variant="fp16"`` alone and
+beside the main family (single and sharded), and the legacy pickles (``pytorch_model.bin``, and
+GPT-2 sharded). transformers 5 no longer writes pickles, so
 those are written as transformers 4 did with ``safe_serialization=False``: accelerate's
 ``save_model(safe_serialization=False)`` (the same ``torch.save`` of huggingface_hub's shard split,
 same names, same index) beside ``config.json``. Loading is always ``from_pretrained`` of the
@@ -16,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .entry import Recipe, count_parameters, module_tensors, prefixed, seeded
+from .entry import Recipe, count_parameters, fp16_beside_main, module_tensors, seeded
 
 T = dict(vocab_size=96, hidden_size=32, num_hidden_layers=2, num_attention_heads=4)
 DEC = dict(T, intermediate_size=64, max_position_embeddings=64)
@@ -152,7 +153,6 @@ MODELS: dict[str, Model] = {
 def transformers_module() -> Any:
     import transformers
 
-    transformers.logging.set_verbosity_error()
     return transformers
 
 
@@ -194,10 +194,7 @@ def from_pretrained_strict(cls: str, source: Any, **kwargs: Any) -> Any:
 
 def run_model(model: Any) -> Any:
     """The model's main output on a fixed input chosen by its kind (see ``Model.inputs``)."""
-    import torch
-
-    inputs = _inputs(model)
-    out = model(**inputs)
+    out = model(**_inputs(model))
     for attr in ("logits", "logits_per_image", "last_hidden_state"):
         value = getattr(out, attr, None)
         if value is not None:
@@ -246,40 +243,19 @@ def _save_sharded(model: Any, d: Path, variant: str | None = None) -> None:
     model.save_pretrained(d, max_shard_size=SHARD, variant=variant)
 
 
-def _pair() -> dict[str, Any]:
-    """The fp32 model and the fp16 copy a user writes beside it."""
-    import copy
-
+def _load_family(d: Path, variant: str | None) -> Any:
+    """One family of a directory holding two: config.json names the dtype of the last save only."""
     import torch
 
-    main = make_model("llama")
-    return {"main": main, "fp16": copy.deepcopy(main).to(torch.float16)}
-
-
-def _save_beside_main(sharded: bool) -> Any:
-    """The fp32 main family, then the fp16 variant. (The other order loses the variant's shards: saving the
-    main family sharded removes every ``model*-0000i-of-0000N`` file it did not write.)"""
-    shard = SHARD if sharded else "50GB"
-
-    def save(pair: dict[str, Any], d: Path) -> None:
-        pair["main"].save_pretrained(d, max_shard_size=shard)
-        pair["fp16"].save_pretrained(d, variant="fp16", max_shard_size=shard)
-    return save
-
-
-def _load_beside_main(d: Path) -> dict[str, Any]:
-    import torch
-
-    return {"main": load_model(d, dtype=torch.float32), "fp16": load_model(d, variant="fp16", dtype=torch.float16)}
+    return load_model(d, variant=variant, dtype=torch.float16 if variant else torch.float32)
 
 
 def _beside_main_recipe(sharded: bool, parameters: int) -> Recipe:
     suffix = "-sharded" if sharded else ""
-    return Recipe(
+    return fp16_beside_main(
         name=f"transformers/llama-fp16-beside-main{suffix}", library="transformers", layout="variant-beside-main",
-        parameters=parameters, make=_pair, save=_save_beside_main(sharded), reload=_load_beside_main,
-        tensors=lambda pair: prefixed({k: module_tensors(m) for k, m in pair.items()}),
-        run=lambda pair: run_model(pair["main"]), count=lambda pair: count_parameters(pair["main"]),
+        parameters=parameters, make=lambda: make_model("llama"), shard=SHARD if sharded else None,
+        load=_load_family, tensors=module_tensors, run=run_model, count=count_parameters,
         notes="model family (fp32) and model.fp16 family side by side" + (", both sharded" if sharded else "")
               + "; tensors as main/<k> and fp16/<k>; forward runs the main family. config.json says float16 "
               "(the last save wins): from_pretrained without dtype would load the fp32 family as float16, so each "
