@@ -19,7 +19,10 @@ one, once). Those directories are shared: never modify them, ``fresh_copy(src, d
 Import this package as ``ecosystem`` (tests/ is on sys.path), never as ``tests.ecosystem``: the
 two names would be two registries.
 
-Tensor dicts of entries that hold several models use ``<part>/<name>`` keys: pipeline components
+``load`` gives the tensors under the names the library's loaded object uses, which are not always
+the file's (transformers 5 fuses MoE experts and renames VLM prefixes on load: see ``notes``): to
+check a rewritten checkpoint, compare ``load(original)`` with ``load(rewritten)``. Tensor dicts of
+entries that hold several models use ``<part>/<name>`` keys: pipeline components
 (``unet/…``), families side by side (``main/…``, ``fp16/…``), training state (``model/…``,
 ``optimizer/…``, ``step``). Per-entry details are in ``Entry.notes`` and the module docstrings.
 """

@@ -70,10 +70,8 @@ class Recipe:
     spawns: bool = False
 
     def build(self, d: Path) -> None:
-        if self.spawns:  # no warnings.catch_warnings here: it is process-global and this may run in a thread
-            self.save(self.make(), Path(d))
-            return
-        with quiet():
+        # no warnings.catch_warnings around a spawning build: it is process-global and this runs in a thread
+        with contextlib.nullcontext() if self.spawns else quiet():
             self.save(self.make(), Path(d))
 
     def load(self, d: Path) -> dict[str, "torch.Tensor"]:

@@ -74,7 +74,7 @@ def recipes() -> list[Recipe]:
         "lora": "LoRA r=4 on q_proj/v_proj: lora_A/lora_B",
         "dora": "LoRA with use_dora=True: lora_A/lora_B + lora_magnitude_vector",
         "ia3": "IA3 on k_proj/v_proj/down_proj (down_proj as feedforward): ia3_l vectors",
-        "lokr": "LoKr r=4 on q_proj/v_proj: lokr_w1 / lokr_w2_a / lokr_w2_b",
+        "lokr": "LoKr r=4 on q_proj/v_proj: lokr_w1, lokr_w2",
         "lora-modules-to-save": "LoRA + modules_to_save=['lm_head']: a full lm_head copy stored with the adapter",
         "lora-bin": "LoRA saved with safe_serialization=False: adapter_model.bin",
     }

@@ -55,6 +55,13 @@ class Model:
     kwargs: dict[str, Any]
     inputs: str = "ids"          # ids | seq2seq | whisper | image-text
     nested: dict[str, tuple[str, dict[str, Any]]] = field(default_factory=dict)  # sub-config name -> (class, kwargs)
+    note: str = ""
+
+
+MOE = ("experts stored one tensor per expert and projection (transformers' original format), loaded fused "
+       "(experts.gate_up_proj / experts.down_proj): load() keys are not the file's")
+VLM = ("stored under the original names ({stored}), loaded as {loaded}: load() keys are not the file's; "
+       "forward is text only")
 
 
 MODELS: dict[str, Model] = {
@@ -91,18 +98,18 @@ MODELS: dict[str, Model] = {
     "olmo": Model("OlmoForCausalLM", "OlmoConfig", dict(DEC, pad_token_id=1, bos_token_id=0, eos_token_id=0)),
     # mixture of experts
     "mixtral": Model("MixtralForCausalLM", "MixtralConfig", dict(DEC, num_key_value_heads=2, num_local_experts=4,
-                                                                 num_experts_per_tok=2)),
+                                                                 num_experts_per_tok=2), note=MOE),
     "qwen2_moe": Model("Qwen2MoeForCausalLM", "Qwen2MoeConfig",
                        dict(DEC, num_key_value_heads=2, moe_intermediate_size=16, shared_expert_intermediate_size=32,
-                            num_experts=4, num_experts_per_tok=2)),
+                            num_experts=4, num_experts_per_tok=2), note=MOE),
     "deepseek_v3": Model("DeepseekV3ForCausalLM", "DeepseekV3Config",
                          dict(DEC, num_key_value_heads=4, moe_intermediate_size=16, n_routed_experts=4,
                               n_shared_experts=1, num_experts_per_tok=2, n_group=1, topk_group=1,
                               first_k_dense_replace=1, kv_lora_rank=8, q_lora_rank=16, qk_rope_head_dim=4,
-                              qk_nope_head_dim=4, v_head_dim=8)),
+                              qk_nope_head_dim=4, v_head_dim=8), note=MOE),
     "olmoe": Model("OlmoeForCausalLM", "OlmoeConfig", dict(DEC, num_key_value_heads=2, num_experts=4,
                                                            num_experts_per_tok=2, pad_token_id=1, bos_token_id=0,
-                                                           eos_token_id=0)),
+                                                           eos_token_id=0), note=MOE),
     # encoders
     "bert": Model("BertForMaskedLM", "BertConfig", dict(ENC)),
     "roberta": Model("RobertaForMaskedLM", "RobertaConfig", dict(ENC, max_position_embeddings=66, pad_token_id=1)),
@@ -137,16 +144,22 @@ MODELS: dict[str, Model] = {
     "llava": Model("LlavaForConditionalGeneration", "LlavaConfig",
                    dict(image_token_id=95, projector_hidden_act="gelu", vision_feature_layer=-1),
                    nested={"text_config": ("LlamaConfig", dict(DEC, num_key_value_heads=2)),
-                           "vision_config": ("CLIPVisionConfig", CLIP_VISION)}),
+                           "vision_config": ("CLIPVisionConfig", CLIP_VISION)},
+                   note=VLM.format(stored="language_model.model.*, language_model.lm_head, vision_tower.*, "
+                                          "multi_modal_projector.*",
+                                   loaded="model.language_model.*, lm_head, model.vision_tower.*, "
+                                          "model.multi_modal_projector.*")),
     "qwen2_vl": Model("Qwen2VLForConditionalGeneration", "Qwen2VLConfig",
                       dict(image_token_id=94, video_token_id=95, vision_start_token_id=93, vision_end_token_id=92),
                       nested={"text_config": ("Qwen2VLTextConfig",
-                                              dict(DEC, num_key_value_heads=2,
+                                              dict(DEC, num_key_value_heads=2, bos_token_id=1, eos_token_id=2,
                                                    rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
                                                                     "mrope_section": [1, 1, 2]})),
                               "vision_config": ("Qwen2VLVisionConfig",
                                                 dict(depth=1, embed_dim=32, hidden_size=32, num_heads=4, mlp_ratio=2,
-                                                     patch_size=2, spatial_merge_size=1, temporal_patch_size=1))}),
+                                                     patch_size=2, spatial_merge_size=1, temporal_patch_size=1))},
+                      note=VLM.format(stored="model.layers.*, model.embed_tokens, visual.*",
+                                      loaded="model.language_model.*, model.visual.*")),
 }
 
 
@@ -236,7 +249,7 @@ def model_recipe(name: str, layout: str, make: Any, *, save: Any = None, variant
 def _class_recipe(model_type: str, parameters: int) -> Recipe:
     m = MODELS[model_type]
     return model_recipe(f"transformers/{model_type}", "single", lambda: make_model(model_type),
-                        parameters=parameters, notes=f"{m.cls} ({m.inputs} input)")
+                        parameters=parameters, notes=f"{m.cls} ({m.inputs} input)" + (f"; {m.note}" if m.note else ""))
 
 
 def _save_sharded(model: Any, d: Path, variant: str | None = None) -> None:
