@@ -182,13 +182,15 @@ def test_entry_reloads_bit_exactly(name: str, build_one) -> None:
     ref = reference(name)
     loaded = entry.load(d)
     assert loaded, f"{name}: the loader returned no tensors"
-    assert not compare(ref.tensors, loaded), compare(ref.tensors, loaded)[:20]
+    problems = compare(ref.tensors, loaded)
+    assert not problems, problems[:20]
     assert ref.parameters == entry.parameters
     assert (entry.forward is None) == (ref.output is None)
     if entry.forward is not None:
         out = entry.forward(d)
         assert out.numel() > 0
-        assert not compare({"output": ref.output}, {"output": out}), f"{name}: the reloaded model computes otherwise"
+        problems = compare({"output": ref.output}, {"output": out})
+        assert not problems, f"{name}: the reloaded model computes otherwise: {problems}"
     _check_layout(name, d)
     assert _tree(d) == before, f"{name}: loading changed the directory"
 
