@@ -28,6 +28,7 @@ from hypothesis import strategies as st
 from ckptctl.errors import CkptctlError
 from ckptctl.findings import ERROR
 from tests import crash_harness as H
+from tests.support import INDEX, clean_env, load_glob, write_sharded, write_single
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -240,7 +241,7 @@ def _ckptctl(*args, timeout: float = 120, limit_as: int | None = None) -> subpro
             resource.setrlimit(resource.RLIMIT_AS, (limit_as, limit_as))
 
     return subprocess.run([sys.executable, "-m", "ckptctl", *map(str, args)], capture_output=True, text=True,
-                          timeout=timeout, env=H._clean_env(None), preexec_fn=pre if limit_as else None)
+                          timeout=timeout, env=clean_env(), preexec_fn=pre if limit_as else None)
 
 
 @pytest.mark.parametrize("command", ["verify", "resave"])
@@ -250,10 +251,10 @@ def test_a_huge_layer_count_in_config_does_not_drive_an_allocation(tmp_path, com
     d = tmp_path / "c"
     tensors = {n: torch.zeros(*t.shape) for n, t in _llama_tensors().items()}
     if command == "verify":
-        H._save_single(d, tensors)
+        write_single(d, tensors)
     else:  # two complete families: resave --repair asks config.json which one is right
-        H._save_sharded(d, tensors, max_shard_size=40_000)
-        H._save_single(d, {k: v + 1 for k, v in tensors.items()})
+        write_sharded(d, tensors, max_shard_size=40_000)
+        write_single(d, {k: v + 1 for k, v in tensors.items()})
     (d / "config.json").write_text(json.dumps({"model_type": "llama", "architectures": ["LlamaForCausalLM"],
                                                "num_hidden_layers": 10 ** 9}))
     # capped at 2 GiB of address space, so the bug shows as a MemoryError, not as an OOM kill
@@ -416,7 +417,7 @@ def _audited_ckptctl(tmp_path: Path, *args) -> tuple[subprocess.CompletedProcess
             "finally:\n"
             f"    json.dump([os.path.realpath(p) for p in opened], open({str(log)!r}, 'w'))\n")
     r = subprocess.run([sys.executable, "-c", code, *map(str, args)], capture_output=True, text=True, timeout=120,
-                       env=H._clean_env(None))
+                       env=clean_env())
     return r, set(json.loads(log.read_text()))
 
 
@@ -424,13 +425,13 @@ def _source_with_escape(tmp_path: Path, entry: str) -> tuple[Path, Path]:
     """A 3-shard source whose index sends shard 3's tensors to ``entry``, where (outside the
     source) a valid safetensors file with exactly those tensors waits."""
     src = tmp_path / "src"
-    H._save_sharded(src, H._state(2), max_shard_size=20_000)
+    write_sharded(src, H.model_state(2), max_shard_size=20_000)
     outside = tmp_path / "outside.safetensors"
     shutil.move(src / "model-00003-of-00003.safetensors", outside)
-    idx = json.loads((src / H.INDEX).read_text())
+    idx = json.loads((src / INDEX).read_text())
     idx["weight_map"] = {k: (entry.replace("OUTSIDE", str(outside)) if v.startswith("model-00003") else v)
                          for k, v in idx["weight_map"].items()}
-    (src / H.INDEX).write_text(json.dumps(idx))
+    (src / INDEX).write_text(json.dumps(idx))
     return src, outside
 
 
@@ -444,7 +445,7 @@ def test_export_refuses_a_weight_map_entry_outside_the_source_and_never_opens_it
     r, opened = _audited_ckptctl(tmp_path, "export", src, tmp_path / "out")
     assert r.returncode == 2 and "Traceback" not in r.stderr and "error:" in r.stderr, r.stderr
     assert not (tmp_path / "out").exists() and H.our_staging(tmp_path) == []
-    assert any(p.endswith(H.INDEX) for p in opened)  # the hook does see opens
+    assert any(p.endswith(INDEX) for p in opened)  # the hook does see opens
     assert str(outside) not in opened
 
 
@@ -458,7 +459,7 @@ def test_resave_repair_ignores_a_weight_map_entry_outside_and_never_opens_it(tmp
     assert H.our_staging(tmp_path) == []
     if r.returncode == 0:  # repaired from what is inside: the two shards that exist
         assert all(not os.path.isabs(v) and "/" not in v
-                   for v in json.loads((src / H.INDEX).read_text())["weight_map"].values())
+                   for v in json.loads((src / INDEX).read_text())["weight_map"].values())
         assert H.check_marker(src) == []
     else:
         assert r.returncode in (1, 2) and "error:" in r.stderr
@@ -470,15 +471,15 @@ def test_export_destination_with_dotdot_is_resolved_lexically(tmp_path):
     would resolve it to the link target's parent). Everything (staging, rename) happens at that
     one place; nothing is written beside the link's target."""
     src = tmp_path / "src"
-    H._save_single(src, H._state(2))
+    write_single(src, H.model_state(2))
     ws, far = tmp_path / "ws", tmp_path / "far" / "deep"
     far.mkdir(parents=True)
     ws.mkdir()
     (ws / "link").symlink_to(far)
     r = subprocess.run([sys.executable, "-m", "ckptctl", "export", str(src), f"{ws}/link/../ckpt"],
-                       capture_output=True, text=True, env=H._clean_env(None), timeout=120)
+                       capture_output=True, text=True, env=clean_env(), timeout=120)
     assert r.returncode == 0, r.stderr
-    assert H.check_version(ws / "ckpt", H.load_glob(src)) == []
+    assert H.check_version(ws / "ckpt", load_glob(src)) == []
     assert sorted(os.listdir(tmp_path / "far")) == ["deep"] and os.listdir(far) == []
     assert H.our_staging(ws) == [] and (ws / "link").is_symlink()
 
@@ -488,7 +489,7 @@ def test_export_destination_whose_parent_is_a_symlink_lands_in_the_target(tmp_pa
     next to the destination *through* the link, so it is on the destination's filesystem; the
     link itself is left alone."""
     src = tmp_path / "src"
-    H._save_single(src, H._state(2))
+    write_single(src, H.model_state(2))
     target = tmp_path / "target"
     target.mkdir()
     mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(target)],
@@ -499,10 +500,10 @@ def test_export_destination_whose_parent_is_a_symlink_lands_in_the_target(tmp_pa
         link.symlink_to(target)
         for attempt in range(2):  # the second run replaces the first version
             r = subprocess.run([sys.executable, "-m", "ckptctl", "export", str(src), str(link / "ckpt"),
-                                "--overwrite"], capture_output=True, text=True, env=H._clean_env(None), timeout=120)
+                                "--overwrite"], capture_output=True, text=True, env=clean_env(), timeout=120)
             assert r.returncode == 0, r.stderr
         assert link.is_symlink() and os.readlink(link) == str(target)
-        assert H.check_version(target / "ckpt", H.load_glob(src)) == []
+        assert H.check_version(target / "ckpt", load_glob(src)) == []
         assert sorted(os.listdir(target)) == ["ckpt"] and os.listdir(tmp_path / "ws") == ["models"]
         if mounted:
             assert os.stat(target / "ckpt").st_dev != os.stat(tmp_path).st_dev
@@ -514,14 +515,14 @@ def test_export_destination_whose_parent_is_a_symlink_lands_in_the_target(tmp_pa
 @pytest.mark.parametrize("dst", ["file", "fifo", "dev-null"])
 def test_export_over_something_that_is_not_a_directory_is_refused(tmp_path, dst):
     src = tmp_path / "src"
-    H._save_single(src, H._state(2))
+    write_single(src, H.model_state(2))
     target = {"file": tmp_path / "f", "fifo": tmp_path / "p", "dev-null": Path("/dev/null")}[dst]
     if dst == "file":
         target.write_text("keep")
     elif dst == "fifo":
         os.mkfifo(target)  # opening it would block: refusing must not open it
     r = subprocess.run([sys.executable, "-m", "ckptctl", "export", str(src), str(target), "--overwrite"],
-                       capture_output=True, text=True, env=H._clean_env(None), timeout=120)
+                       capture_output=True, text=True, env=clean_env(), timeout=120)
     assert r.returncode in (2, 3) and "error:" in r.stderr and "Traceback" not in r.stderr, r.stderr
     if dst == "file":
         assert target.read_text() == "keep"
@@ -551,7 +552,7 @@ def test_gc_never_follows_a_staging_named_symlink(tmp_path):
     (root / "_tmp_x.0000000000000002-00000000").symlink_to(elsewhere)
     before = H.snapshot(elsewhere)
     r = subprocess.run([sys.executable, "-m", "ckptctl", "gc-tmp", str(root), "--min-age", "0", "--json"],
-                       capture_output=True, text=True, env=H._clean_env(None), timeout=120)
+                       capture_output=True, text=True, env=clean_env(), timeout=120)
     assert r.returncode == 0, r.stderr
     assert H.snapshot(elsewhere) == before
 
@@ -581,7 +582,7 @@ def test_gc_root_given_through_dotdot_and_a_symlink_stays_inside_it(tmp_path):
     (tmp_path / "link").symlink_to(ws)
     for root in (f"{ws}/sub/..", str(tmp_path / "link")):
         r = subprocess.run([sys.executable, "-m", "ckptctl", "gc-tmp", root, "--min-age", "0", "--max-depth", "1"],
-                           capture_output=True, text=True, env=H._clean_env(None), timeout=120)
+                           capture_output=True, text=True, env=clean_env(), timeout=120)
         assert r.returncode == 0, r.stderr
         assert not a.exists() and b.exists()
         a = dead(ws)
@@ -607,12 +608,12 @@ def test_resave_refuses_a_pickle_that_runs_code_and_never_runs_it(tmp_path, layo
     d = tmp_path / "c"
     d.mkdir()
     if layout == "beside-safetensors":
-        H._save_single(d, H._state(1))
+        write_single(d, H.model_state(1))
     torch.save({"w": torch.zeros(2), "x": _Evil(str(marker))}, d / "pytorch_model.bin")
     before = H.snapshot(d)
     extra = ["--prefer", "pytorch"] if layout == "beside-safetensors" else []
     r = subprocess.run([sys.executable, "-m", "ckptctl", "resave", str(d), "--repair", *extra], capture_output=True,
-                       text=True, env=H._clean_env(None), timeout=120)
+                       text=True, env=clean_env(), timeout=120)
     assert r.returncode == 2 and "refused to unpickle" in r.stderr and "Traceback" not in r.stderr, r.stderr
     assert not marker.exists()
     assert H.snapshot(d) == before and H.our_staging(tmp_path) == []
