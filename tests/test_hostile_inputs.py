@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import shutil
 import struct
 import subprocess
@@ -28,7 +29,7 @@ from hypothesis import strategies as st
 from ckptctl.errors import CkptctlError
 from ckptctl.findings import ERROR
 from tests import crash_harness as H
-from tests.support import INDEX, clean_env, load_glob, write_sharded, write_single
+from tests.support import INDEX, clean_env, load_glob, run_ckptctl, write_sharded, write_single
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -212,7 +213,7 @@ def test_hostile_adapter_config_fields_are_findings_not_tracebacks(tmp_path, fie
     save_file({k: torch.zeros(*t.shape) for k, t in _lora_tensors().items()}, str(d / "adapter_model.safetensors"))
     (d / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 8, "lora_alpha": 16,
                                                        "target_modules": ["q_proj", "v_proj"], **fields}))
-    r = _ckptctl("verify", d, "--json")
+    r = run_ckptctl("verify", d, "--json")
     assert "Traceback" not in r.stderr, r.stderr[-800:]
     assert r.returncode == 1 and json.loads(r.stdout)["results"][0]["counts"]["error"] >= 1
 
@@ -227,21 +228,17 @@ def test_a_catastrophic_target_modules_regex_does_not_hang_verify(tmp_path):
     (d / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 8, "lora_alpha": 16,
                                                        "target_modules": r"(\w+\.?\w*)+X"}))
     try:
-        r = _ckptctl("verify", d, "--json", timeout=5)
+        r = run_ckptctl("verify", d, "--json", timeout=5)
     except subprocess.TimeoutExpired:
         pytest.fail("verify hung on a hostile target_modules pattern")
-    assert r.returncode in (0, 1)
-
-
-def _ckptctl(*args, timeout: float = 120, limit_as: int | None = None) -> subprocess.CompletedProcess:
-    def pre() -> None:
-        if limit_as:
-            import resource
-
-            resource.setrlimit(resource.RLIMIT_AS, (limit_as, limit_as))
-
-    return subprocess.run([sys.executable, "-m", "ckptctl", *map(str, args)], capture_output=True, text=True,
-                          timeout=timeout, env=clean_env(), preexec_fn=pre if limit_as else None)
+    # README "Exit codes": 0 when no finding is at or above --fail-on (error). The pattern is not
+    # run (it nests quantifiers), which is a warning, not an error: verify cannot say the adapter
+    # is broken, only that it did not check its modules.
+    doc = json.loads(r.stdout)
+    assert r.returncode == 0, r.stderr[-800:]
+    findings = doc["results"][0]["findings"]
+    assert [f["severity"] for f in findings if f["code"] == "adapter.regex_not_checked"] == ["warning"], findings
+    assert doc["results"][0]["counts"]["error"] == 0
 
 
 @pytest.mark.parametrize("command", ["verify", "resave"])
@@ -259,9 +256,18 @@ def test_a_huge_layer_count_in_config_does_not_drive_an_allocation(tmp_path, com
                                                "num_hidden_layers": 10 ** 9}))
     # capped at 2 GiB of address space, so the bug shows as a MemoryError, not as an OOM kill
     args = ["verify", d, "--json"] if command == "verify" else ["resave", d, "--repair", "--dry-run"]
-    r = _ckptctl(*args, limit_as=2 << 30, timeout=300)
+    r = run_ckptctl(*args, timeout=300, preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_AS, (2 << 30, 2 << 30)))
     assert "MemoryError" not in r.stderr and "Traceback" not in r.stderr, r.stderr[-800:]
-    assert r.returncode in (0, 1, 2)
+    # README "Exit codes": 1 for both. verify: config.json promises 10**9 layers and the file holds
+    # 2, so transformers would initialise the rest at random (an error finding, reported once, not
+    # once per layer). resave --repair: config.json agrees with neither complete family, so the
+    # repair cannot choose between them and refuses, changing nothing.
+    assert r.returncode == 1, r.stderr[-800:]
+    if command == "verify":
+        findings = json.loads(r.stdout)["results"][0]["findings"]
+        assert [f["code"] for f in findings if f["severity"] == "error"] == ["config.layer_missing"], findings
+    else:
+        assert "nothing was changed" in r.stderr and "config.json" in r.stderr, r.stderr
 
 
 # ---------------------------------------------------------------------------------------------
@@ -374,12 +380,12 @@ def test_a_length_field_in_dcp_metadata_is_not_allocated(tmp_path, command):
     (d / ".metadata").write_bytes(b"\x80\x04\x8e" + struct.pack("<Q", 2 ** 45) + b"abc")
     (d / "__0_0.distcp").write_bytes(b"x")
     if command == "verify":
-        r = _ckptctl("verify", d, "--json")
+        r = run_ckptctl("verify", d, "--json")
         assert "Traceback" not in r.stderr, r.stderr[-500:]
         codes = [f["code"] for f in json.loads(r.stdout)["results"][0]["findings"]]
         assert r.returncode == 1 and "dcp.bad_metadata" in codes
     else:
-        r = _ckptctl("export", d, tmp_path / "out")
+        r = run_ckptctl("export", d, tmp_path / "out")
         assert "Traceback" not in r.stderr, r.stderr[-500:]
         assert r.returncode == 2 and "error:" in r.stderr and not (tmp_path / "out").exists()
     # and nothing near the length field's size is allocated, in either reader
@@ -450,19 +456,33 @@ def test_export_refuses_a_weight_map_entry_outside_the_source_and_never_opens_it
 
 
 @pytest.mark.parametrize("entry", ESCAPES[:2])
-def test_resave_repair_ignores_a_weight_map_entry_outside_and_never_opens_it(tmp_path, entry):
+def test_resave_repair_never_opens_a_weight_map_entry_outside(tmp_path, entry):
     src, outside = _source_with_escape(tmp_path, entry)
     before = outside.read_bytes()
     r, opened = _audited_ckptctl(tmp_path, "resave", src, "--repair", "--json")
     assert "Traceback" not in r.stderr, r.stderr
+    assert any(p.endswith(INDEX) for p in opened)  # the hook does see opens
     assert str(outside) not in opened and outside.read_bytes() == before
     assert H.our_staging(tmp_path) == []
-    if r.returncode == 0:  # repaired from what is inside: the two shards that exist
-        assert all(not os.path.isabs(v) and "/" not in v
-                   for v in json.loads((src / INDEX).read_text())["weight_map"].values())
-        assert H.check_marker(src) == []
-    else:
-        assert r.returncode in (1, 2) and "error:" in r.stderr
+    assert all(not os.path.isabs(v) and "/" not in v
+               for v in json.loads((src / INDEX).read_text())["weight_map"].values())
+
+
+@pytest.mark.xfail(strict=True, reason="bug (ckptctl/resave.py analyze): index entries that point outside are "
+                   "dropped as a 'fix' and their tensors with them; a repair that loses tensors must refuse "
+                   "(exit 1, nothing changed), as for a missing shard")
+@pytest.mark.parametrize("entry", ESCAPES[:2])
+def test_resave_repair_refuses_to_drop_the_tensors_of_an_entry_outside(tmp_path, entry):
+    """README "Exit codes": 1, ``resave --repair`` refused (data is lost: the list is printed,
+    nothing changed). The index names two tensors in a shard outside the checkpoint; the
+    checkpoint does not hold them, so a repair cannot keep them (DESIGN.md I9: no tensor lost, or
+    refuse and change nothing)."""
+    src, outside = _source_with_escape(tmp_path, entry)
+    lost = sorted(k for k, v in json.loads((src / INDEX).read_text())["weight_map"].items() if "outside" in v)
+    before = H.snapshot(src)
+    r = run_ckptctl("resave", src, "--repair")
+    assert r.returncode == 1 and "error:" in r.stderr and lost[0] in r.stderr, r.stderr
+    assert H.snapshot(src) == before and H.our_staging(tmp_path) == []
 
 
 def test_export_destination_with_dotdot_is_resolved_lexically(tmp_path):
@@ -476,8 +496,7 @@ def test_export_destination_with_dotdot_is_resolved_lexically(tmp_path):
     far.mkdir(parents=True)
     ws.mkdir()
     (ws / "link").symlink_to(far)
-    r = subprocess.run([sys.executable, "-m", "ckptctl", "export", str(src), f"{ws}/link/../ckpt"],
-                       capture_output=True, text=True, env=clean_env(), timeout=120)
+    r = run_ckptctl("export", src, f"{ws}/link/../ckpt")
     assert r.returncode == 0, r.stderr
     assert H.check_version(ws / "ckpt", load_glob(src)) == []
     assert sorted(os.listdir(tmp_path / "far")) == ["deep"] and os.listdir(far) == []
@@ -499,8 +518,7 @@ def test_export_destination_whose_parent_is_a_symlink_lands_in_the_target(tmp_pa
         link = tmp_path / "ws" / "models"
         link.symlink_to(target)
         for attempt in range(2):  # the second run replaces the first version
-            r = subprocess.run([sys.executable, "-m", "ckptctl", "export", str(src), str(link / "ckpt"),
-                                "--overwrite"], capture_output=True, text=True, env=clean_env(), timeout=120)
+            r = run_ckptctl("export", src, link / "ckpt", "--overwrite")
             assert r.returncode == 0, r.stderr
         assert link.is_symlink() and os.readlink(link) == str(target)
         assert H.check_version(target / "ckpt", load_glob(src)) == []
@@ -521,9 +539,10 @@ def test_export_over_something_that_is_not_a_directory_is_refused(tmp_path, dst)
         target.write_text("keep")
     elif dst == "fifo":
         os.mkfifo(target)  # opening it would block: refusing must not open it
-    r = subprocess.run([sys.executable, "-m", "ckptctl", "export", str(src), str(target), "--overwrite"],
-                       capture_output=True, text=True, env=clean_env(), timeout=120)
-    assert r.returncode in (2, 3) and "error:" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    r = run_ckptctl("export", src, target, "--overwrite")
+    # README "Exit codes": 2, a usage error: the destination names something that is not a
+    # checkpoint directory, and --overwrite replaces checkpoints only.
+    assert r.returncode == 2 and "not a directory" in r.stderr and "Traceback" not in r.stderr, r.stderr
     if dst == "file":
         assert target.read_text() == "keep"
     assert H.our_staging(tmp_path) == [] and not list(Path("/dev").glob("_tmp_null.*"))
@@ -551,8 +570,7 @@ def test_gc_never_follows_a_staging_named_symlink(tmp_path):
     (root / victim.name).symlink_to(victim)
     (root / "_tmp_x.0000000000000002-00000000").symlink_to(elsewhere)
     before = H.snapshot(elsewhere)
-    r = subprocess.run([sys.executable, "-m", "ckptctl", "gc-tmp", str(root), "--min-age", "0", "--json"],
-                       capture_output=True, text=True, env=clean_env(), timeout=120)
+    r = run_ckptctl("gc-tmp", root, "--min-age", "0", "--json")
     assert r.returncode == 0, r.stderr
     assert H.snapshot(elsewhere) == before
 
@@ -581,8 +599,7 @@ def test_gc_root_given_through_dotdot_and_a_symlink_stays_inside_it(tmp_path):
     a, b = dead(ws), dead(beside)
     (tmp_path / "link").symlink_to(ws)
     for root in (f"{ws}/sub/..", str(tmp_path / "link")):
-        r = subprocess.run([sys.executable, "-m", "ckptctl", "gc-tmp", root, "--min-age", "0", "--max-depth", "1"],
-                           capture_output=True, text=True, env=clean_env(), timeout=120)
+        r = run_ckptctl("gc-tmp", root, "--min-age", "0", "--max-depth", "1")
         assert r.returncode == 0, r.stderr
         assert not a.exists() and b.exists()
         a = dead(ws)
@@ -612,8 +629,7 @@ def test_resave_refuses_a_pickle_that_runs_code_and_never_runs_it(tmp_path, layo
     torch.save({"w": torch.zeros(2), "x": _Evil(str(marker))}, d / "pytorch_model.bin")
     before = H.snapshot(d)
     extra = ["--prefer", "pytorch"] if layout == "beside-safetensors" else []
-    r = subprocess.run([sys.executable, "-m", "ckptctl", "resave", str(d), "--repair", *extra], capture_output=True,
-                       text=True, env=clean_env(), timeout=120)
+    r = run_ckptctl("resave", d, "--repair", *extra)
     assert r.returncode == 2 and "refused to unpickle" in r.stderr and "Traceback" not in r.stderr, r.stderr
     assert not marker.exists()
     assert H.snapshot(d) == before and H.our_staging(tmp_path) == []
