@@ -8,18 +8,14 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 
 from ckptctl._version import __version__
-from tests.support import write_single
+from tests.support import write_tiny_checkpoint
 
 
 @pytest.fixture(scope="module")
 def st_dir(tmp_path_factory) -> Path:
-    d = tmp_path_factory.mktemp("conv") / "ckpt"
-    write_single(d, {"model.embed.weight": torch.zeros(8, 4), "model.norm.weight": torch.ones(4)})
-    (d / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 4}))
-    return d
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("conv") / "ckpt")
 
 
 @pytest.fixture(scope="module")

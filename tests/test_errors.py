@@ -1,6 +1,6 @@
 """ckptctl/errors.py: every error class -> its exit code (README "Exit codes") and stable code,
 the phase in its message and JSON, errno -> error class; then the CLI's mapping, through one real
-``python -m ckptctl`` run per error class and per exit code."""
+``python -m ckptctl`` run per error class."""
 
 from __future__ import annotations
 

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support import REPO, clean_env, write_pickle, write_single
+from tests.support import REPO, clean_env, write_pickle, write_tiny_checkpoint
 
 PACKAGE = REPO / "ckptctl"
 MAX_MODULE_LINES = 500
@@ -294,12 +294,7 @@ def probe(args: list[object], env: dict[str, str] | None = None) -> tuple[dict, 
 
 @pytest.fixture(scope="module")
 def st_dir(tmp_path_factory) -> Path:
-    import torch
-
-    d = tmp_path_factory.mktemp("layering") / "ckpt"
-    write_single(d, {"model.embed.weight": torch.zeros(8, 4), "model.norm.weight": torch.ones(4)})
-    (d / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 4}))
-    return d
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("layering") / "ckpt")
 
 
 @pytest.mark.parametrize("args", [["--help"], ["inspect", "--help"], ["--version"]], ids=" ".join)

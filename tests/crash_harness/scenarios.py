@@ -74,24 +74,39 @@ def _finish_old(d: Path) -> None:
     _write_manifest(d)
 
 
-def _old_sharded(d: Path) -> None:
-    write_sharded(d, model_state(1), max_shard_size=20_000)
-    _finish_old(d)
+def _weights(d: Path, tensors: dict, max_shard_size: int | None) -> None:
+    if max_shard_size is None:
+        write_single(d, tensors)
+    else:
+        write_sharded(d, tensors, max_shard_size=max_shard_size)
 
 
-def _old_single(d: Path) -> None:
-    write_single(d, model_state(1))
-    _finish_old(d)
+def old_version(seed: int, max_shard_size: int | None = None, **shape: int) -> Callable[[Path], None]:
+    """An old destination: ``model_state(seed, **shape)`` in one file (or sharded by
+    huggingface_hub), then a config, a model card and a manifest."""
+
+    def build(d: Path) -> None:
+        _weights(d, model_state(seed, **shape), max_shard_size)
+        _finish_old(d)
+
+    return build
 
 
-def _src_single(d: Path) -> None:
-    write_single(d, model_state(2))
-    write_config(d)
+def source(seed: int, max_shard_size: int | None = None, **shape: int) -> Callable[[Path], None]:
+    """An export source: the weights and a config."""
+
+    def build(d: Path) -> None:
+        _weights(d, model_state(seed, **shape), max_shard_size)
+        write_config(d)
+
+    return build
 
 
-def _src_sharded(d: Path) -> None:
-    write_sharded(d, model_state(2), max_shard_size=20_000)
-    write_config(d)
+BIG = dict(n=8, rows=1024, cols=1024)  # 8 x 4 MiB fp32
+_old_sharded, _old_single = old_version(1, 20_000), old_version(1)
+_src_single, _src_sharded = source(2), source(2, 20_000)
+_old_small_single, _src_big = old_version(1, n=2), source(3, **BIG)
+_old_big_single, _old_big_sharded = old_version(4, **BIG), old_version(5, 9_000_000, **BIG)
 
 
 def _old_needs_repair(d: Path) -> None:
@@ -107,30 +122,6 @@ def _old_needs_repair(d: Path) -> None:
         f.write(b"\0" * 100)
     shutil.copy(d / "model-00001-of-00003.safetensors", d / "model-00001-of-00004.safetensors")
     (d / ".tmpXyZ123").write_bytes(b"partial")
-
-
-def _big(seed: int):
-    return model_state(seed, n=8, rows=1024, cols=1024)  # 8 x 4 MiB fp32
-
-
-def _old_small_single(d: Path) -> None:
-    write_single(d, model_state(1, n=2))
-    _finish_old(d)
-
-
-def _src_big(d: Path) -> None:
-    write_single(d, _big(3))
-    write_config(d)
-
-
-def _old_big_single(d: Path) -> None:
-    write_single(d, _big(4))
-    _finish_old(d)
-
-
-def _old_big_sharded(d: Path) -> None:
-    write_sharded(d, _big(5), max_shard_size=9_000_000)
-    _finish_old(d)
 
 
 _COMMON = ["stage-create", "stage-created", "shard-start", "write-data", "fsync-shard", "shards-written",

@@ -8,7 +8,7 @@ namespace package, so pytest keeps putting ``tests/`` on ``sys.path`` for ``impo
 """
 
 from tests.support.builders import (INDEX, SINGLE, TINY_LLAMA, nbytes, state, tiny_llama, write_config,
-                                    write_pickle, write_sharded, write_single)
+                                    write_pickle, write_sharded, write_single, write_tiny_checkpoint)
 from tests.support.cli import (CKPTCTL, REPO, RUN_TIMEOUT, ExecRunner, Result, clean_env, communicate,
                                drop_dac_caps, invoke, popen_ckptctl, process_state, run_ckptctl,
                                run_cli_subprocess, wait_stopped)
@@ -22,4 +22,5 @@ __all__ = [
     "load_glob", "load_hub", "load_single_first", "load_with_transformers", "nbytes", "popen_ckptctl",
     "process_state", "run_ckptctl", "run_cli_subprocess", "same", "sha256", "snapshot", "staging_dirs", "state",
     "tiny_llama", "wait_stopped", "write_config", "write_pickle", "write_sharded", "write_single",
+    "write_tiny_checkpoint",
 ]

@@ -64,6 +64,14 @@ def write_config(d: Path, model_type: str = "llama", dtype: str = "float32", **f
     return d / "config.json"
 
 
+def write_tiny_checkpoint(d: Path) -> Path:
+    """The smallest checkpoint the CLI tests inspect and verify: two float32 tensors (36
+    parameters) in ``model.safetensors`` and a ``config.json``."""
+    write_single(d, {"model.embed.weight": torch.zeros(8, 4), "model.norm.weight": torch.ones(4)})
+    (d / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 4}))
+    return d
+
+
 TINY_LLAMA = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, max_position_embeddings=64)
 
