@@ -3,6 +3,8 @@ fixtures in the test module that uses them."""
 
 from __future__ import annotations
 
+import subprocess
+from pathlib import Path
 from typing import Any, Callable
 
 import pytest
@@ -20,3 +22,22 @@ def run_cli() -> Callable[..., tuple[int, str, str]]:
 def cli() -> Callable[..., Any]:
     """In-process runner: ``cli("inspect", path).exit_code / .stdout / .stderr``."""
     return invoke
+
+
+@pytest.fixture
+def mount_tmpfs():
+    """``mount_tmpfs(where, size="16m") -> where`` with a fresh tmpfs mounted there (skips the test
+    where mounting is not permitted); unmounted after the test."""
+    mounted: list[Path] = []
+
+    def mount(where: Path, size: str = "16m") -> Path:
+        where.mkdir(parents=True, exist_ok=True)
+        r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)], capture_output=True)
+        if r.returncode != 0:
+            pytest.skip("cannot mount a tmpfs here")
+        mounted.append(where)
+        return where
+
+    yield mount
+    for m in reversed(mounted):
+        subprocess.run(["umount", "-l", str(m)], capture_output=True)

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from ckptctl import staging
-from tests.support import (load_glob, load_hub, popen_ckptctl, run_ckptctl, same, staging_dirs, state,
-                           wait_stopped, write_sharded, write_single)
+from tests.support import (fill_filesystem, load_glob, load_hub, popen_ckptctl, run_ckptctl, same, staging_dirs,
+                           state, wait_stopped, write_sharded, write_single)
 
 KILL_POINTS = ["stage-created", "shard-start", "write-data", "fsync-shard", "shards-written", "index",
                "extras-written", "manifest-written", "sealed", "publish", "published", "after-publish"]
@@ -119,14 +119,8 @@ def test_exchange_failure_leaves_old_intact(tmp_path):
 
 
 @pytest.fixture
-def small_fs(tmp_path):
-    mnt = tmp_path / "mnt"
-    mnt.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], capture_output=True)
-    if r.returncode != 0:
-        pytest.skip("cannot mount a tmpfs here")
-    yield mnt
-    subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
+def small_fs(tmp_path, mount_tmpfs):
+    return mount_tmpfs(tmp_path / "mnt", size="1m")
 
 
 def test_enospc_on_small_tmpfs(tmp_path, small_fs):
@@ -143,14 +137,7 @@ def test_enospc_on_small_tmpfs(tmp_path, small_fs):
     write_single(tmp_path / "src2", state(3, n=4, rows=128, cols=128))  # 256 KiB
     proc = popen_ckptctl("export", tmp_path / "src2", dst, "--overwrite", env={"CKPTCTL_STOP_AT": "stage-created"})
     wait_stopped(proc.pid)
-    filler = small_fs / "filler"
-    with open(filler, "wb") as f:
-        try:
-            while True:
-                f.write(b"\0" * 65536)
-        except OSError:
-            pass
-    os.truncate(filler, max(0, filler.stat().st_size - 100_000))  # leave room for less than the data
+    fill_filesystem(small_fs / "filler", leave=100_000)  # room for less than the data
     proc.send_signal(signal.SIGCONT)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 3, err

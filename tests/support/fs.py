@@ -69,6 +69,20 @@ def snapshot(root: Path, skip: Callable[[str], bool] | None = None, *,
     return out
 
 
+def fill_filesystem(path: Path, leave: int) -> Path:
+    """Fill the filesystem ``path`` is on with the file ``path`` until a write fails (ENOSPC),
+    then give back ``leave`` bytes: a disk that fills up under a running writer."""
+    with open(path, "wb") as f:
+        try:
+            while True:
+                f.write(b"\0" * 65536)
+                f.flush()
+        except OSError:
+            pass
+    os.truncate(path, max(0, path.stat().st_size - leave))
+    return path
+
+
 def staging_dirs(parent: Path) -> list[Path]:
     """Entries of ``parent`` named like staging directories (``_tmp_*``), sorted."""
     return sorted(p for p in parent.iterdir() if p.name.startswith("_tmp_"))
