@@ -1,9 +1,9 @@
 """Synthetic Llama-shaped checkpoints for the benchmarks.
 
-    python bench/gen.py OUT --size 2GB --dtype bf16 --shards 4      # sharded safetensors + index
-    python bench/gen.py OUT --size 500MB --single                   # one model.safetensors
-    python bench/gen.py OUT --size 500MB --bin                      # pytorch_model.bin
-    python bench/gen.py OUT --tiny-shards 1000 --layers 1000        # 1,000 shards of tiny tensors
+    python -m bench.gen OUT --size 2GB --dtype bf16 --shards 4      # sharded safetensors + index
+    python -m bench.gen OUT --size 500MB --single                   # one model.safetensors
+    python -m bench.gen OUT --size 500MB --bin                      # pytorch_model.bin
+    python -m bench.gen OUT --tiny-shards 1000 --layers 1000        # 1,000 shards of tiny tensors
 
 Safetensors files are written here, byte by byte (header from ckptctl's encoder, then the data
 streamed from one reusable block of normally distributed values), so memory stays bounded at any

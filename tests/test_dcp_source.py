@@ -8,7 +8,7 @@ import warnings
 import pytest
 import torch
 
-from tests.ckpt_helpers import load_dir, run_ckptctl, staging_dirs
+from tests.support import load_glob as load_dir, run_ckptctl, staging_dirs
 from tests.dist_worker import full_state
 from tests.test_distributed import _launch
 
