@@ -16,7 +16,6 @@ from typing import Any
 from ckptctl import layout as L
 from ckptctl.errors import InputError
 from ckptctl.findings import Finding
-from ckptctl.format import dtypes as dt
 from ckptctl.format.header import load_header
 from ckptctl.format.tensor import TensorSpec
 
