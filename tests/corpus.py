@@ -85,8 +85,12 @@ def llama_tensors(cfg: dict[str, Any] | None = None, *, seed: int = 0, tie: bool
 def write_checkpoint(d: Path, groups: list[dict[str, np.ndarray]], *, config: dict[str, Any] | None = None,
                      prefix: str = "model", metadata: dict[str, str] | None = None, index: bool | None = None
                      ) -> list[str]:
-    """Write ``groups`` as shards (one group: a single file) plus index and config. Returns file names."""
+    """Write ``groups`` as shards (one group: a single file) plus index and config. Returns file names.
+
+    ``prefix`` is the stem, with a variant after a dot (``model.fp16``): the index is then named
+    as transformers' ``_add_variant`` names it, ``model.safetensors.index.fp16.json``."""
     from ckptctl.format.index import encode_index
+    from ckptctl.format.names import index_name
 
     d.mkdir(parents=True, exist_ok=True)
     groups = [g for g in groups if g]
@@ -105,7 +109,8 @@ def write_checkpoint(d: Path, groups: list[dict[str, np.ndarray]], *, config: di
             total += a.nbytes
             params += a.size
     if sharded:
-        (d / f"{prefix}.safetensors.index.json").write_bytes(
+        stem, _, variant = prefix.partition(".")
+        (d / index_name(stem, "safetensors", variant=variant or None)).write_bytes(
             encode_index(weight_map, total, total_parameters=params))
     if config is not None:
         (d / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
@@ -437,7 +442,7 @@ def make_index_parent_path(d: Path) -> str:
     idx["weight_map"] = {k: (f"../{outside.name}/x.safetensors" if v == shard(3) else v)
                          for k, v in idx["weight_map"].items()}
     write_index(d, idx)
-    return "index.shard_outside"
+    return "layout.shard_missing"
 
 
 def make_index_absolute_path(d: Path) -> str:
@@ -449,7 +454,7 @@ def make_index_absolute_path(d: Path) -> str:
     idx["weight_map"] = {k: (str((outside / "x.safetensors").resolve()) if v == shard(3) else v)
                          for k, v in idx["weight_map"].items()}
     write_index(d, idx)
-    return "index.shard_outside"
+    return "layout.shard_missing"
 
 
 def make_symlink_escape(d: Path) -> str:
@@ -556,7 +561,7 @@ def make_index_empty(d: Path) -> str:
 def make_shard_missing(d: Path) -> str:
     make_clean_sharded(d)
     (d / shard(2)).unlink()
-    return "index.shard_missing"
+    return "layout.shard_missing"
 
 
 def make_tensor_missing(d: Path) -> str:
@@ -645,7 +650,7 @@ def make_variant_incomplete(d: Path) -> str:
     cfg = llama_config()
     write_checkpoint(d, llama_tensors(cfg, seed=1), prefix="model.fp16")
     (d / "model.fp16-00002-of-00003.safetensors").unlink()
-    return "index.shard_missing"
+    return "layout.shard_missing"
 
 
 def _leftover(d: Path, make: Callable[[Path], Any]) -> None:
@@ -655,27 +660,27 @@ def _leftover(d: Path, make: Callable[[Path], Any]) -> None:
 
 def make_leftover_temp_shard(d: Path) -> str:
     _leftover(d, lambda d: shutil.copy(d / shard(1), d / "model-00001-of-?????.safetensors"))
-    return "dir.leftover"
+    return "layout.leftover"
 
 
 def make_leftover_staging_dir(d: Path) -> str:
     _leftover(d, lambda d: (d / "_tmp_step_100.0000018a3b2c4d5e-1a2b3c4d").mkdir())
-    return "dir.leftover"
+    return "layout.leftover"
 
 
 def make_leftover_st_tempfile(d: Path) -> str:
     _leftover(d, lambda d: shutil.copy(d / shard(2), d / ".tmpciTtek"))
-    return "dir.leftover"
+    return "layout.leftover"
 
 
 def make_leftover_incomplete(d: Path) -> str:
     _leftover(d, lambda d: (d / "model-00001-of-00003.safetensors.incomplete").write_bytes(b"\0" * 64))
-    return "dir.leftover"
+    return "layout.leftover"
 
 
 def make_leftover_lock(d: Path) -> str:
     _leftover(d, lambda d: (d / "model.safetensors.lock").write_bytes(b""))
-    return "dir.leftover"
+    return "dir.lock_file"
 
 
 # --------------------------------------------------------------------------------------------
@@ -1152,7 +1157,7 @@ def make_bin_index_shard_missing(d: Path) -> str:
     torch.save(half, d / "pytorch_model-00001-of-00002.bin")
     wm = {k: ("pytorch_model-00001-of-00002.bin" if k in half else "pytorch_model-00002-of-00002.bin") for k in keys}
     (d / "pytorch_model.bin.index.json").write_bytes(encode_index(wm, 1))
-    return "index.shard_missing"
+    return "layout.shard_missing"
 
 
 def make_two_families(d: Path) -> str:

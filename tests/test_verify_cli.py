@@ -146,8 +146,8 @@ def test_findings_table_on_stdout_verdict_on_stderr(tmp_path: Path) -> None:
     corpus.make_shard_missing(tmp_path / "b")
     res = invoke(tmp_path / "b")
     assert res.exit_code == 1
-    assert "index.shard_missing" in res.stdout and "model-00002-of-00003.safetensors" in res.stdout
-    assert "verify: FAIL" in res.stderr and "index.shard_missing" not in res.stderr
+    assert "layout.shard_missing" in res.stdout and "model-00002-of-00003.safetensors" in res.stdout
+    assert "verify: FAIL" in res.stderr and "layout.shard_missing" not in res.stderr
     quiet = invoke(tmp_path / "b", "-q")
     assert quiet.exit_code == 1 and quiet.stderr == ""
 

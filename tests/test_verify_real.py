@@ -130,7 +130,7 @@ def test_real_sharded_checkpoint_with_a_deleted_shard(saved: dict[str, Path], tm
     victim = sorted(d.glob("model-*.safetensors"))[1]
     victim.unlink()
     codes = {f.code for f in verify_path(d).findings}
-    assert "index.shard_missing" in codes and "config.not_checked" in codes
+    assert "layout.shard_missing" in codes and "config.not_checked" in codes
 
 
 def test_huggingface_hub_save_torch_state_dict_passes_clean(tmp_path: Path) -> None:
