@@ -183,8 +183,8 @@ def test_io_error_exits_three_even_with_other_findings(tmp_path: Path) -> None:
     assert res.exit_code == 3
     doc = json.loads(res.stdout)
     assert doc["ok"] is False
-    io = [f for r in doc["results"] for f in r["findings"] if f["code"] == "io.error"]
-    assert io and "Input/output error" in io[0]["message"]
+    io = [f for r in doc["results"] for f in r["findings"] if "Input/output error" in f["message"]]
+    assert io and {f["code"] for f in io} == {"io.error"} and io[0]["path"] == str(tmp_path / "mem.safetensors")
     assert "I/O ERROR" in res.stderr
 
 
