@@ -489,6 +489,16 @@ def make_symlink_escape(d: Path) -> str:
     return "dir.symlink_escape"
 
 
+def make_config_symlink_escape(d: Path) -> str:
+    """config.json is a link to a file outside: verify must report it without opening it."""
+    make_clean_sharded(d)
+    outside = d.parent / (d.name + ".outside")
+    outside.mkdir()
+    shutil.move(str(d / "config.json"), str(outside / "config.json"))
+    os.symlink(os.path.relpath(outside / "config.json", d), d / "config.json")
+    return "dir.symlink_escape"
+
+
 def make_broken_link(d: Path) -> str:
     make_clean_sharded(d)
     (d / shard(2)).unlink()
@@ -1442,6 +1452,16 @@ ARGS = {
     "make_deep_all_zero": ("--deep",), "make_deep_all_zero_vector": ("--deep",), "make_deep_not_decoded": ("--deep",),
     "make_shard_too_large": ("--max-shard-size", "2KB"),
 }
+
+
+def make_dcp_metadata_not_a_map(d: Path) -> str:
+    """Allow-listed classes only, but state_dict_metadata is a list: not DCP Metadata."""
+    make_clean_dcp(d)
+
+    def edit(md: Any) -> None:
+        md.state_dict_metadata = sorted(md.state_dict_metadata)
+    _edit_dcp_metadata(d, edit)
+    return "dcp.bad_metadata"
 
 
 def _cases() -> list[Case]:

@@ -78,3 +78,16 @@ def test_metadata_pickle_that_runs_code_is_refused(tmp_path, dcp_dir):
     p = run_ckptctl("export", str(broken), str(tmp_path / "o"))
     assert p.returncode == 2 and "refused to unpickle" in p.stderr
     assert not os.path.exists("/tmp/ckptctl-dcp-pwned")
+
+
+def test_a_fifo_in_place_of_the_metadata_is_refused_without_blocking(tmp_path):
+    """Opening a FIFO for reading waits for a writer: the metadata reader must not."""
+    import os
+
+    d = tmp_path / "dcp"
+    d.mkdir()
+    os.mkfifo(d / ".metadata")
+    (d / "__0_0.distcp").write_bytes(b"x")
+    p = run_ckptctl("export", str(d), str(tmp_path / "out"), timeout=60)
+    assert p.returncode == 2 and "not a regular file" in p.stderr and "Traceback" not in p.stderr, p.stderr
+    assert not (tmp_path / "out").exists() and staging_dirs(tmp_path) == []
