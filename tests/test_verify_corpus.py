@@ -96,7 +96,7 @@ def test_every_code_the_code_can_emit_is_documented() -> None:
     sources += [REPO / "ckptctl" / n for n in ("layout.py", "manifest.py")]
     sources += [REPO / "ckptctl" / "format" / n for n in ("header.py", "index.py", "dcp_metadata.py")]
     emitted = {m for p in sources for m in pat.findall(p.read_text())} - {"config.json"}
-    assert {"dir.lock_file", "layout.leftover", "dcp.bad_metadata", "index.wrong_shard"} <= emitted  # the scan sees them
+    assert {"dir.lock_file", "layout.leftover", "dcp.bad_metadata", "index.wrong_shard"} <= emitted  # it sees them
     assert not sorted(emitted - set(DOCUMENTED)), f"undocumented codes: {sorted(emitted - set(DOCUMENTED))}"
     assert not sorted(set(DOCUMENTED) - emitted), f"documented but never emitted: {sorted(set(DOCUMENTED) - emitted)}"
 

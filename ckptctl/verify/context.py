@@ -129,6 +129,16 @@ class Context:
             self.result.files.append(rec)
         return rec
 
+    def escaped(self, name: str, how: str) -> None:
+        """``name`` leads outside the checkpoint (``how``): reported, and never opened."""
+        self.hidden.add(name)
+        self.add("dir.symlink_escape", ERROR, self.disp(name), f"{self.disp(name)} {how}, outside the checkpoint; "
+                 "not opened", "replace the symlink with the file itself (or a hard link)", name=name)
+
+    def not_a_file(self, name: str, what: str, hint: str) -> None:
+        """``name`` is not a regular file (``what`` it is instead): reported, and never opened."""
+        self.add("dir.not_a_file", ERROR, self.disp(name), f"{self.disp(name)} {what}", hint)
+
     # opening names -----------------------------------------------------------------------------
     def inside(self, name: str) -> Path | None:
         """``root / name`` unless it was screened out or resolves outside the checkpoint through a
@@ -137,10 +147,7 @@ class Context:
             return None  # already reported as an escaping or broken symlink, or not a file
         target = self.root / name
         if os.path.lexists(target) and not within(os.path.realpath(target), self.allowed):
-            self.add("dir.symlink_escape", ERROR, self.disp(name),
-                     f"{self.disp(name)} resolves to {os.path.realpath(target)}, outside the checkpoint; not opened",
-                     "replace the symlink with the file itself (or a hard link)", name=name)
-            self.hidden.add(name)
+            self.escaped(name, f"resolves to {os.path.realpath(target)}")
             return None
         return target
 
@@ -164,7 +171,7 @@ class Context:
             self.io(name, exc)
             return None
         if not stat.S_ISREG(st.st_mode):
-            self.add("dir.not_a_file", ERROR, self.disp(name), f"{self.disp(name)} is not a regular file", hint)
+            self.not_a_file(name, "is not a regular file", hint)
             return None
         return st.st_size
 

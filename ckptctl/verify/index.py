@@ -13,11 +13,11 @@ import os
 from typing import Any
 
 from ckptctl import layout as L
+from ckptctl.config_fields import as_int
 from ckptctl.findings import ERROR, WARNING
 from ckptctl.format import names as N
 from ckptctl.format.index import Index
 from ckptctl.verify import weights as W
-from ckptctl.config_fields import as_int
 from ckptctl.verify.context import Context, FamilyTensors, WeightsRead
 
 _REPAIR = "run `ckptctl resave --repair DIR` to rebuild the index from the shard headers"

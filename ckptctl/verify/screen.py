@@ -29,7 +29,6 @@ def _harmless(name: str, mode: int) -> bool:
 def screen(ctx: Context) -> None:
     for n in ctx.names:
         p = ctx.root / n
-        shown = ctx.disp(n)
         if not os.path.islink(p):
             try:
                 mode = os.lstat(p).st_mode
@@ -38,22 +37,18 @@ def screen(ctx: Context) -> None:
             if not _harmless(n, mode):
                 ctx.hidden.add(n)
                 what = "directory" if stat.S_ISDIR(mode) else "special file"
-                ctx.add("dir.not_a_file", ERROR, shown, f"{shown} is a {what}, not a regular file; not opened",
-                        _REPLACE)
+                ctx.not_a_file(n, f"is a {what}, not a regular file; not opened", _REPLACE)
             continue
         real = os.path.realpath(p)
         if not within(real, ctx.allowed):
-            ctx.hidden.add(n)
-            ctx.add("dir.symlink_escape", ERROR, shown, f"{shown} is a symlink to {real}, outside the checkpoint; "
-                    "not opened", "replace the symlink with the file itself (or a hard link)", name=n)
+            ctx.escaped(n, f"is a symlink to {real}")
         elif not os.path.exists(p):
             ctx.hidden.add(n)
-            ctx.add("dir.broken_link", ERROR, shown, f"{shown} is a dangling symlink", "restore its target or remove "
-                    "the link")
+            ctx.add("dir.broken_link", ERROR, ctx.disp(n), f"{ctx.disp(n)} is a dangling symlink",
+                    "restore its target or remove the link")
         elif not _harmless(n, os.stat(p).st_mode):
             ctx.hidden.add(n)
-            ctx.add("dir.not_a_file", ERROR, shown, f"{shown} links to something that is not a regular file; not "
-                    "opened", _REPLACE)
+            ctx.not_a_file(n, "links to something that is not a regular file; not opened", _REPLACE)
 
 
 def scan_directory(ctx: Context) -> None:
