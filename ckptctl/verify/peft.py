@@ -19,9 +19,14 @@ from ckptctl import layout as L
 from ckptctl.config_fields import as_int
 from ckptctl.errors import CkptctlError
 from ckptctl.findings import ERROR, INFO, WARNING, Finding, PathFindings
+from ckptctl.format import names as N
 from ckptctl.format.tensor import TensorSpec
 from ckptctl.verify.context import Context, VerifyOptions
+from ckptctl.verify.index import family_tensors
 from ckptctl.verify.model import Tensors
+from ckptctl.verify.report import PathResult
+from ckptctl.verify.screen import scan_directory
+from ckptctl.verify.weights import transformers_rank
 
 _PREFIX = "base_model.model."
 _LORA_KEY = re.compile(r"^(?P<module>.+)\.(?P<part>lora_A|lora_B)(?:\.(?P<adapter>[^.]+))?\.(?P<param>weight|bias)$")
@@ -355,11 +360,6 @@ def find_base(spec: str) -> Path | None:
 def base_tensors(root: Path) -> dict[str, TensorSpec] | None:
     """The tensors of a base model's safetensors weights (headers only), read with the same
     screening as a checkpoint (what it finds wrong is not this adapter's business), or None."""
-    from ckptctl.verify.index import family_tensors
-    from ckptctl.verify.report import PathResult
-    from ckptctl.verify.screen import scan_directory
-    from ckptctl.verify.weights import transformers_rank
-
     ctx = Context(root, PathResult(str(root), str(root)), VerifyOptions())
     scan_directory(ctx)
     fams = [f for f in (ctx.layout.families if ctx.layout else []) if f.kind == L.SAFETENSORS and f.variant is None]
@@ -374,10 +374,10 @@ def adapter_step(ctx: Context) -> None:
     fam = next((t for t in ctx.tables if t.family.kind == L.PEFT), None)
     if fam is None:
         return
-    present, acfg = ctx.open_json("adapter_config.json", "config", "adapter.bad_config")
+    present, acfg = ctx.open_json(N.ADAPTER_CONFIG, "config", "adapter.bad_config")
     if not present:
         return
-    shown = ctx.disp("adapter_config.json")
+    shown = ctx.disp(N.ADAPTER_CONFIG)
     base, label = None, None
     root = ctx.base_root
     if root is None and isinstance(acfg, dict) and isinstance(acfg.get("base_model_name_or_path"), str):
