@@ -18,6 +18,7 @@ from ckptctl.errors import InputError
 from ckptctl.findings import Finding
 from ckptctl.format import dtypes as dt
 from ckptctl.format.header import load_header
+from ckptctl.format.tensor import TensorSpec
 
 CONFIG_FIELDS = (
     "model_type", "architectures", "hidden_size", "num_hidden_layers", "num_attention_heads",
@@ -34,15 +35,37 @@ CONFIG_ALIASES = {
 
 @dataclass
 class TensorRow:
-    name: str
-    dtype: str
-    shape: tuple[int, ...]
-    file: str
+    spec: TensorSpec
+    file: str  # relative to the inspected root (``unet/diffusion_pytorch_model.safetensors``)
     nbytes: int
+    component: str | None = None  # the component of a multi-component root
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def dtype(self) -> str:
+        return self.spec.dtype or "?"
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.spec.shape
 
     @property
     def parameters(self) -> int:
-        return dt.numel(self.shape)
+        return self.spec.numel
+
+
+@dataclass
+class ComponentRow:
+    name: str
+    path: str
+    cls: str | None
+    format: str  # the component's weights format, or "none" (a scheduler, a tokenizer, pooling)
+    tensors: int = 0
+    parameters: int = 0
+    total_bytes: int = 0
 
 
 @dataclass
@@ -54,6 +77,7 @@ class Inspection:
     config: dict[str, Any] = field(default_factory=dict)
     findings: list[Finding] = field(default_factory=list)
     aliases: dict[str, str] = field(default_factory=dict)
+    components: list[ComponentRow] = field(default_factory=list)
 
     @property
     def parameters(self) -> int:
@@ -98,10 +122,12 @@ class Inspection:
         }
         if self.aliases:
             doc["aliases"] = self.aliases
+        if self.components:
+            doc["components"] = [vars(c) for c in self.components]
         if with_tensors:
             doc["tensors"] = [
                 {"name": t.name, "dtype": t.dtype, "shape": list(t.shape), "parameters": t.parameters,
-                 "bytes": t.nbytes, "file": t.file}
+                 "bytes": t.nbytes, "file": t.file, **({"component": t.component} if t.component is not None else {})}
                 for t in self.tensors
             ]
         return doc
@@ -137,22 +163,60 @@ def read_config(root: Path) -> dict[str, Any] | None:
 
 def inspect_path(path: str | os.PathLike[str], *, only: str | None = None,
                  name_filter: str | None = None) -> Inspection:
+    """Describe the checkpoint at ``path``; a multi-component root (diffusers pipeline,
+    sentence-transformers model) is described component by component."""
     p = Path(path)
     lay = L.scan(p)
-    fam = lay.primary(only) if lay.families else None
-    if fam is None:
-        raise InputError(f"{p} holds no checkpoint weights", "pass a checkpoint directory or a weights file")
-    fmt = fam.kind
+    if not lay.components:
+        fam = lay.primary(only) if lay.families else None
+        if fam is None:
+            raise InputError(f"{p} holds no checkpoint weights", "pass a checkpoint directory or a weights file")
+        res = Inspection(path=str(p), format=_format(fam), findings=list(lay.findings))
+        _add_family(res, p, lay, fam, only=only)
+    else:
+        res = Inspection(path=str(p), format=lay.kind, findings=list(lay.findings))
+        for comp in lay.components:
+            sub = lay if comp.path == "" else comp.layout
+            fam = sub.primary(only) if sub is not None and sub.families else None
+            row = ComponentRow(comp.name, comp.path, comp.cls, _format(fam) if fam else "none")
+            res.components.append(row)
+            if fam is None:
+                continue
+            if sub is not lay:
+                res.findings.extend(sub.findings)
+            before = len(res.tensors)
+            _add_family(res, sub.root, sub, fam, only=only, component=comp.name, prefix=comp.path)
+            added = res.tensors[before:]
+            row.tensors = len(added)
+            row.parameters = sum(t.parameters for t in added)
+            row.total_bytes = sum(t.nbytes for t in added)
+    res.tensors.sort(key=lambda t: (t.component or "", t.name))
+    if name_filter:
+        res.tensors = [t for t in res.tensors if fnmatchcase(t.name, name_filter)]
+    cfg = read_config(lay.root) if lay.single_file is None else None
+    if cfg is not None and isinstance(cfg, dict):
+        res.config = config_summary(cfg)
+    return res
+
+
+def _format(fam: L.Family) -> str:
     if fam.kind == L.SAFETENSORS:
-        fmt = "safetensors-sharded" if fam.index else "safetensors"
-    res = Inspection(path=str(p), format=fmt, findings=list(lay.findings))
+        return "safetensors-sharded" if fam.index else "safetensors"
+    return fam.kind
+
+
+def _add_family(res: Inspection, p: Path, lay: L.Layout, fam: L.Family, *, only: str | None,
+                component: str | None = None, prefix: str = "") -> None:
+    """Add a family's files and tensors to ``res``; names are relative to the inspected root."""
+    def rel(name: str) -> str:
+        return f"{prefix}/{name}" if prefix else name
 
     def file_row(name: str, role: str) -> dict[str, Any]:
         try:
             size = (lay.root / name).stat().st_size
         except OSError:
             size = None
-        return {"name": name, "size": size, "role": role}
+        return {"name": rel(name), "size": size, "role": role}
 
     for n in fam.files:
         res.files.append(file_row(n, "weights"))
@@ -168,22 +232,15 @@ def inspect_path(path: str | os.PathLike[str], *, only: str | None = None,
         for n in fam.files:
             hdr = load_header(lay.root / n, display=str(lay.root / n))
             for t in hdr.tensors.values():
-                res.tensors.append(TensorRow(t.name, t.dtype, t.shape, n, t.nbytes))
+                res.tensors.append(TensorRow(t.spec, rel(n), t.nbytes, component))
     else:
         from ckptctl.sources import open_source
 
         with open_source(p, only=only) as src:
-            res.aliases = dict(src.aliases)
+            res.aliases.update(src.aliases)
             for t in src.tensors:
-                res.tensors.append(TensorRow(t.name, t.dtype, t.shape, t.file and Path(t.file).name or
-                                             _pickle_file(fam), t.nbytes))
-    res.tensors.sort(key=lambda t: t.name)
-    if name_filter:
-        res.tensors = [t for t in res.tensors if fnmatchcase(t.name, name_filter)]
-    cfg = read_config(lay.root) if lay.single_file is None else None
-    if cfg is not None and isinstance(cfg, dict):
-        res.config = config_summary(cfg)
-    return res
+                where = Path(t.file).name if t.file else _pickle_file(fam)
+                res.tensors.append(TensorRow(TensorSpec(t.name, t.dtype, t.shape), rel(where), t.nbytes, component))
 
 
 def _pickle_file(fam: L.Family) -> str:

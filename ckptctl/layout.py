@@ -19,10 +19,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from ckptctl.errors import InputError, UsageError
+from ckptctl.errors import InputError, UnrepairableError, UsageError
 from ckptctl.findings import ERROR, INFO, WARNING, Finding
 from ckptctl.format import names as N
 from ckptctl.format.index import Index, read_index
+
+MODEL = "model"  # a directory with one model's weights
+PIPELINE = "diffusers-pipeline"  # model_index.json + component folders
+SENTENCE_TRANSFORMERS = "sentence-transformers"  # modules.json + module folders
+MODEL_INDEX = "model_index.json"
+MODULES_JSON = "modules.json"
+_MAX_MANIFEST = 1 << 20  # model_index.json / modules.json are a few hundred bytes
 
 SAFETENSORS = "safetensors"
 PYTORCH = "pytorch"
@@ -92,6 +99,22 @@ class Family:
 
 
 @dataclass
+class Component:
+    """One component of a multi-component root, as its manifest (``model_index.json`` or
+    ``modules.json``) names it."""
+
+    name: str  # diffusers: the pipeline attribute ("unet"); sentence-transformers: the module name
+    path: str  # folder relative to the root ("" for a sentence-transformers root module)
+    library: str | None  # diffusers | transformers | sentence_transformers | ...
+    cls: str | None  # the class the library instantiates
+    layout: Layout | None = None  # None when the folder is missing or unsafe (a finding says so)
+
+    @property
+    def has_weights(self) -> bool:
+        return self.layout is not None and bool(self.layout.families)
+
+
+@dataclass
 class Layout:
     root: Path  # the directory (for a single file: its parent)
     single_file: str | None = None  # the file, when the path given was a file
@@ -100,6 +123,10 @@ class Layout:
     others: list[str] = field(default_factory=list)
     leftovers: list[str] = field(default_factory=list)
     findings: list[Finding] = field(default_factory=list)
+    # A multi-component root (diffusers pipeline, sentence-transformers model): ``kind`` says
+    # which, ``components`` lists each component with its own layout.
+    kind: str = MODEL
+    components: list[Component] = field(default_factory=list)
 
     def family(self, kind: str) -> Family | None:
         """The first family of ``kind`` that is not a variant."""
@@ -136,14 +163,16 @@ def candidates(lay: Layout) -> list[Family]:
     return main or list(lay.families)
 
 
-def choose(lay: Layout, *, prefer: str | None = None,
-           assess: Callable[[Family], Assessment] | None = None) -> Family:
+def choose(lay: Layout, *, prefer: str | None = None, assess: Callable[[Family], Assessment] | None = None,
+           among: list[Family] | None = None) -> Family:
     """Pick the family a command reads. ``prefer`` names a kind (``safetensors``, ``pytorch``,
     ``peft``, ``dcp``) or, between a single file and a sharded family of the same kind, ``index``
     or ``single``. With ``assess`` (a caller that has read the headers), a complete family that
     agrees with config.json wins over one that does not; two sound families are never chosen
-    between silently. Raises :class:`InputError` / :class:`UsageError` with the next step."""
-    fams = candidates(lay)
+    between silently; none sound is a loss (:class:`UnrepairableError`). ``among`` narrows the
+    candidates (default :func:`candidates`). Raises :class:`InputError` / :class:`UsageError` with
+    the next step."""
+    fams = candidates(lay) if among is None else list(among)
     if prefer in (SAFETENSORS, PYTORCH, PEFT, DCP):
         fams = [f for f in fams if f.kind == prefer]
         if not fams:
@@ -180,7 +209,7 @@ def choose(lay: Layout, *, prefer: str | None = None,
                      "choose one with --only, or repair the directory with `ckptctl resave --repair`")
 
 
-class _Unsound(InputError):
+class _Unsound(UnrepairableError):
     def __init__(self, lay: Layout, fams: list[Family]) -> None:
         super().__init__(f"{lay.root}: none of the weight families ({'; '.join(f.describe() for f in fams)}) is "
                          "complete and consistent with config.json", "restore one of them; nothing was changed")
@@ -261,6 +290,7 @@ class _Scanner:
         self._dcp()
         self._strays()
         self._conflicts()
+        self._components()
         for n in self.names:
             if n not in self.claimed:
                 (self.lay.extras if n in EXTRA_NAMES else self.lay.others).append(n)
@@ -418,3 +448,78 @@ class _Scanner:
         kinds = {f.kind for f in lay.families}
         if PEFT in kinds and kinds - {PEFT}:
             _add(lay, "layout.adapter_beside_model", INFO, shown, "a PEFT adapter sits beside full model weights")
+
+    # multi-component roots -------------------------------------------------------------------
+    def _components(self) -> None:
+        lay = self.lay
+        if MODEL_INDEX in self.present:
+            entries = _pipeline_components(self._manifest(MODEL_INDEX, dict))
+            lay.kind = PIPELINE
+        elif MODULES_JSON in self.present:
+            entries = _st_modules(self._manifest(MODULES_JSON, list))
+            lay.kind = SENTENCE_TRANSFORMERS
+        else:
+            return
+        for name, path, library, cls in entries:
+            comp = Component(name, path, library, cls)
+            lay.components.append(comp)
+            if path == "":
+                continue  # the root module: its weights are the root's own families
+            why = N.member_problem(path)
+            where = self.root / path
+            if why is None:
+                try:
+                    st = os.lstat(where)
+                except OSError:
+                    why = "it does not exist"
+                else:
+                    why = None if stat.S_ISDIR(st.st_mode) else "it is not a directory (links are not followed)"
+            if why is not None:
+                _add(lay, "layout.component_missing", ERROR, str(where),
+                     f"component {name!r} lives in {path!r}, but {why}",
+                     "restore the component's folder from the save that wrote it, or fix "
+                     f"{MODEL_INDEX if lay.kind == PIPELINE else MODULES_JSON}")
+                continue
+            comp.layout = scan(where)
+            self.claimed.add(path.split("/", 1)[0])
+
+    def _manifest(self, name: str, want: type) -> object:
+        """A small JSON manifest, read with a bound; malformed is a finding and reads as empty."""
+        import json
+
+        path = self.root / name
+        try:
+            if not _regular(path) or os.path.getsize(path) > _MAX_MANIFEST:
+                raise ValueError("not a regular file of at most 1 MiB")
+            with open(path, "rb") as f:
+                doc = json.loads(f.read(_MAX_MANIFEST + 1))
+            if not isinstance(doc, want):
+                raise ValueError(f"not a JSON {'object' if want is dict else 'array'}")
+        except (OSError, ValueError, RecursionError) as exc:
+            _add(self.lay, "layout.bad_component_manifest", ERROR, str(path), f"{name} is unreadable: {exc}",
+                 "restore it from the save that wrote it")
+            return want()
+        return doc
+
+
+def _pipeline_components(doc: object) -> list[tuple[str, str, str | None, str | None]]:
+    """diffusers' model_index.json: every public key whose value is ``[library, class]`` with a
+    library is a component in the folder of the same name (``[null, null]`` is an absent one)."""
+    out = []
+    for key, value in sorted(doc.items()) if isinstance(doc, dict) else ():
+        if key.startswith("_") or not (isinstance(value, list) and len(value) == 2):
+            continue
+        library, cls = value
+        if isinstance(library, str) and isinstance(cls, str):
+            out.append((key, key, library, cls))
+    return out
+
+
+def _st_modules(doc: object) -> list[tuple[str, str, str | None, str | None]]:
+    """sentence-transformers' modules.json: a list of ``{"name", "path", "type"}``."""
+    out = []
+    for m in doc if isinstance(doc, list) else ():
+        if isinstance(m, dict) and isinstance(m.get("path"), str):
+            typ = m.get("type") if isinstance(m.get("type"), str) else None
+            out.append((str(m.get("name", m["path"])), m["path"].rstrip("/"), "sentence_transformers", typ))
+    return out

@@ -9,9 +9,11 @@
   ``data/`` holds the old version and is removed with the staging directory;
 - exchange unsupported (EINVAL/ENOSYS, e.g. NFS): a journaled two-rename. ``ready`` is written
   and fsynced first, then ``dest -> <staging>/old``, then ``<staging>/data -> dest``. A crash in
-  between leaves a staging directory that :func:`recover` rolls forward (``ready`` present and
+  between leaves a staging directory whose state (:func:`ckptctl.staging.inspect`) is
+  half-published: :func:`ckptctl.staging.recover` rolls it forward (``ready`` present and
   ``data/`` complete) or back (``old/`` renamed onto the destination), so the destination is never
-  lost. The next run on the same destination, and ``gc-tmp``, call it.
+  lost. The next run on the same destination (``recover_destination``) and ``gc-tmp`` call it; the
+  writer's own cleanup never removes such a directory.
 
 Every file, the staging directory and the parent are fsynced (unless ``fsync=False``); an fsync
 error aborts the publish and is never retried (fsyncgate).
@@ -23,13 +25,14 @@ import ctypes
 import errno
 import json
 import os
-import shutil
-import stat
 from pathlib import Path
 from typing import Any
 
 from ckptctl import _faults, staging
 from ckptctl.errors import CkptctlError, LockHeldError, OperationalError, UsageError, from_oserror
+from ckptctl.format.names import parse_staging_name, staging_name
+# recover_destination lives in the staging package; writer.py and resave.py import it from here
+from ckptctl.staging import fsync_path, recover_destination  # noqa: F401
 
 AT_FDCWD = -100
 RENAME_NOREPLACE = 1
@@ -53,56 +56,6 @@ def _renameat2(src: Path, dst: Path, flags: int) -> None:
         raise OSError(err, os.strerror(err), str(src), None, str(dst))
 
 
-def fsync_path(path: Path, *, directory: bool = False) -> None:
-    flags = os.O_RDONLY | (os.O_DIRECTORY if directory else 0)
-    fd = os.open(path, flags)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def remove_tree(path: Path) -> None:
-    """Remove a file, a symlink (the link only) or a directory tree without following links."""
-    try:
-        st = os.lstat(path)
-    except FileNotFoundError:
-        return
-    if stat.S_ISDIR(st.st_mode):
-        for attempt in range(3):
-            try:
-                shutil.rmtree(path)
-                return
-            except FileNotFoundError:
-                return
-            except OSError as exc:
-                # NFS silly-renamed .nfsXXXX files vanish once their last user closes them.
-                if exc.errno in (errno.ENOTEMPTY, errno.EBUSY) and attempt < 2:
-                    import time
-
-                    time.sleep(0.2 * (attempt + 1))
-                    continue
-                raise
-    else:
-        os.unlink(path)
-
-
-def remove_staging(d: Path) -> None:
-    """Remove a staging directory so that an interruption leaves something gc-tmp still
-    recognises: the data first, then the owner record, then the lock, then the directory."""
-    for part in (staging.DATA, staging.OLD, staging.READY):
-        remove_tree(d / part)
-    for part in sorted(os.listdir(d)) if os.path.isdir(d) else []:
-        if part not in (staging.OWNER, staging.LOCK):
-            remove_tree(d / part)
-    remove_tree(d / staging.OWNER)
-    remove_tree(d / staging.LOCK)
-    try:
-        os.rmdir(d)
-    except FileNotFoundError:
-        pass
-
-
 class Stage:
     """One writer's staging directory for one destination."""
 
@@ -112,7 +65,7 @@ class Stage:
         self.fsync = fsync
         self.command = command
         self.dir: Path | None = None
-        self.lock: staging.LockFile | None = None
+        self.lock: staging.StagingLock | None = None
         self.published = False
 
     @property
@@ -124,7 +77,7 @@ class Stage:
     def create(self) -> Path:
         """Make the staging directory, take its lock, write the owner record, make data/."""
         _faults.point("stage-create")
-        name = staging.staging_name(self.dest.name)
+        name = staging_name(self.dest.name)
         d = self.parent / name
         try:
             os.mkdir(d, 0o755)
@@ -132,8 +85,9 @@ class Stage:
             raise from_oserror(exc, "cannot create the staging directory", phase="stage") from None
         self.dir = d
         try:
-            self.lock = staging.LockFile(d / staging.LOCK)
-            self.lock.acquire(patience=1.0)  # our own new lock: only a probe can hold it
+            self.lock = staging.acquire(d, patience=1.0)  # our own new lock: only a probe can hold it
+            if self.lock is None:
+                raise BlockingIOError(errno.EWOULDBLOCK, "its lock is held by another process", str(d / staging.LOCK))
             record = json.dumps(staging.owner_record(self.dest, self.command), indent=2).encode()
             self._write_small(d / staging.OWNER, record)
             os.mkdir(d / staging.DATA, 0o755)
@@ -162,19 +116,22 @@ class Stage:
     def check_competitors(self) -> None:
         """Refuse when another live writer for the same destination started before us."""
         assert self.dir is not None
-        mine = staging.parse_name(self.dir.name)
+        mine = parse_staging_name(self.dir.name)
         assert mine is not None
-        for other in _siblings(self.parent, self.dest.name):
-            if other == self.dir:
+        for other in staging.siblings(self.parent, self.dest.name):
+            parsed = parse_staging_name(other.name)
+            if other == self.dir or parsed is None or parsed[1] > mine[1]:
                 continue
-            parsed = staging.parse_name(other.name)
-            if parsed is None or parsed[1] > mine[1]:
-                continue
-            if staging.judge_owner(other, staging.read_owner(other)).alive:
-                owner = staging.read_owner(other) or {}
+            try:
+                st = staging.inspect(other)
+            except OSError:
+                continue  # only a dead writer's entries are examined (and can fail)
+            if st.live.alive:
+                owner = st.owner or {}
                 raise LockHeldError(
                     f"another writer is already writing {self.dest} (pid {owner.get('pid', '?')} on "
-                    f"{owner.get('host', '?')}, staging {other.name})",
+                    f"{owner.get('host', '?')}, staging {other.name}"
+                    + (f"; {st.live.reason})" if st.live.error else ")"),
                     "wait for it to finish; if it is dead, `ckptctl gc-tmp` will clean it up",
                     phase="stage",
                 )
@@ -257,22 +214,22 @@ class Stage:
                 "the previous version", phase="publish") from None
         return how
 
-
     def _undo_half_publish(self) -> None:
-        """After a failed exchange-less publish, put the old version back."""
+        """After a failed exchange-less publish, put the old version back (whether or not data/
+        was sealed: the rename onto the destination is what failed)."""
         assert self.dir is not None
-        old = self.dir / staging.OLD
-        if os.path.lexists(old) and not os.path.lexists(self.dest):
-            os.rename(old, self.dest)
+        if staging.phase(self.dir).half_published:
+            staging.roll(self.dir, self.dest, forward=False, fsync=self.fsync)
 
     def finish(self) -> None:
-        """Remove the staging directory (with the old version) and drop the lock."""
+        """Remove the staging directory (with the old version) and drop the lock. A half-done
+        publish that could not be undone stays for the next run (or gc-tmp) to roll."""
         if self.dir is None:
             return
         try:
-            remove_staging(self.dir)
+            staging.remove_staging(self.dir)
         except OSError:
-            pass  # leftovers are gc-tmp's job; the publish already succeeded
+            pass  # leftovers are the next run's or gc-tmp's job
         finally:
             if self.lock:
                 self.lock.release()
@@ -288,77 +245,6 @@ class Stage:
             except OSError:
                 pass
         self.finish()
-
-
-def _siblings(parent: Path, dest_name: str) -> list[Path]:
-    try:
-        names = os.listdir(parent)
-    except OSError:
-        return []
-    out = []
-    for n in names:
-        parsed = staging.parse_name(n)
-        if parsed and parsed[0] == dest_name:
-            out.append(parent / n)
-    return out
-
-
-def recover(staging_dir: Path) -> str | None:
-    """Roll a dead writer's half-done exchange-less publish forward or back.
-
-    Returns what was done ('rolled-forward', 'rolled-back') or None when nothing was pending.
-    The caller must have established that the writer is dead.
-    """
-    owner = staging.read_owner(staging_dir)
-    parsed = staging.parse_name(staging_dir.name)
-    if owner is None or parsed is None:
-        return None
-    dest = staging_dir.parent / parsed[0]
-    old = staging_dir / staging.OLD
-    data = staging_dir / staging.DATA
-    if not os.path.lexists(old):
-        return None
-    if os.path.lexists(dest):
-        return None  # the second rename happened: old/ is the superseded version, safe to drop
-    if (staging_dir / staging.READY).exists() and data.is_dir():
-        os.rename(data, dest)
-        fsync_path(dest.parent, directory=True)
-        return "rolled-forward"
-    os.rename(old, dest)
-    fsync_path(dest.parent, directory=True)
-    return "rolled-back"
-
-
-def recover_destination(dest: Path) -> list[str]:
-    """Before writing ``dest``: finish any half-done publish a dead writer left for it, and remove
-    the dead writer's staging directory when it ran on this host (others are gc-tmp's, by age).
-    The staging lock is taken first, so a concurrent gc-tmp run and this never work on one
-    directory at once."""
-    import socket
-
-    done = []
-    for d in _siblings(dest.parent, dest.name):
-        owner = staging.read_owner(d)
-        if owner is None or staging.judge_owner(d, owner).alive:
-            continue
-        lock = staging.LockFile(d / staging.LOCK)
-        try:
-            lock.acquire()
-        except OSError:
-            continue  # someone (gc-tmp, a writer) holds it
-        try:
-            if staging.read_owner(d) != owner:
-                continue
-            what = recover(d)
-            if what:
-                done.append(f"{d.name}: {what}")
-            if owner.get("host") == socket.gethostname():
-                remove_staging(d)
-        except OSError:
-            continue
-        finally:
-            lock.release()
-    return done
 
 
 def check_destination(dest: Path, *, overwrite: bool) -> bool:

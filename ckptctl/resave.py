@@ -31,14 +31,12 @@ from ckptctl.findings import ERROR, Finding
 from ckptctl.format import dtypes as dt
 from ckptctl.format.header import Header, TensorInfo, encode_header, read_header
 from ckptctl.format.tensor import TensorSpec
-from ckptctl.format.index import read_index
+from ckptctl.format import names as N
+from ckptctl.format.index import Index
 from ckptctl.plan import Plan, ShardPlan
 from ckptctl.sources.base import Source, SourceTensor
 from ckptctl.sources.safetensors_source import SafetensorsSource
 from ckptctl.writer import Entry, ExportOptions, ExportResult, entries_for, write_checkpoint
-
-SHARD_RE = re.compile(r"^model-(\d{5})-of-(\d{5})\.safetensors$")
-
 
 @dataclass
 class Repair:
@@ -108,117 +106,114 @@ def _read_all(root: Path, names: list[str]) -> tuple[dict[str, Header], list[Fin
     return headers, problems
 
 
-def analyze(root: Path, *, prefer: str | None = None, repair: bool = False) -> tuple[list[str], Repair]:
-    """Choose the safetensors files that make up the checkpoint; returns (files, repair notes)."""
+@dataclass
+class _Chosen:
+    """The safetensors files a resave keeps, and the index they came with (parsed once by layout)."""
+
+    files: list[str]
+    index: Index | None = None
+
+
+def _model_families(lay: L.Layout) -> list[L.Family]:
+    return [f for f in L.candidates(lay) if f.kind in (L.SAFETENSORS, L.PYTORCH)]
+
+
+def analyze(root: Path, *, prefer: str | None = None, repair: bool = False) -> tuple[_Chosen, Repair]:
+    """Choose the safetensors files that make up the checkpoint (none: a pickle checkpoint that is
+    converted like an export), from ``layout.scan`` and its one ranking policy."""
     lay = L.scan(root)
     rep = Repair()
-    names = sorted(os.listdir(root))
-    shard_files = [n for n in names if SHARD_RE.match(n)]
-    single = "model.safetensors" if "model.safetensors" in names else None
-    has_index = L.ST_INDEX in names
-    pt_family = lay.family(L.PYTORCH)
     errors = [f for f in lay.findings if f.severity == ERROR]
-
     if not repair and (errors or lay.leftovers):
         first = (errors or [Finding("layout.leftover", ERROR, str(root), f"leftovers: {', '.join(lay.leftovers)}")])[0]
         raise UsageError(f"{root} needs repair: {first.message}",
                          f"run `ckptctl resave --repair {root}` (add --dry-run to see the plan)")
 
-    # Which model family, when safetensors and pickles are both there
-    if pt_family and (shard_files or single):
-        if prefer not in ("safetensors", "pytorch"):
+    fams = _model_families(lay)
+    containers = {f.container for f in fams}
+    if containers == {L.SAFETENSORS, L.PYTORCH}:
+        if prefer not in (L.SAFETENSORS, L.PYTORCH):
             raise UsageError(f"{root} holds both safetensors and pytorch_model*.bin weights",
                              "choose with --prefer safetensors or --prefer pytorch")
-        if prefer == "pytorch":
+        if prefer == L.PYTORCH:
             rep.fixes.append("kept the pytorch weights (--prefer pytorch), converted to safetensors")
-            return [], rep
+            return _Chosen([]), rep
         rep.fixes.append("dropped the pytorch_model*.bin family (--prefer safetensors)")
-    elif pt_family:
-        return [], rep  # pickles only: converted like an export
+        fams = [f for f in fams if f.container == L.SAFETENSORS]
+    elif containers == {L.PYTORCH}:
+        return _Chosen([]), rep  # pickles only: converted like an export
+    if not fams:
+        raise InputError(f"{root} holds no model safetensors weights to resave",
+                         f"run `ckptctl inspect {root}` to see what it holds")
 
-    index_files: list[str] | None = None
-    if has_index:
-        idx = read_index(root / L.ST_INDEX)
-        if idx.ok and idx.weight_map:
-            bad = [s for s in idx.shards if "/" in s or "\\" in s or s.startswith(".")]
-            if bad:
-                rep.fixes.append(f"ignored index entries that point outside the directory: {', '.join(bad)}")
-            index_files = [s for s in idx.shards if s not in bad]
-            missing = [s for s in index_files if not (root / s).is_file()]
-            if missing and single and len(missing) == len(index_files):
-                rep.fixes.append("dropped the stale index (none of its shards exist) beside model.safetensors")
-                index_files = None
-                has_index = False
-            elif missing:
-                lost = sorted(k for k, v in idx.weight_map.items() if v in missing)
-                raise UnrepairableError(
-                    f"{root}: {len(missing)} shard(s) named by the index are missing ({', '.join(missing)}); "
-                    f"{len(lost)} tensors are lost (e.g. {', '.join(lost[:3])})",
-                    "restore the missing shards from a copy; nothing was changed")
-        else:
-            rep.fixes.append("rebuilt the unreadable index from the shard headers")
-
-    # The sharded family: the index's shards, or (no usable index) the numbered shards on disk.
-    if index_files is None and shard_files:
-        counts = {SHARD_RE.match(n).group(2) for n in shard_files}
-        if len(counts) > 1:
-            raise UnrepairableError(f"{root}: shard files of several -of-N families ({', '.join(sorted(counts))}) "
-                                    "and no usable index", "keep the current family's shards and remove the rest "
-                                    "by hand, then run resave --repair again; nothing was changed")
-        index_files = shard_files
-    sharded = index_files or []
+    sharded = next((f for f in fams if f.sharded), None)
+    single = next((f for f in fams if not f.sharded), None)
+    if sharded is not None:
+        sharded = _usable_sharded(root, sharded, single, rep)
+        fams = [f for f in (sharded, single) if f is not None]
 
     from ckptctl.inspect import read_config
 
     cfg = read_config(root)
 
-    chosen: list[str]
-    if sharded and single:
-        hs, ps = _read_all(root, sharded)
-        h1, p1 = _read_all(root, [single])
-        ok_sharded = not ps and _config_mismatches({k: v for h in hs.values() for k, v in h.tensors.items()}, cfg) == 0
-        ok_single = not p1 and _config_mismatches(h1[single].tensors, cfg) == 0 if single in h1 else False
-        if prefer in ("index", "single"):
-            chosen = sharded if prefer == "index" else [single]
-        elif ok_sharded and not ok_single:
-            chosen = sharded
-        elif ok_single and not ok_sharded:
-            chosen = [single]
-        elif ok_single and ok_sharded:
-            raise UsageError(f"{root}: both model.safetensors and a sharded family with an index are complete",
-                             "choose with --prefer index or --prefer single")
-        else:
-            raise UnrepairableError(f"{root}: neither model.safetensors nor the sharded family is complete and "
-                                    "consistent with config.json", "restore one of them; nothing was changed")
-        dropped_family = [single] if chosen == sharded else sharded + ([L.ST_INDEX] if has_index else [])
-        rep.fixes.append(f"kept the {'sharded' if chosen == sharded else 'single-file'} weights, dropped "
-                         + ", ".join(dropped_family))
-    elif sharded:
-        chosen = sharded
-    elif single:
-        chosen = [single]
-        if has_index:
-            rep.fixes.append("dropped the stale index beside model.safetensors")
-    else:
-        others = [n for n in names if n.endswith(".safetensors") and not n.startswith("adapter_model")
-                  and not L.is_leftover(n)]
-        if len(others) == 1:
-            chosen = others
-        else:
-            raise InputError(f"{root} holds no model safetensors weights to resave",
-                             f"run `ckptctl inspect {root}` to see what it holds")
-    headers, problems = _read_all(root, chosen)
+    def assess(fam: L.Family) -> L.Assessment:
+        headers, problems = _read_all(root, fam.files)
+        tensors = {k: v for h in headers.values() for k, v in h.tensors.items()}
+        return L.Assessment(complete=not problems, agrees=_config_mismatches(tensors, cfg) == 0)
+
+    chosen = L.choose(lay, prefer=prefer if prefer in ("index", "single") else None, assess=assess, among=fams)
+    if len(fams) > 1:
+        dropped = next(f for f in fams if f is not chosen)
+        rep.fixes.append(f"kept the {'sharded' if chosen.sharded else 'single-file'} weights, dropped "
+                         + ", ".join(dropped.all_files))
+    headers, problems = _read_all(root, chosen.files)
     if problems:
         raise UnrepairableError(
             f"{root}: {len(problems)} unrepairable problem(s): " + "; ".join(p.message for p in problems[:3]),
             "the data is not there: restore the damaged files from a copy; nothing was changed")
-    unref = [n for n in names if n.endswith(".safetensors") and n not in chosen and not n.startswith("adapter_model")]
+    unref = [n for n in sorted(os.listdir(root)) if n.endswith(".safetensors") and n not in chosen.files
+             and not n.startswith(N.ADAPTER_STEM) and n not in lay.leftovers]
     if unref:
         rep.fixes.append("removed weights not part of the checkpoint: " + ", ".join(unref))
     if lay.leftovers:
         rep.fixes.append("removed leftovers: " + ", ".join(lay.leftovers))
-    rep.kept_files = chosen
-    return chosen, rep
+    rep.kept_files = list(chosen.files)
+    doc = chosen.index_doc if chosen.index_doc is not None and chosen.index_doc.ok else None
+    return _Chosen(list(chosen.files), doc), rep
+
+
+def _usable_sharded(root: Path, fam: L.Family, single: L.Family | None, rep: Repair) -> L.Family | None:
+    """The sharded family as far as its index can be trusted: entries that are not safe member
+    names are ignored; a stale index none of whose shards exist beside a single file is dropped;
+    missing shards are a loss (refused); shards of several -of-N counts without a usable index too."""
+    doc = fam.index_doc
+    if doc is not None and doc.ok and doc.weight_map:
+        bad = [s for s in doc.shards if N.member_problem(s)]
+        if bad:
+            rep.fixes.append(f"ignored index entries that point outside the directory: {', '.join(bad)}")
+        named = [s for s in doc.shards if s not in bad]
+        missing = [s for s in named if s not in fam.files]
+        if missing and single is not None and len(missing) == len(named):
+            rep.fixes.append(f"dropped the stale index (none of its shards exist) beside {single.files[0]}")
+            return None
+        if missing:
+            lost = sorted(k for k, v in doc.weight_map.items() if v in missing)
+            raise UnrepairableError(
+                f"{root}: {len(missing)} shard(s) named by the index are missing ({', '.join(missing)}); "
+                f"{len(lost)} tensors are lost (e.g. {', '.join(lost[:3])})",
+                "restore the missing shards from a copy; nothing was changed")
+        return fam
+    if fam.index is not None:
+        rep.fixes.append("rebuilt the unreadable index from the shard headers")
+    counts = {w.shard[1] for n in fam.files for w in [N.parse_weights_name(n)] if w and w.shard}
+    if len(counts) > 1:
+        raise UnrepairableError(f"{root}: shard files of several -of-N families "
+                                f"({', '.join(f'{c:05d}' for c in sorted(counts))}) and no usable index",
+                                "keep the current family's shards and remove the rest by hand, then run resave "
+                                "--repair again; nothing was changed")
+    if not fam.files and single is not None:
+        rep.fixes.append(f"dropped the stale index beside {single.files[0]}")
+    return fam if fam.files else None
 
 
 def _keep_layout_plan(root: Path, files: list[str], rep: Repair, metadata: dict[str, str]
@@ -302,14 +297,15 @@ def resave(root: str | os.PathLike[str], opts: ExportOptions, *, output: str | o
            repair: bool = False, prefer: str | None = None) -> ResaveResult:
     root = Path(root)
     if not opts.dry_run:  # a dead writer's half-done publish of this very directory comes first
-        from ckptctl.publish import recover_destination
+        from ckptctl.staging import recover_destination
 
         recover_destination(Path(os.path.abspath(root)))
     if not root.is_dir():
         raise InputError(f"{root} is not a checkpoint directory", "resave works on a directory")
     if prefer not in (None, "index", "single", "safetensors", "pytorch"):
         raise UsageError(f"unknown --prefer {prefer!r}", "use index, single, safetensors or pytorch")
-    files, rep = analyze(root, prefer=prefer, repair=repair)
+    chosen, rep = analyze(root, prefer=prefer, repair=repair)
+    files = chosen.files
     dest = Path(output) if output else root
     replan = opts.dtype not in (None, "keep") or opts.max_shard_size is not None
     extras: dict[str, Path | bytes] = {}
@@ -344,21 +340,15 @@ def resave(root: str | os.PathLike[str], opts: ExportOptions, *, output: str | o
     else:
         plan, src, entries = _keep_layout_plan(root, files, rep, {})
         o = _with(opts, overwrite, default_shard="5GB")
-        if plan.index_name:
-            o.metadata = {**_old_index_metadata(root), **(o.metadata or {})}
-        _note_index_changes(root, plan, rep)
+        if plan.index_name and chosen.index is not None:
+            o.metadata = {**_own_metadata(chosen.index), **(o.metadata or {})}
+            _note_index_changes(chosen.index, plan, rep)
         res = write_checkpoint(entries, dest, o, extras=extras, plan=plan)
     return ResaveResult(res, rep)
 
 
-def _note_index_changes(root: Path, plan: Plan, rep: Repair) -> None:
-    """Say what the rebuilt index corrects in the old one (when the old one was readable)."""
-    p = root / L.ST_INDEX
-    if not plan.index_name or not p.is_file():
-        return
-    old = read_index(p)
-    if not old.ok:
-        return
+def _note_index_changes(old: Index, plan: Plan, rep: Repair) -> None:
+    """Say what the rebuilt index corrects in the old (readable) one."""
     new_map = plan.weight_map
     if old.metadata.get("total_size") != plan.total_size:
         rep.fixes.append(f"index total_size {old.metadata.get('total_size')!r} -> {plan.total_size}")
@@ -373,14 +363,9 @@ def _note_index_changes(root: Path, plan: Plan, rep: Repair) -> None:
         rep.fixes.append(f"remapped {len(moved)} tensor(s) to the shard that holds them (e.g. {moved[0]})")
 
 
-def _old_index_metadata(root: Path) -> dict[str, str]:
+def _own_metadata(old: Index) -> dict[str, str]:
     """The previous index's own metadata (alias records, user keys), without the computed sizes."""
-    p = root / L.ST_INDEX
-    if not p.is_file():
-        return {}
-    idx = read_index(p)
-    return {k: v for k, v in idx.metadata.items()
-            if k not in ("total_size", "total_parameters") and isinstance(v, str)}
+    return {k: v for k, v in old.metadata.items() if k not in ("total_size", "total_parameters") and isinstance(v, str)}
 
 
 def _with(opts: ExportOptions, overwrite: bool, default_shard: str = "5GB") -> ExportOptions:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import re
 from pathlib import Path
 
@@ -27,14 +26,3 @@ def resolve_path(text: str) -> Path:
                              f"download it first (`hf download {text}`) or pass a directory") from None
     raise InputError(f"no such file or directory: {text}", "check the path")
 
-
-def ensure_inside(root: Path, name: str) -> Path:
-    """``root / name`` if it stays inside root (no absolute path, no '..', no symlink escape)."""
-    if not name or os.path.isabs(name) or "\\" in name or any(part == ".." for part in name.split("/")):
-        raise InputError(f"{name!r} points outside {root}", "file names in an index must be relative")
-    target = root / name
-    real_root = os.path.realpath(root)
-    real = os.path.realpath(target)
-    if os.path.commonpath([real_root, real]) != real_root:
-        raise InputError(f"{name!r} resolves outside {root} (through a symlink)", "remove the link")
-    return target

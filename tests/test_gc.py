@@ -187,8 +187,7 @@ def test_live_pid_with_free_lock_is_kept(tmp_path):
 def test_held_lock_is_kept_whatever_the_age(tmp_path, dead_pid):
     d = make_dead(tmp_path, "ckpt", dead_pid)
     backdate(d, 10 * 86400)
-    lock = staging.LockFile(d / staging.LOCK)
-    lock.acquire()
+    lock = staging.acquire(d)
     try:
         for _ in range(3):
             rc, doc = gc_json(tmp_path, "--min-age", "0", "--older-than", "0s", "--preset", "miles")
@@ -214,10 +213,10 @@ def test_zombie_writer_is_dead(tmp_path):
     z = subprocess.Popen(["true"])
     try:
         for _ in range(1000):  # wait until it has exited (it stays a zombie: not reaped yet)
-            if staging._proc_state(z.pid) == "Z":
+            if staging.process_state(z.pid) == "Z":
                 break
             os.sched_yield()
-        assert staging._proc_state(z.pid) == "Z"
+        assert staging.process_state(z.pid) == "Z"
         d = make_staging(tmp_path, "ckpt", pid=z.pid, start_time=staging.process_start_time(z.pid))
         rc, doc = gc_json(tmp_path, "--min-age", "0")
         assert decisions(doc) == {d.name: "removed"} and "zombie" in doc["candidates"][0]["reason"]
@@ -314,8 +313,7 @@ def test_young_foreign_entries_are_kept(tmp_path):
 def test_foreign_dir_with_a_held_lock_is_kept(tmp_path):
     d = tmp_path / "_tmp_miles_export"
     d.mkdir()
-    lock = staging.LockFile(d / "lock")
-    lock.acquire()
+    lock = staging.acquire(d)
     try:
         backdate(d, 86400)
         rc, doc = gc_json(tmp_path, "--preset", "miles")
@@ -327,8 +325,7 @@ def test_foreign_dir_with_a_held_lock_is_kept(tmp_path):
 def test_foreign_dir_holding_a_live_writers_staging_is_kept(tmp_path, dead_pid):
     run = tmp_path / "exp.partial"
     live = make_dead(run / "out", "ckpt", dead_pid)  # dead by pid, but its lock is held: alive
-    lock = staging.LockFile(live / staging.LOCK)
-    lock.acquire()
+    lock = staging.acquire(live)
     try:
         backdate(tmp_path, 86400)
         rc, doc = gc_json(tmp_path, "--pattern", "*.partial", "--min-age", "0", "--older-than", "0s")
@@ -392,11 +389,18 @@ def test_matching_symlink_is_removed_as_a_link(tmp_path):
     root = tmp_path / "root"
     root.mkdir()
     (root / "weights.incomplete").symlink_to(target)
-    (root / "dir.orbax-checkpoint-tmp").symlink_to(tmp_path)
+    (root / "model-00001-of-?????.safetensors").symlink_to(tmp_path)  # a file-kind name, linked to a directory
+    # a link is not a directory: a directory-kind preset (orbax) does not take it
+    (root / "step_1.orbax-checkpoint-tmp-1700000000").symlink_to(tmp_path)
+    before = snapshot(tmp_path)
     backdate(root, 86400)
-    rc, doc = gc_json(root, "--preset", "incomplete", "--preset", "orbax")
+    rc, doc = gc_json(root, "--preset", "incomplete", "--preset", "temp-shards", "--preset", "orbax")
     assert rc == 0 and doc["removed"] == 2
-    assert os.listdir(root) == [] and target.read_bytes() == b"keep"
+    assert decisions(doc) == {"weights.incomplete": "removed", "model-00001-of-?????.safetensors": "removed"}
+    assert os.listdir(root) == ["step_1.orbax-checkpoint-tmp-1700000000"] and target.read_bytes() == b"keep"
+    after = snapshot(tmp_path)
+    assert {k: v for k, v in before.items() if not k.startswith("root/")} == \
+        {k: v for k, v in after.items() if not k.startswith("root/")}
 
 
 def test_max_depth_bounds_the_scan(tmp_path, dead_pid):

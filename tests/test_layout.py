@@ -347,3 +347,49 @@ def test_fifo_index_is_reported_and_never_opened(tmp_path):
     lay = L.scan(tmp_path)
     assert "layout.unsafe_index" in {f.code for f in lay.findings}
     assert sorted(lay.families[0].files) == ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+
+
+# ------------------------------------------------------------------------------------------
+# Multi-component roots (their manifests, hand-written here; real library outputs are in the
+# ecosystem tests)
+
+
+def test_pipeline_root_components(tmp_path: Path) -> None:
+    (tmp_path / "model_index.json").write_text(json.dumps({
+        "_class_name": "StableDiffusionPipeline", "_diffusers_version": "0.42.1",
+        "unet": ["diffusers", "UNet2DConditionModel"], "scheduler": ["diffusers", "DDPMScheduler"],
+        "safety_checker": [None, None], "vae": ["diffusers", "AutoencoderKL"]}))
+    (tmp_path / "unet").mkdir()
+    save_file(sd(), tmp_path / "unet" / "diffusion_pytorch_model.safetensors")
+    (tmp_path / "scheduler").mkdir()
+    touch(tmp_path / "scheduler", "scheduler_config.json")
+    lay = L.scan(tmp_path)
+    assert lay.kind == L.PIPELINE and lay.families == []
+    assert [(c.name, c.cls) for c in lay.components] == [
+        ("scheduler", "DDPMScheduler"), ("unet", "UNet2DConditionModel"), ("vae", "AutoencoderKL")]
+    unet = next(c for c in lay.components if c.name == "unet")
+    assert [(f.stem, f.files) for f in unet.layout.families] == [
+        ("diffusion_pytorch_model", ["diffusion_pytorch_model.safetensors"])]
+    assert codes(lay) == ["layout.component_missing"] and "vae" in lay.findings[0].message
+    assert "unet" not in lay.others and "scheduler" not in lay.others
+
+
+def test_component_paths_are_never_followed_outside(tmp_path: Path) -> None:
+    (tmp_path / "outside").mkdir()
+    root = tmp_path / "root"
+    root.mkdir()
+    (root / "modules.json").write_text(json.dumps([
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "../outside", "type": "x"},
+        {"idx": 2, "name": "2", "path": "2_Dense", "type": "sentence_transformers.models.Dense"}]))
+    (root / "2_Dense").symlink_to(tmp_path / "outside")
+    lay = L.scan(root)
+    assert lay.kind == L.SENTENCE_TRANSFORMERS
+    assert [c.layout for c in lay.components] == [None, None, None]
+    assert codes(lay) == ["layout.component_missing"] * 2
+
+
+def test_unreadable_component_manifest_is_a_finding(tmp_path: Path) -> None:
+    (tmp_path / "modules.json").write_text("[" * 100_000)
+    lay = L.scan(tmp_path)
+    assert codes(lay) == ["layout.bad_component_manifest"] and lay.components == []

@@ -148,11 +148,12 @@ def test_repair_removes_unreferenced_shards_and_leftovers(tmp_path):
     shutil.copy(d / "model-00001-of-00003.safetensors", d / "model-00001-of-00004.safetensors")
     (d / "model-00002-of-?????.safetensors").write_bytes(b"partial")
     (d / ".tmpXyZ123").write_bytes(b"x")
-    (d / "_tmp_old").mkdir()
+    (d / "_tmp_x.0123456789abcdef-0123abcd").mkdir()  # named exactly like a ckptctl staging dir
+    (d / "_tmp_old").mkdir()  # a user's folder: not provably anybody's leftover, so it stays
     (d / "x.incomplete").write_bytes(b"")
     (d / "notes.md").write_text("mine")
     _repair(d)
-    assert sorted(os.listdir(d)) == ["config.json", "model-00001-of-00003.safetensors",
+    assert sorted(os.listdir(d)) == ["_tmp_old", "config.json", "model-00001-of-00003.safetensors",
                                      "model-00002-of-00003.safetensors", "model-00003-of-00003.safetensors",
                                      "model.safetensors.index.json", "notes.md"]
     _ok(d, sd)

@@ -27,17 +27,6 @@ SCHEMA_VERSION = 1
 _PIPE_WIDTH = 100_000
 
 
-def _isatty(stream: Any) -> bool:
-    try:
-        return bool(stream.isatty())
-    except (AttributeError, ValueError):
-        return False
-
-
-def _no_color() -> bool:
-    return bool(os.environ.get("NO_COLOR")) or os.environ.get("TERM") == "dumb"
-
-
 class Output:
     def __init__(self, command: str, *, json_mode: bool = False, quiet: int = 0, verbose: int = 0) -> None:
         self.command = command
@@ -47,27 +36,29 @@ class Output:
         self._err: Console | None = None
 
     # consoles -------------------------------------------------------------------------------
+    # rich decides what a terminal is (is_terminal, is_dumb_terminal) and honours NO_COLOR and
+    # TERM=dumb itself; we only add that stdout off a terminal is never wrapped.
     @property
     def out(self) -> Console:
         if self._out is None:
-            # stdout carries data: when it is a pipe or file, never wrap or truncate a tensor name
-            # or path to fit 80 columns (rich's default width off a terminal).
-            width = None if _isatty(sys.stdout) else _PIPE_WIDTH
-            self._out = Console(file=sys.stdout, markup=False, highlight=False, no_color=_no_color(),
-                                soft_wrap=False, width=width)
+            self._out = Console(file=sys.stdout, markup=False, highlight=False, soft_wrap=False)
+            if not self._out.is_terminal:
+                # stdout carries data: in a pipe or file, never wrap or truncate a tensor name or
+                # path to fit 80 columns (rich's default width off a terminal).
+                self._out.width = _PIPE_WIDTH
         return self._out
 
     @property
     def err(self) -> Console:
         if self._err is None:
-            self._err = Console(file=sys.stderr, markup=False, highlight=False, no_color=_no_color(),
-                                soft_wrap=True)
+            self._err = Console(file=sys.stderr, markup=False, highlight=False, soft_wrap=True)
         return self._err
 
     @property
     def interactive(self) -> bool:
-        return (self.verbosity >= 0 and sys.stderr.isatty() and not os.environ.get("CI")
-                and os.environ.get("TERM") != "dumb")
+        """Live progress: an interactive stderr, not -q, not CI."""
+        return (self.verbosity >= 0 and self.err.is_terminal and not self.err.is_dumb_terminal
+                and not os.environ.get("CI"))
 
     # messages (stderr) ----------------------------------------------------------------------
     def info(self, message: str) -> None:

@@ -5,15 +5,15 @@ from __future__ import annotations
 from typing import Annotated, List, Optional
 
 import typer
+from rich import filesize
 from rich.table import Table
 
 from ckptctl.cli._options import DryRunOpt, JsonOpt, QuietOpt, VerboseOpt
 from ckptctl.cli._output import Output
 from ckptctl.errors import EXIT_FINDINGS, EXIT_OPERATIONAL, Interrupted, UsageError
-from ckptctl.sizes import format_size
+from ckptctl.format.names import PRESETS
 
-_PRESETS_HELP = ("temp-shards, miles, orbax, safetensors-tmp, incomplete, trainer-tmp "
-                 "(see docs/GC_TMP.md); repeatable")
+_PRESETS_HELP = f"{', '.join(PRESETS)} (see docs/GC_TMP.md); repeatable"
 
 
 def gc_tmp(
@@ -74,13 +74,16 @@ def _duration(parse, flag: str, text: str) -> float:
         raise UsageError(f"{flag}: {exc}", f"use e.g. {flag} 30m, 6h or 2d") from None
 
 
-_DECISION_LABEL = {"would-remove": "would remove"}
+def _size(n: int) -> str:
+    return filesize.decimal(n, precision=2)
 
 
 def _owner_cell(c) -> str:
-    if c.kind == "foreign":
+    from ckptctl.gc import Kind
+
+    if c.kind == Kind.FOREIGN:
         return f"foreign: {c.match}"
-    if c.kind == "unknown":
+    if c.kind == Kind.UNKNOWN:
         return "unknown"
     if not c.owner:
         return "none (empty stub)"
@@ -88,7 +91,9 @@ def _owner_cell(c) -> str:
 
 
 def _render(out: Output, result) -> None:
-    from ckptctl.gc import format_age
+    from ckptctl.gc import Decision, format_age
+
+    labels = {Decision.WOULD_REMOVE: "would remove"}
 
     roots = ", ".join(str(r) for r in result.roots)
     if not result.candidates:
@@ -99,18 +104,18 @@ def _render(out: Output, result) -> None:
         table.add_column(col, justify="right" if col in ("age", "size") else "left",
                          overflow="fold")
     for c in result.candidates:
-        decision = _DECISION_LABEL.get(c.decision, c.decision)
-        if c.recovery and c.decision in ("removed",):
+        decision = labels.get(c.decision, c.decision.value)
+        if c.recovery and c.decision == Decision.REMOVED:
             decision += f" ({c.recovery})"
-        table.add_row(str(c.path), _owner_cell(c), format_age(c.age), format_size(c.size), decision, c.reason)
+        table.add_row(str(c.path), _owner_cell(c), format_age(c.age), _size(c.size), decision, c.reason)
     out.print(table)
-    kept = sum(1 for c in result.candidates if c.decision == "kept")
+    kept = result.count(Decision.KEPT)
     if result.options.dry_run:
-        n = sum(1 for c in result.candidates if c.decision == "would-remove")
-        line = f"would remove {n}, freeing {format_size(result.bytes_to_free)}; keep {kept}"
+        line = (f"would remove {result.count(Decision.WOULD_REMOVE)}, freeing {_size(result.bytes_to_free)}; "
+                f"keep {kept}")
     else:
-        line = f"removed {len(result.removed)}, freed {format_size(result.bytes_freed)}; kept {kept}"
-        deferred = sum(1 for c in result.candidates if c.decision == "deferred")
+        line = f"removed {len(result.removed)}, freed {_size(result.bytes_freed)}; kept {kept}"
+        deferred = result.count(Decision.DEFERRED)
         if deferred:
             line += f"; deferred {deferred} (NFS files still open)"
     out.print(line + f" ({result.scanned:,} entries looked at in {result.seconds:.2f}s)")

@@ -62,6 +62,14 @@ def _render(out: Output, res, *, show_tensors: bool) -> None:
         dtypes.add_row(name, f"{d['tensors']:,}", f"{d['parameters']:,}", format_size(d["bytes"]))
     out.print(dtypes)
 
+    if res.components:
+        comps = Table(title="components", title_justify="left")
+        for col in ("component", "folder", "class", "format", "tensors", "parameters"):
+            comps.add_column(col, justify="right" if col in ("tensors", "parameters") else "left")
+        for c in res.components:
+            comps.add_row(c.name, c.path or ".", c.cls or "?", c.format, f"{c.tensors:,}", f"{c.parameters:,}")
+        out.print(comps)
+
     files = Table(title="files", title_justify="left")
     for col in ("file", "role", "size", "tensors", "parameters"):
         files.add_column(col, justify="left" if col in ("file", "role") else "right")

@@ -1,0 +1,97 @@
+"""gc-tmp's removal: re-check each would-remove candidate right before, then remove it on directory
+file descriptors reached from the root with O_NOFOLLOW (a staging directory under its own lock,
+after its half-done publish, if any, was rolled forward or back)."""
+
+from __future__ import annotations
+
+import os
+
+from ckptctl import staging
+from ckptctl.gc.judge import alive_reason, live_inside
+from ckptctl.gc.model import Candidate, Decision, GcProblem, GcResult, Kind, Progress
+from ckptctl.gc.scan import measure
+from ckptctl.staging import State
+
+
+def _remove_staging(c: Candidate, parent_fd: int) -> None:
+    if c.owner is not None:
+        # 1. fresh verdict (a gc run may have overlapped, time has passed since the scan)
+        fresh = staging.inspect(c.path)
+        if fresh.owner is None:
+            return c.decide(Decision.VANISHED, "owner record gone (removed by another gc run?)")
+        if fresh.owner != c.owner:
+            return c.decide(Decision.KEPT, "owner record changed since the scan")
+        if fresh.live.alive:
+            return c.decide(Decision.KEPT, alive_reason(fresh.live))
+        held = "another gc run, or a writer"
+    else:
+        held = "a writer starting, or another gc run"
+    # 2. take the staging lock ourselves: a second gc run (or anyone) now backs off
+    try:
+        lock = staging.acquire(c.path, parent_fd=parent_fd)
+    except FileNotFoundError:
+        return c.decide(Decision.VANISHED, "removed meanwhile (another gc run?)")
+    if lock is None:
+        return c.decide(Decision.KEPT, f"its lock is held now ({held})")
+    with lock:
+        st = staging.inspect(c.path, locked=True)
+        if c.owner is None and st.state is not State.STUB:
+            return c.decide(Decision.KEPT, "no longer an empty stub (a writer is using it)")
+        if c.owner is not None and st.owner != c.owner:
+            return c.decide(Decision.VANISHED, "owner record gone (removed by another gc run?)")
+        # 3. a half-done exchange-less publish: restore the checkpoint first
+        c.recovery = staging.recover(st)
+        # 4. remove: data first, the owner record and the lock last (refused while half-published)
+        c.freed = staging.remove_staging_at(parent_fd, c.path.name, where=c.path)
+        c.decision = Decision.REMOVED
+
+
+def _remove_foreign(c: Candidate, parent_fd: int) -> None:
+    name = c.path.name
+    try:
+        st = os.stat(name, dir_fd=parent_fd, follow_symlinks=False)
+    except FileNotFoundError:
+        return c.decide(Decision.VANISHED, "removed meanwhile")
+    if (st.st_dev, st.st_ino) != c.ino or st.st_mtime > c.mtime:
+        return c.decide(Decision.KEPT, "changed since the scan")
+    why = live_inside(c, measure(c.path).nested_staging if c.is_dir else [])
+    if why:
+        return c.decide(Decision.KEPT, why)
+    c.freed = staging.remove_at(parent_fd, name, where=str(c.path))
+    c.decision = Decision.REMOVED
+
+
+def remove(res: GcResult, progress: Progress | None = None) -> GcResult:
+    """Remove every would-remove candidate (re-checking each right before); errors are recorded."""
+    for c in res.candidates:
+        if c.decision != Decision.WOULD_REMOVE:
+            continue
+        try:
+            parent_fd = staging.open_beneath(c.root, c.path.relative_to(c.root).parts[:-1])
+        except FileNotFoundError:
+            c.decide(Decision.VANISHED, "removed meanwhile")
+            continue
+        except OSError as exc:
+            _fail(res, c, f"cannot open its parent without following links: {exc.strerror}")
+            continue
+        try:
+            if c.kind == Kind.OURS:
+                _remove_staging(c, parent_fd)
+            else:
+                _remove_foreign(c, parent_fd)
+        except staging.Deferred as exc:
+            c.decide(Decision.DEFERRED, exc.strerror or str(exc))
+        except OSError as exc:
+            what = exc.filename if exc.filename and str(exc.filename) != str(c.path) else None
+            _fail(res, c, f"cannot remove {what}: {exc.strerror or exc}" if what else f"{exc.strerror or exc}")
+        finally:
+            os.close(parent_fd)
+        if progress and c.decision in (Decision.REMOVED, Decision.DEFERRED, Decision.FAILED):
+            progress(f"{c.decision} {c.path}" + (f" ({c.recovery})" if c.recovery else ""))
+    return res
+
+
+def _fail(res: GcResult, c: Candidate, message: str) -> None:
+    c.decision, c.error = Decision.FAILED, message
+    c.reason = f"{c.reason}; removal failed: {message}" if c.reason else message
+    res.problems.append(GcProblem(str(c.path), message))

@@ -1,0 +1,141 @@
+"""Filesystem primitives that never follow a link: the one removal (NFS-aware), fsync, walking
+down from a root by directory file descriptors."""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat
+import time
+from pathlib import Path
+
+from ckptctl.staging.lock import DIR_FLAGS
+
+_NFS_RETRIES = (0.2, 0.4, 0.8)
+
+
+class Deferred(OSError):
+    """NFS silly-renamed ``.nfsXXXX`` files are still open elsewhere: the next run finishes the job."""
+
+
+def fsync_path(path: Path, *, directory: bool = False) -> None:
+    flags = os.O_RDONLY | (os.O_DIRECTORY if directory else 0)
+    fd = os.open(path, flags)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def open_beneath(root: Path, rel: tuple[str, ...]) -> int:
+    """An fd of ``root/rel...``, reached from ``root`` one component at a time with O_NOFOLLOW:
+    a component swapped for a symlink makes this fail instead of leaving the root."""
+    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        for part in rel:
+            nfd = os.open(part, DIR_FLAGS, dir_fd=fd)
+            os.close(fd)
+            fd = nfd
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def lexists(path: Path) -> bool:
+    """Like ``os.path.lexists``, but an error other than "not there" is raised, never read as absent."""
+    try:
+        os.lstat(path)
+    except (FileNotFoundError, NotADirectoryError):
+        return False
+    return True
+
+
+def remove_at(parent_fd: int, name: str, *, where: str, keep_last: tuple[str, ...] = ()) -> int:
+    """Remove ``name`` under ``parent_fd`` (a file, a link as a link, or a tree) without following
+    links; returns the bytes actually freed (a regular file's last link).
+
+    ``keep_last`` names inside the directory are removed after everything else, in that order.
+    ENOENT anywhere is someone else having removed it first (an overlapping gc run): fine. NFS
+    ``.nfsXXXX`` files are retried, then :class:`Deferred` is raised. Errors carry ``where`` (the
+    full path) as their filename."""
+    try:
+        return _remove_at(parent_fd, name, where, keep_last)
+    except OSError as exc:
+        if exc.filename == name:
+            exc.filename = where
+        raise
+
+
+def remove_tree(path: Path) -> int:
+    """:func:`remove_at` by path (the parent is opened as given; ``path`` itself is never followed)."""
+    pfd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        return remove_at(pfd, path.name, where=str(path))
+    finally:
+        os.close(pfd)
+
+
+def _remove_entries(dfd: int, where: str, skip: tuple[str, ...] = ()) -> int:
+    """Remove everything inside the directory ``dfd`` (``where``, for messages) except ``skip``."""
+    freed = 0
+    with os.scandir(dfd) as it:
+        names = [e.name for e in it]
+    for name in names:
+        if name in skip:
+            continue
+        try:
+            freed += remove_at(dfd, name, where=f"{where}/{name}")
+        except OSError as exc:
+            # NFS refuses to unlink a silly-renamed file that is still open: retried by the caller
+            if not (name.startswith(".nfs") and exc.errno in (errno.EBUSY, errno.ENOTEMPTY)):
+                raise
+    return freed
+
+
+def _remove_at(parent_fd: int, name: str, where: str, keep_last: tuple[str, ...]) -> int:
+    try:
+        st = os.stat(name, dir_fd=parent_fd, follow_symlinks=False)
+    except FileNotFoundError:
+        return 0
+    if not stat.S_ISDIR(st.st_mode):
+        try:
+            os.unlink(name, dir_fd=parent_fd)
+        except FileNotFoundError:
+            return 0
+        # the last link of a regular file frees its blocks
+        return st.st_size if stat.S_ISREG(st.st_mode) and st.st_nlink == 1 else 0
+    try:
+        dfd = os.open(name, DIR_FLAGS, dir_fd=parent_fd)
+    except FileNotFoundError:
+        return 0
+    freed = 0
+    try:
+        fst = os.fstat(dfd)
+        if (fst.st_dev, fst.st_ino) != (st.st_dev, st.st_ino):
+            raise OSError(errno.ESTALE, "changed while being removed", name)
+        for attempt in range(len(_NFS_RETRIES) + 1):
+            freed += _remove_entries(dfd, where, skip=keep_last)
+            for last in keep_last:
+                freed += remove_at(dfd, last, where=f"{where}/{last}")
+            try:
+                os.rmdir(name, dir_fd=parent_fd)
+                return freed
+            except FileNotFoundError:
+                return freed
+            except OSError as exc:
+                if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST, errno.EBUSY):
+                    raise
+                # NFS: open files were silly-renamed to .nfsXXXX; they go when closed elsewhere.
+                if attempt < len(_NFS_RETRIES):
+                    time.sleep(_NFS_RETRIES[attempt])
+                    continue
+                with os.scandir(dfd) as it:
+                    left = [e.name for e in it]
+                if left and all(n.startswith(".nfs") for n in left):
+                    raise Deferred(errno.EBUSY, f"NFS files still open elsewhere ({', '.join(sorted(left)[:3])}); "
+                                   "the next run finishes the job", where) from None
+                raise
+    finally:
+        os.close(dfd)
+    return freed

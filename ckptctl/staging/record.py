@@ -1,0 +1,89 @@
+"""What a staging directory holds, by name, and its owner record.
+
+The directory name itself (``_tmp_<dest>.<stamp>-<rand>``) is a file-name rule and lives in
+:mod:`ckptctl.format.names` (``staging_name``, ``parse_staging_name``, ``STAGING_PREFIX``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import stat
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from ckptctl._version import __version__
+from ckptctl.format.names import parse_staging_name
+from ckptctl.staging.liveness import boot_id, process_start_time
+
+OWNER = "owner.json"  # who writes here (the record below)
+DATA = "data"  # the checkpoint being built
+READY = "ready"  # written and fsynced once data/ is complete
+OLD = "old"  # during an exchange-less publish: the previous version, moved aside
+TOOL = "ckptctl"
+
+MAX_OWNER_BYTES = 1 << 16
+# Never follow a link, never block on a FIFO someone put in our place.
+FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+
+
+def owner_record(dest: Path, command: str | None = None) -> dict[str, Any]:
+    """The owner record of a writer for ``dest`` that is this process."""
+    pid = os.getpid()
+    return {
+        "tool": TOOL,
+        "tool_version": __version__,
+        "pid": pid,
+        "host": socket.gethostname(),
+        "boot_id": boot_id(),
+        "start_time": process_start_time(pid),
+        "created": time.time(),
+        "dest": dest.name,
+        "command": command if command is not None else " ".join(sys.argv),
+    }
+
+
+def read_owner(staging: Path) -> dict[str, Any] | None:
+    """The owner record, or None when it is missing, unreadable, not a regular file or not ours.
+
+    Opened with ``O_NOFOLLOW | O_NONBLOCK`` and read up to 64 KiB: a link, a FIFO or a huge file
+    put in its place is not an owner record."""
+    try:
+        fd = os.open(staging / OWNER, FILE_FLAGS)
+    except OSError:
+        return None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        chunks, left = [], MAX_OWNER_BYTES
+        while left:
+            chunk = os.read(fd, left)
+            if not chunk:
+                break
+            chunks.append(chunk)
+            left -= len(chunk)
+        doc = json.loads(b"".join(chunks))
+    except (OSError, ValueError):
+        return None
+    finally:
+        os.close(fd)
+    if not isinstance(doc, dict) or doc.get("tool") != TOOL:
+        return None
+    return doc
+
+
+def siblings(parent: Path, dest_name: str) -> list[Path]:
+    """The staging directories (by name) of ``<parent>/<dest_name>``; none when unreadable."""
+    try:
+        names = os.listdir(parent)
+    except OSError:
+        return []
+    out = []
+    for n in names:
+        parsed = parse_staging_name(n)
+        if parsed and parsed[0] == dest_name:
+            out.append(parent / n)
+    return out
