@@ -1430,6 +1430,50 @@ def make_dcp_chunk_missing(d: Path) -> str:
 
 
 # --------------------------------------------------------------------------------------------
+# multi-component roots (diffusers' model_index.json)
+
+
+def make_clean_pipeline(d: Path) -> str | None:
+    """A diffusers pipeline root: model_index.json, a transformers text encoder (the corpus
+    Llama), a scheduler folder without weights."""
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "model_index.json").write_text(json.dumps({
+        "_class_name": "DiffusionPipeline", "_diffusers_version": "0.42.1",
+        "text_encoder": ["transformers", "LlamaForCausalLM"], "scheduler": ["diffusers", "DDPMScheduler"],
+        "safety_checker": [None, None]}, indent=2, sort_keys=True) + "\n")
+    make_clean_single(d / "text_encoder")
+    (d / "scheduler").mkdir()
+    (d / "scheduler" / "scheduler_config.json").write_text('{"_class_name": "DDPMScheduler", '
+                                                          '"num_train_timesteps": 10}\n')
+    return None
+
+
+def make_pipeline_component_missing(d: Path) -> str:
+    make_clean_pipeline(d)
+    shutil.rmtree(d / "text_encoder")
+    return "layout.component_missing"
+
+
+def make_pipeline_bad_model_index(d: Path) -> str:
+    make_clean_pipeline(d)
+    (d / "model_index.json").write_text('{"text_encoder": ["transformers", ')
+    return "layout.bad_component_manifest"
+
+
+def make_pipeline_component_without_weights(d: Path) -> str:
+    make_clean_pipeline(d)
+    (d / "text_encoder" / "model.safetensors").unlink()
+    return "dir.no_weights"
+
+
+def make_pipeline_component_truncated(d: Path) -> str:
+    make_clean_pipeline(d)
+    p = d / "text_encoder" / "model.safetensors"
+    p.write_bytes(p.read_bytes()[:-100])
+    return "header.truncated"
+
+
+# --------------------------------------------------------------------------------------------
 # registry
 
 
@@ -1477,4 +1521,5 @@ CASES: list[Case] = _cases()
 CLEAN: dict[str, Callable[[Path], str | None]] = {
     "sharded": make_clean_sharded, "single": make_clean_single, "adapter": make_clean_adapter,
     "manifest": make_clean_with_manifest, "bin": make_clean_bin, "dcp": make_clean_dcp,
+    "pipeline": make_clean_pipeline,
 }

@@ -79,6 +79,8 @@ class Context:
     def __init__(self, root: Path, result: PathResult, options: VerifyOptions, progress: ProgressFn | None = None,
                  base_root: Path | None = None) -> None:
         self.root = root
+        self.prefix = ""  # a component's folder below the checkpoint root, with a trailing "/"
+        self.needs_weights = True  # a directory without weights is an error (not so a scheduler's folder)
         self.result = result
         self.options = options
         self.progress = progress
@@ -91,8 +93,17 @@ class Context:
         self.tables: list[FamilyTensors] = []
         self.deep_queue: dict[str, Header | None] = {}  # files --deep reads, with the header to decode by
         self.manifest: dict[str, dict[str, Any]] | None = None  # manifest entries whose size matched
-        self.records: dict[str, FileRecord] = {}
+        self.records: dict[str, FileRecord] = {}  # by name relative to the checkpoint root
         self.stopped = False  # set by a step after which no other step can run
+
+    def component(self, path: str) -> "Context":
+        """The context of a component folder (diffusers pipeline, sentence-transformers module):
+        its own view and layout, the same result, file records and allowed link targets."""
+        sub = Context(self.root / path, self.result, self.options, self.progress, self.base_root)
+        sub.prefix = f"{self.prefix}{path}/"
+        sub.allowed = self.allowed
+        sub.records = self.records
+        return sub
 
     # reporting ---------------------------------------------------------------------------------
     def disp(self, name: str = "") -> str:
@@ -118,14 +129,15 @@ class Context:
         self.stopped = True
 
     def record(self, name: str, role: str) -> FileRecord:
-        rec = self.records.get(name)
+        """The file record of ``name`` (created on first use, named from the checkpoint root)."""
+        rec = self.records.get(self.prefix + name)
         if rec is None:
             size = None
             try:
                 size = os.stat(self.root / name).st_size
             except OSError:
                 pass
-            rec = self.records[name] = FileRecord(name, role, size)
+            rec = self.records[self.prefix + name] = FileRecord(self.prefix + name, role, size)
             self.result.files.append(rec)
         return rec
 

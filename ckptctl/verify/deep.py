@@ -261,8 +261,11 @@ def deep_step(ctx: Context) -> None:
         queue.setdefault(name, None)
     progress = ctx.progress
     for name, hdr in queue.items():
-        rec = ctx.records.get(name) or ctx.record(name, "extra")
+        rec = ctx.record(name, "extra")
         shown = ctx.disp(name)
+        if rec.sha256 is not None:  # a component's file the root's manifest lists: read once
+            _compare(ctx, name, rec.sha256, manifest)
+            continue
         if progress:
             progress("file", shown, rec.size or 0)
         try:
@@ -277,8 +280,12 @@ def deep_step(ctx: Context) -> None:
         rec.sha256 = dr.sha256
         ctx.result.bytes_read += dr.bytes_read
         ctx.extend(dr.findings)
-        want = manifest[name]["sha256"] if name in manifest else None
-        if want is not None and want != dr.sha256:
-            ctx.add("manifest.hash_mismatch", ERROR, shown,
-                    f"{name}: sha256 {dr.sha256[:16]}... differs from the manifest's {str(want)[:16]}...",
-                    "the file is corrupt: copy it again or re-export", name=name, sha256=dr.sha256, expected=want)
+        _compare(ctx, name, dr.sha256, manifest)
+
+
+def _compare(ctx: Context, name: str, sha256: str, manifest: dict[str, dict[str, Any]]) -> None:
+    want = manifest[name]["sha256"] if name in manifest else None
+    if want is not None and want != sha256:
+        ctx.add("manifest.hash_mismatch", ERROR, ctx.disp(name),
+                f"{name}: sha256 {sha256[:16]}... differs from the manifest's {str(want)[:16]}...",
+                "the file is corrupt: copy it again or re-export", name=name, sha256=sha256, expected=want)

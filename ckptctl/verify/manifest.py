@@ -35,7 +35,11 @@ def manifest_step(ctx: Context) -> None:
                     size=size, expected=entry["size"])
             continue
         ctx.manifest[name] = entry
-    for n in sorted(ctx.layout.weight_files):
+    weights = set(ctx.layout.weight_files)
+    for comp in ctx.layout.components:
+        if comp.path and comp.layout is not None:
+            weights.update(f"{comp.path}/{n}" for n in comp.layout.weight_files)
+    for n in sorted(weights):
         if n not in doc["files"]:
             ctx.add("manifest.unlisted_file", ERROR, ctx.disp(n),
                     f"{n} is a weights file the manifest does not list (added after the export?)",

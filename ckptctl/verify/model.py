@@ -60,7 +60,8 @@ def _detect(tensors: Tensors) -> tuple[Spec, str] | None:
             hits = sum(1 for n in names if n.startswith(lp))
             has_embed = (root + spec.embed) in tensors
             score = hits + (1 << 40 if has_embed else 0)
-            if (hits or has_embed) and (best is None or score > best[0]):
+            # an embedding name alone is no proof (BERT's embeddings.word_embeddings is not Falcon's)
+            if hits and (best is None or score > best[0]):
                 best = (score, spec, root)
     return (best[1], best[2]) if best else None
 

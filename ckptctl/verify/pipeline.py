@@ -1,8 +1,9 @@
 """The verify pipeline: which steps run, in which order, over a checkpoint path.
 
 A directory: scan (screen, then ``layout.scan``), the layout's findings, the weights families
-(headers or pickles, index cross-checks, DCP), config.json, adapter_config.json, the manifest,
-and with ``deep`` every byte. A single weights file: its family alone, and ``deep``. Each step is
+(headers or pickles, index cross-checks, DCP), config.json, adapter_config.json, the component
+folders of a multi-component root (each like a directory), the manifest, and with ``deep`` every
+byte. A single weights file: its family alone, and ``deep``. Each step is
 a function of the :class:`~ckptctl.verify.context.Context`; a step that makes the rest impossible
 (the directory cannot be listed) sets ``ctx.stopped``.
 """
@@ -34,6 +35,7 @@ Step = Callable[[Context], None]
 # Layout findings verify reports at another severity, because verify judges upload readiness: an
 # upload pushes a leftover (and loaders that glob *.safetensors read a temp shard).
 UPLOAD_SEVERITY = {"layout.leftover": ERROR}
+MODEL_LIBRARIES = ("diffusers", "transformers")
 # verify's own rule beside layout's leftover table (names.LEFTOVERS): a lock file is no proof of
 # an interrupted write, but an upload would push it.
 LOCK_FILES = "*.lock"
@@ -49,7 +51,7 @@ def layout_findings(ctx: Context) -> None:
         if n not in ctx.hidden and fnmatch.fnmatchcase(n, LOCK_FILES):
             ctx.add("dir.lock_file", ERROR, ctx.disp(n), f"{n} is a lock file; an upload would push it",
                     "remove it once no process holds it")
-    if not ctx.layout.families:
+    if ctx.needs_weights and not ctx.layout.families and not any(c.has_weights for c in ctx.layout.components):
         ctx.add("dir.no_weights", ERROR, ctx.disp(),
                 f"{ctx.disp()} holds no checkpoint weights (no safetensors, .bin, adapter or DCP files)",
                 "export the checkpoint again; an interrupted save may have removed the old files first")
@@ -74,8 +76,26 @@ def weights_step(ctx: Context) -> None:
             check_dcp(ctx, fam)
         else:
             ctx.tables.append(family_tensors(ctx, fam))
-    ctx.result.kind = _kind(ctx.layout.families)
+    if not ctx.prefix:
+        ctx.result.kind = ctx.layout.kind if ctx.layout.components else _kind(ctx.layout.families)
     ctx.result.tensors += sum(len(t.tensors) for t in ctx.tables)
+
+
+def components_step(ctx: Context) -> None:
+    """A multi-component root (diffusers pipeline, sentence-transformers model): every component
+    folder layout found is verified like a checkpoint directory, into the same result. The
+    transformers config rules run only on a component that transformers loads."""
+    assert ctx.layout is not None
+    for comp in ctx.layout.components:
+        if comp.path == "" or comp.layout is None:
+            continue  # the root module is the root's own families; a missing folder is a layout finding
+        sub = ctx.component(comp.path)
+        # A model component (diffusers or transformers, saved with its config.json) must hold
+        # weights; a scheduler, tokenizer or pooling module need not.
+        sub.needs_weights = comp.library in MODEL_LIBRARIES and "config.json" in comp.layout.extras
+        steps = COMPONENT_STEPS if comp.library == "transformers" else tuple(
+            s for s in COMPONENT_STEPS if s is not config_step)
+        _run(sub, steps)
 
 
 def scan_file(ctx: Context) -> None:
@@ -89,8 +109,17 @@ def scan_file(ctx: Context) -> None:
 
 
 DIRECTORY_STEPS: tuple[Step, ...] = (scan_directory, layout_findings, weights_step, config_step, adapter_step,
-                                     manifest_step, deep_step)
+                                     components_step, manifest_step, deep_step)
+COMPONENT_STEPS: tuple[Step, ...] = (scan_directory, layout_findings, weights_step, config_step, adapter_step,
+                                     deep_step)
 FILE_STEPS: tuple[Step, ...] = (scan_file, weights_step, deep_step)
+
+
+def _run(ctx: Context, steps: tuple[Step, ...]) -> None:
+    for step in steps:
+        step(ctx)
+        if ctx.stopped:
+            return
 
 
 # --------------------------------------------------------------------------------------------
@@ -183,10 +212,7 @@ def verify_path(path: str | os.PathLike[str], *, display: str | None = None, opt
     res = PathResult(path=shown, root=str(p))
     is_dir = p.is_dir()
     ctx = Context(p if is_dir else p.parent, res, opts, progress, base_root)
-    for step in DIRECTORY_STEPS if is_dir else FILE_STEPS:
-        step(ctx)
-        if ctx.stopped:
-            break
+    _run(ctx, DIRECTORY_STEPS if is_dir else FILE_STEPS)
     res.findings.sort(key=lambda f: (-SEVERITY_RANK[f.severity], f.path, f.code, f.tensor or ""))
     return res
 
