@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from enum import Enum
-from typing import Annotated, Any, Optional
+from typing import TYPE_CHECKING, Annotated, Any, Optional
 
 import typer
 from rich.table import Table
@@ -13,6 +13,9 @@ from ckptctl.cli._options import JsonOpt, QuietOpt, VerboseOpt
 from ckptctl.cli._output import Output
 from ckptctl.errors import EXIT_FINDINGS, EXIT_OK, EXIT_OPERATIONAL, UsageError
 from ckptctl.sizes import format_size
+
+if TYPE_CHECKING:
+    from ckptctl.verify import Report
 
 MAX_ROWS_PER_CODE = 20  # per (code, file) in the table; --json always has every finding
 
@@ -130,7 +133,7 @@ def _shown_file(path: str, root: str) -> str:
     return path
 
 
-def _render(out: Output, report: Any, level: str) -> None:
+def _render(out: Output, report: Report, level: str) -> None:
     show_info = out.verbosity >= 1
     if len(report.results) > 1:
         summary = Table(title="checkpoints", title_justify="left")
@@ -162,7 +165,7 @@ def _render(out: Output, report: Any, level: str) -> None:
         out.print(table)
 
 
-def _verdict(out: Output, report: Any, level: str, code: int) -> None:
+def _verdict(out: Output, report: Report, level: str, code: int) -> None:
     if out.verbosity < 0:
         return
     c = report.counts()
