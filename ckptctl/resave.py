@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from ckptctl import layout as L
+from ckptctl.config_fields import ConfigFields, as_int
 from ckptctl.errors import InputError, UnrepairableError, UsageError
 from ckptctl.findings import ERROR, Finding
 from ckptctl.format import dtypes as dt
@@ -80,8 +81,9 @@ def _config_mismatches(tensors: dict[str, TensorInfo], cfg: dict[str, Any] | Non
     if not cfg:
         return 0
     bad = 0
-    vocab = cfg.get("vocab_size")
-    layers = cfg.get("num_hidden_layers") or cfg.get("n_layer")
+    fields = ConfigFields(cfg)
+    vocab = as_int(fields.get("vocab_size"))
+    layers = as_int(fields.get("num_hidden_layers"))
     for name, t in tensors.items():
         if vocab and name.endswith(("embed_tokens.weight", "wte.weight", "lm_head.weight")) and t.shape:
             bad += t.shape[0] != vocab

@@ -105,7 +105,7 @@ def test_index_reader_never_raises_and_flags_garbage(scratch, raw):
 
 
 def _llama_tensors():
-    from ckptctl.verify_config import TensorMeta
+    from ckptctl.format.tensor import TensorSpec
 
     shapes = {"model.embed_tokens.weight": (128, 64), "lm_head.weight": (128, 64), "model.norm.weight": (64,)}
     for i in range(2):
@@ -113,7 +113,7 @@ def _llama_tensors():
                      ("self_attn.o_proj", (64, 64)), ("mlp.gate_proj", (96, 64)), ("mlp.up_proj", (96, 64)),
                      ("mlp.down_proj", (64, 96)), ("input_layernorm", (64,)), ("post_attention_layernorm", (64,))):
             shapes[f"model.layers.{i}.{p}.weight"] = s
-    return {n: TensorMeta(n, "BF16", s, "model.safetensors") for n, s in shapes.items()}
+    return {n: TensorSpec(n, "BF16", s) for n, s in shapes.items()}
 
 
 _small_ints = st.integers(-3, 4096) | st.sampled_from([0, -1, 2 ** 63, 10 ** 30])
@@ -141,7 +141,7 @@ def _configs(draw):
 @FUZZ
 @given(_configs(), st.booleans())
 def test_config_check_never_raises(cfg, with_tokenizer):
-    from ckptctl.verify_config import check_config
+    from ckptctl.verify.model import check_config
 
     findings = check_config("config.json", cfg, _llama_tensors(), tokenizer_size=200 if with_tokenizer else None)
     if not isinstance(cfg, dict):
@@ -168,22 +168,22 @@ def _adapter_configs(draw):
 
 
 def _lora_tensors(r: int = 8):
-    from ckptctl.verify_config import TensorMeta
+    from ckptctl.format.tensor import TensorSpec
 
     out = {}
     for i in range(2):
         for p in ("q_proj", "v_proj"):
             a = f"base_model.model.model.layers.{i}.self_attn.{p}.lora_A.weight"
             b = f"base_model.model.model.layers.{i}.self_attn.{p}.lora_B.weight"
-            out[a] = TensorMeta(a, "F32", (r, 64), "adapter_model.safetensors")
-            out[b] = TensorMeta(b, "F32", (64, r), "adapter_model.safetensors")
+            out[a] = TensorSpec(a, "F32", (r, 64))
+            out[b] = TensorSpec(b, "F32", (64, r))
     return out
 
 
 @FUZZ
 @given(_adapter_configs(), st.booleans())
 def test_adapter_check_never_raises_on_well_typed_fields(acfg, with_base):
-    from ckptctl.verify_config import check_adapter
+    from ckptctl.verify.peft import check_adapter
 
     findings = check_adapter("adapter_config.json", acfg, _lora_tensors(), base=_llama_tensors() if with_base else None)
     if not isinstance(acfg, dict) or "peft_type" not in acfg:
@@ -266,7 +266,7 @@ def test_a_huge_layer_count_in_config_does_not_drive_an_allocation(tmp_path, com
 
 
 # ---------------------------------------------------------------------------------------------
-# DCP metadata: ckptctl.sources.dcp_source (export) and ckptctl.verify_pickle (verify)
+# DCP metadata: the one reader, ckptctl.format.dcp_metadata (export and verify)
 
 
 @pytest.fixture(scope="module")
@@ -331,7 +331,7 @@ def _metadata_blobs(draw, base: bytes, scratch: Path):
 
 def test_the_fuzzed_readers_accept_the_real_metadata(dcp_metadata, scratch):
     from ckptctl.sources.dcp_source import read_dcp_metadata
-    from ckptctl.verify_pickle import read_dcp_metadata as verify_read
+    from ckptctl.format.dcp_metadata import read_dcp_metadata as verify_read
 
     d = scratch / "real"
     d.mkdir(exist_ok=True)
@@ -345,7 +345,7 @@ def test_the_fuzzed_readers_accept_the_real_metadata(dcp_metadata, scratch):
 @given(st.data())
 def test_dcp_metadata_readers_never_raise_and_never_run_code(dcp_metadata, scratch, data):
     from ckptctl.sources.dcp_source import read_dcp_metadata
-    from ckptctl.verify_pickle import read_dcp_metadata as verify_read
+    from ckptctl.format.dcp_metadata import read_dcp_metadata as verify_read
 
     blob = data.draw(_metadata_blobs(dcp_metadata, scratch))
     d = scratch / "fuzz"
@@ -385,7 +385,7 @@ def test_a_length_field_in_dcp_metadata_is_not_allocated(tmp_path, command):
         assert r.returncode == 2 and "error:" in r.stderr and not (tmp_path / "out").exists()
     # and nothing near the length field's size is allocated, in either reader
     from ckptctl.sources.dcp_source import read_dcp_metadata
-    from ckptctl.verify_pickle import read_dcp_metadata as verify_read
+    from ckptctl.format.dcp_metadata import read_dcp_metadata as verify_read
 
     (d / ".metadata").write_bytes(b"\x80\x04\x8e" + struct.pack("<Q", 256 << 20) + b"abc")
     for read in (lambda: read_dcp_metadata(d), lambda: verify_read(str(d / ".metadata"), ".metadata")):
