@@ -8,7 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from huggingface_hub.serialization._base import parse_size_to_int
 
-from ckptctl.sizes import format_size, parse_duration, parse_size
+from ckptctl.sizes import parse_duration, parse_size
 
 _numbers = st.integers(1, 10**6).map(str) | st.tuples(st.integers(0, 999), st.integers(1, 999)).map(
     lambda t: f"{t[0]}.{t[1]}")
@@ -56,14 +56,6 @@ def test_an_int_that_is_not_positive_is_refused_like_its_string(value):
 def test_bad_sizes_are_refused_with_the_input_named(text, message):
     with pytest.raises(ValueError, match=message):
         parse_size(text)
-
-
-@pytest.mark.parametrize("n,text", [
-    (0, "0 B"), (999, "999 B"), (1000, "1.00 KB"), (1_234_567, "1.23 MB"), (5 * 10**9, "5.00 GB"),
-    (999_999, "1000.00 KB"), (10**12, "1.00 TB"), (5 * 10**15, "5000.00 TB"),
-])
-def test_format_size_is_decimal(n, text):
-    assert format_size(n) == text
 
 
 @pytest.mark.parametrize("text,seconds", [

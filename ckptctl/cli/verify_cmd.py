@@ -10,9 +10,8 @@ import typer
 from rich.table import Table
 
 from ckptctl.cli._options import JsonOpt, QuietOpt, VerboseOpt
-from ckptctl.cli._output import Output
+from ckptctl.cli._output import Output, human_size
 from ckptctl.errors import EXIT_FINDINGS, EXIT_OK, EXIT_OPERATIONAL, UsageError
-from ckptctl.sizes import format_size
 
 if TYPE_CHECKING:
     from ckptctl.verify import Report
@@ -115,7 +114,7 @@ class _Progress:
             elif event == "done" and path in self.tasks:
                 self.bar.remove_task(self.tasks.pop(path))
         elif event == "file":
-            out.info(f"reading {path} ({format_size(amount)})")
+            out.info(f"reading {path} ({human_size(amount)})")
 
     def close(self) -> None:
         if self.bar is not None:

@@ -28,7 +28,7 @@ proto_in = os.fdopen(int(sys.argv[1]), "r")
 proto_out = os.fdopen(int(sys.argv[2]), "w")
 # what a ckptctl run imports, loaded once; the children are forked from here
 import torch, safetensors, safetensors.torch, numpy
-import ckptctl.cli, ckptctl.api, ckptctl.resave, ckptctl.writer, ckptctl.publish, ckptctl.gc
+import ckptctl.cli, ckptctl.api, ckptctl.resave, ckptctl.write.job, ckptctl.publish, ckptctl.gc
 import ckptctl.verify, ckptctl.sources.safetensors_source, ckptctl.sources.torch_source
 import ckptctl.cli.export_cmd, ckptctl.cli.resave_cmd, ckptctl.cli.gc_cmd, ckptctl.cli.verify_cmd
 proto_out.write(json.dumps({"ready": os.getpid()}) + "\n"); proto_out.flush()
