@@ -222,8 +222,9 @@ def _findings(display: str, plan: list[tuple[int, int, TensorInfo]], scanners: d
         if scanners[t.name].fb is None:
             continue
         if st.nan:
-            out.append(Finding("deep.nan", WARNING, display,
-                               f"tensor {t.name!r} holds {st.nan} NaN values", "check the training run "
+            out.append(Finding("deep.nan", ERROR, display,
+                               f"tensor {t.name!r} holds {st.nan} NaN values (a NaN weight turns every output it "
+                               "reaches into NaN)", "check the training run "
                                "that produced it (loss spike, overflow) before publishing", t.name, {"count": st.nan}))
         if st.inf:
             out.append(Finding("deep.inf", WARNING, display,
@@ -231,7 +232,8 @@ def _findings(display: str, plan: list[tuple[int, int, TensorInfo]], scanners: d
                                "that produced it (overflow in a low-precision cast?)", t.name, {"count": st.inf}))
         numel = t.numel
         if not st.nonzero and numel > 1 and t.dtype not in NOT_DECODED:
-            if len(t.shape) >= 2:
+            # a matrix has two dims above 1: BART's final_logits_bias [1, vocab] is a vector (zero in real BART)
+            if sum(1 for n in t.shape if n > 1) >= 2:
                 out.append(Finding("deep.all_zero", WARNING, display,
                                    f"tensor {t.name!r} {list(t.shape)} is all zeros",
                                    "a zero-filled weight matrix usually means a failed or interrupted write "
