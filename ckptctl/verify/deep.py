@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import os
 import queue
+import re
 import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -252,6 +253,9 @@ def _findings(display: str, plan: list[tuple[int, int, TensorInfo]], scanners: d
     return out
 
 
+SHA256_NAME = re.compile(r"[0-9a-f]{64}")
+
+
 def deep_step(ctx: Context) -> None:
     """Every weights file that was read, every DCP file, every file the manifest lists: hashed,
     floats decoded (safetensors), the digest compared with the manifest's."""
@@ -283,6 +287,21 @@ def deep_step(ctx: Context) -> None:
         ctx.result.bytes_read += dr.bytes_read
         ctx.extend(dr.findings)
         _compare(ctx, name, dr.sha256, manifest)
+        _compare_blob(ctx, name, dr.sha256)
+
+
+def _compare_blob(ctx: Context, name: str, sha256: str) -> None:
+    """In a Hugging Face cache snapshot, an LFS file links to ``blobs/<sha256>``: the name is the oid
+    the Hub gave the file, so the bytes must hash to it (huggingface_hub never re-checks a blob)."""
+    path = ctx.root / name
+    if ctx.allowed == os.path.realpath(ctx.root) or not os.path.islink(path):
+        return
+    blob = os.path.basename(os.path.realpath(path))
+    if SHA256_NAME.fullmatch(blob) and blob != sha256:
+        ctx.add("deep.blob_hash_mismatch", ERROR, ctx.disp(name),
+                f"{name}: sha256 {sha256[:16]}... differs from its cache blob's name {blob[:16]}... (the LFS oid "
+                "the Hub gave it): the cached file is corrupt", "delete the blob and download the file again "
+                "(huggingface-cli download --force-download)", name=name, sha256=sha256, expected=blob)
 
 
 def _compare(ctx: Context, name: str, sha256: str, manifest: dict[str, dict[str, Any]]) -> None:

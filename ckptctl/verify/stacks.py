@@ -20,7 +20,7 @@ from ckptctl.format.tensor import TensorSpec
 
 Tensors = Mapping[str, TensorSpec]
 
-LAYER = re.compile(r"^((?:.*\.)?(?:layers|layer|h|block|blocks))\.(\d+)\.")
+LAYER = re.compile(r"^((?:.*?\.)?(?:layers|layer|h|block|blocks))\.(\d+)\.")
 EXPERT = re.compile(r"^(.*\.)experts\.(\d+)\.(.+)$")
 # per-stack layer counts of encoder-decoder configs: stack -> field names, preferred first
 STACK_FIELDS = {"encoder": ("encoder_layers", "num_layers", "num_hidden_layers"),
@@ -78,6 +78,13 @@ def check_stacks(ctx: PathFindings, cfg: dict, tensors: Tensors, *, skip: str | 
     stacks = {k: v for k, v in containers(tensors).items() if k != skip}
     checked = False
     enc_dec = bool(cfg.get("is_encoder_decoder"))
+    if enc_dec:  # a stack whose every layer is gone is still a stack: its sibling names it
+        swap = {"encoder": "decoder", "decoder": "encoder"}
+        for where in list(stacks):
+            parts = where.split(".")
+            for i, p in enumerate(parts):
+                if p in swap:
+                    stacks.setdefault(".".join(parts[:i] + [swap[p]] + parts[i + 1:]), set())
     extra_allowed = sum(as_int(c.get(f)) or 0 for f in EXTRA_LAYER_FIELDS)
     for where, present in sorted(stacks.items()):
         parts = where.split(".")
