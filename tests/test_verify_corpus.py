@@ -93,7 +93,7 @@ def test_every_code_the_code_can_emit_is_documented() -> None:
     pat = re.compile(r'"((?:header|index|layout|dir|config|adapter|manifest|pickle|dcp|deep|metadata|io)'
                      r'\.[a-z_0-9]+)"')
     sources = sorted((REPO / "ckptctl" / "verify").glob("*.py"))
-    sources += [REPO / "ckptctl" / n for n in ("layout.py", "manifest.py")]
+    sources += sorted((REPO / "ckptctl" / "layout").glob("*.py")) + [REPO / "ckptctl" / "manifest.py"]
     sources += [REPO / "ckptctl" / "format" / n for n in ("header.py", "index.py", "dcp_metadata.py")]
     emitted = {m for p in sources for m in pat.findall(p.read_text())} - {"config.json"}
     assert {"dir.lock_file", "layout.leftover", "dcp.bad_metadata", "index.wrong_shard"} <= emitted  # it sees them
