@@ -86,8 +86,8 @@ def with_alias_records(metadata: dict[str, str] | None, aliases: dict[str, str])
 def make_plan(specs: list[TensorSpec], *, max_shard_size: int, prefix: str = "model",
               metadata: dict[str, str] | None = None, aliases: dict[str, str] | None = None,
               single_file: bool = False, groups: list[list[str]] | None = None) -> Plan:
-    """Plan the shards, their names and header bytes. ``specs`` must have unique names (the
-    export job checks its entries before planning; a plan of duplicates raises ``ValueError``).
+    """Plan the shards, their names and header bytes. ``specs`` have unique names (the export
+    job checks that once, before planning).
 
     ``metadata`` is the user's metadata: in a single file it goes into the header next to
     ``format: pt`` (with the alias records), in a sharded checkpoint into the index, while each
@@ -95,10 +95,7 @@ def make_plan(specs: list[TensorSpec], *, max_shard_size: int, prefix: str = "mo
     ``ValueError`` when the shards would be too many to name. ``groups`` replaces the grouping
     (``--max-shard-size keep``: the source's own shards).
     """
-    by_name: dict[str, TensorSpec] = {}
-    for s in specs:
-        if by_name.setdefault(s.name, s) is not s:
-            raise ValueError(f"tensor {s.name!r} is given twice")
+    by_name = {s.name: s for s in specs}
     aliases = dict(aliases or {})
     if groups is None:
         groups = [list(by_name)] if single_file else group(((s.name, s.nbytes) for s in specs), max_shard_size)
