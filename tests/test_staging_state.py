@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from ckptctl import staging
+from ckptctl.errors import LockHeldError
 from ckptctl.publish import Stage
 from ckptctl.staging import State
 from tests.test_gc import dead_pid  # noqa: F401 (fixture)
@@ -193,11 +194,23 @@ def test_half_published_forward_back_and_leftover(tmp_path, dead):
     assert st.state is State.HALF_PUBLISHED_FORWARD and st.state.recovery == "roll-forward"
     back = make(tmp_path / "b", owner=dead, ready=False, old=True)
     assert staging.inspect(back).state is State.HALF_PUBLISHED_BACK
+    # old/ without data/: data/ became the destination, the publish completed. old/ is garbage even
+    # when the destination is missing now (another writer is between its two renames): rolling it
+    # back used to put a version two publishes old in place and let the real one be deleted.
     nodata = make(tmp_path / "n", owner=dead, ready=True, old=True, data=False)
-    assert staging.inspect(nodata).state is State.HALF_PUBLISHED_BACK
+    assert staging.inspect(nodata).state is State.PUBLISHED_LEFTOVER
+    unsealed = make(tmp_path / "u", owner=dead, ready=False, old=True, data=False)
+    assert staging.inspect(unsealed).state is State.PUBLISHED_LEFTOVER
     left = make(tmp_path / "l", owner=dead, ready=True, old=True, data=False)
     (tmp_path / "l" / "ckpt").mkdir()  # the second rename happened
     assert staging.inspect(left).state is State.PUBLISHED_LEFTOVER and staging.inspect(left).state.recovery is None
+    # old/ and data/ both there and something at the destination: it appeared between the renames
+    conflict = make(tmp_path / "c", owner=dead, ready=True, old=True)
+    (tmp_path / "c" / "ckpt").mkdir()
+    st = staging.inspect(conflict)
+    assert st.state is State.CONFLICT and st.state.protected and st.state.recovery is None
+    for s in State:
+        assert s.protected == (s in (State.HALF_PUBLISHED_FORWARD, State.HALF_PUBLISHED_BACK, State.CONFLICT))
 
 
 def test_data_behind_a_link_is_never_rolled_forward(tmp_path, dead):
@@ -302,7 +315,10 @@ def test_writer_cleanup_never_removes_the_only_copy_of_the_destination(tmp_path)
     stage.finish()
     assert (d / staging.OLD / "model.safetensors").read_bytes() == b"old version"
     st = staging.inspect(d)  # this process is the writer and still runs: nobody may touch it yet
-    assert st.state is State.WRITING and staging.recover_destination(dest) == [] and not dest.exists()
+    assert st.state is State.WRITING
+    with pytest.raises(LockHeldError) as err:  # a second writer now is refused, not told "no destination"
+        staging.recover_destination(dest)
+    assert err.value.exit_code == 3 and d.name in err.value.message and not dest.exists()
     with staging.acquire(d):
         assert staging.phase(d) is State.HALF_PUBLISHED_BACK
         assert staging.recover(staging.inspect(d, locked=True)) is None  # alive (our pid): never acted on

@@ -1,4 +1,4 @@
-"""What a staging directory holds, by name, and its owner record.
+"""What a staging directory holds, by name, its owner record and its publish journal.
 
 The directory name itself (``_tmp_<dest>.<stamp>-<rand>``) is a file-name rule and lives in
 :mod:`ckptctl.format.names` (``staging_name``, ``parse_staging_name``, ``STAGING_PREFIX``).
@@ -23,6 +23,7 @@ OWNER = "owner.json"  # who writes here (the record below)
 DATA = "data"  # the checkpoint being built
 READY = "ready"  # written and fsynced once data/ is complete
 OLD = "old"  # during an exchange-less publish: the previous version, moved aside
+JOURNAL = "publish.json"  # written before an exchange-less publish: what old/ and data/ must be
 TOOL = "ckptctl"
 
 MAX_OWNER_BYTES = 1 << 16
@@ -46,13 +47,12 @@ def owner_record(dest: Path, command: str | None = None) -> dict[str, Any]:
     }
 
 
-def read_owner(staging: Path) -> dict[str, Any] | None:
-    """The owner record, or None when it is missing, unreadable, not a regular file or not ours.
-
-    Opened with ``O_NOFOLLOW | O_NONBLOCK`` and read up to 64 KiB: a link, a FIFO or a huge file
-    put in its place is not an owner record."""
+def _read_record(path: Path) -> dict[str, Any] | None:
+    """A small JSON document of ours (``"tool": "ckptctl"``), or None when it is missing,
+    unreadable, not a regular file, not JSON or not ours. Opened with ``O_NOFOLLOW | O_NONBLOCK``
+    and read up to 64 KiB: a link, a FIFO or a huge file put in its place is not a record."""
     try:
-        fd = os.open(staging / OWNER, FILE_FLAGS)
+        fd = os.open(path, FILE_FLAGS)
     except OSError:
         return None
     try:
@@ -71,6 +71,33 @@ def read_owner(staging: Path) -> dict[str, Any] | None:
     finally:
         os.close(fd)
     if not isinstance(doc, dict) or doc.get("tool") != TOOL:
+        return None
+    return doc
+
+
+def read_owner(staging: Path) -> dict[str, Any] | None:
+    """The owner record, or None when it is missing, unreadable, not a regular file or not ours."""
+    return _read_record(staging / OWNER)
+
+
+def journal_record(dest: Path, data: Path) -> dict[str, Any]:
+    """What an exchange-less publish of ``data`` onto ``dest`` is about to move: the identity
+    (device, inode) of the destination's current directory, which becomes ``old/``, and of
+    ``data/``, which becomes the destination. Raises OSError when either cannot be examined."""
+    prev, new = os.lstat(dest), os.lstat(data)
+    return {"tool": TOOL, "dest": dest.name, "written": time.time(),
+            "previous": {"dev": prev.st_dev, "ino": prev.st_ino},
+            "new": {"dev": new.st_dev, "ino": new.st_ino}}
+
+
+def read_journal(staging: Path) -> dict[str, Any] | None:
+    """The publish journal, or None when there is none (or it is not a valid one)."""
+    doc = _read_record(staging / JOURNAL)
+    if doc is None:
+        return None
+    try:
+        int(doc["previous"]["ino"]), int(doc["new"]["ino"])
+    except (KeyError, TypeError, ValueError):
         return None
     return doc
 
