@@ -20,8 +20,8 @@ _LAZY = {
     "export": "ckptctl.api",
     "save_state_dict": "ckptctl.api",
     "CheckpointWriter": "ckptctl.api",
-    "ExportOptions": "ckptctl.writer",
-    "ExportResult": "ckptctl.writer",
+    "ExportOptions": "ckptctl.write.options",
+    "ExportResult": "ckptctl.write.job",
 }
 
 __all__ = ["__version__", *_LAZY]

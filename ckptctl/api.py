@@ -10,70 +10,34 @@ Library use::
     w.add_range("lm_head.weight", "BF16", (32000, 4096), "/src/model.safetensors", offset)
     w.add_extra("config.json", config_bytes)
     result = w.write()                                   # plan, stage, stream, publish
+
+Every call validates its options before it touches the filesystem (a bad ``max_shard_size`` or
+``dtype`` raises :class:`~ckptctl.errors.UsageError` and changes nothing), then publishes
+atomically: the destination holds the old version or the new one, never a mix.
 """
 
 from __future__ import annotations
 
 import os
-from contextlib import contextmanager
-from dataclasses import replace
 from pathlib import Path
 from typing import Any, Mapping
 
-from ckptctl.errors import CkptctlError, InputError, UsageError
+from ckptctl.errors import InputError
 from ckptctl.format import dtypes as dt
-from ckptctl.sources.base import Source, SourceTensor, open_source
-from ckptctl.writer import Entry, ExportOptions, ExportResult, entries_for, write_checkpoint
-
-
-def _inside(child: Path, parent: Path) -> bool:
-    c, p = os.path.realpath(child), os.path.realpath(parent)
-    return c == p or c.startswith(p.rstrip(os.sep) + os.sep)
-
-
-@contextmanager
-def prepare_export(src: str | os.PathLike[str], dst: str | os.PathLike[str], opts: ExportOptions, *,
-                   key: str | None = None, only: str | None = None):
-    """Open the source and work out the entries, options and extras of an export."""
-    src_p, dst_p = Path(src), Path(dst)
-    if os.path.isdir(src_p) and os.path.realpath(src_p) == os.path.realpath(dst_p):
-        raise UsageError(f"source and destination are the same directory: {src_p}",
-                         "use `ckptctl resave DIR` to rewrite a checkpoint in place")
-    src_dir = src_p if src_p.is_dir() else src_p.parent
-    if _inside(dst_p, src_dir) and src_p.is_dir():
-        raise UsageError(f"destination {dst_p} is inside the source {src_p}",
-                         "choose a destination outside the source directory")
-    if _inside(src_p, dst_p) and os.path.lexists(dst_p):
-        raise UsageError(f"source {src_p} is inside the destination {dst_p}",
-                         "replacing the destination would remove the source; export elsewhere")
-    try:
-        source = open_source(src_p, key=key, only=only)
-    except CkptctlError as exc:
-        if exc.phase is None and exc.exit_code != 2:
-            exc.phase = "read-source"  # an I/O failure reading the source's metadata
-        raise
-    with source:
-        entries = entries_for(source, opts.dtype)
-        if source.is_adapter:
-            extras = {p.name: p for p in source.extras if p.name == "adapter_config.json"}
-            if "adapter_config.json" not in extras:
-                raise InputError(f"{src_p}: adapter weights without adapter_config.json",
-                                 "copy the adapter_config.json that belongs to the adapter next to it")
-            opts = replace(opts, prefix="adapter_model", single_file=True)
-        else:
-            extras = {p.name: p for p in source.extras if p.name != "adapter_config.json"}
-        metadata = dict(source.metadata)
-        metadata.update(opts.metadata or {})
-        opts = replace(opts, metadata=metadata or None)
-        yield source, entries, opts, extras, source.is_adapter
+from ckptctl.format.tensor import TensorSpec
+from ckptctl.sources.base import SourceTensor
+from ckptctl.sources.safetensors_source import SafetensorsSource
+from ckptctl.write.inputs import Entry, build_inputs, entries_for, open_inputs, state_dict_inputs
+from ckptctl.write.job import ExportResult, write_inputs
+from ckptctl.write.options import ExportOptions, validate
 
 
 def export(src: str | os.PathLike[str], dst: str | os.PathLike[str], opts: ExportOptions | None = None, *,
            key: str | None = None, only: str | None = None) -> ExportResult:
-    """Export the checkpoint at ``src`` to ``dst`` (see module docstring for the guarantees)."""
-    with prepare_export(src, dst, opts or ExportOptions(), key=key, only=only) as (source, entries, o, extras,
-                                                                                    adapter):
-        return write_checkpoint(entries, dst, o, extras=extras, aliases=source.aliases, adapter=adapter)
+    """Export the checkpoint at ``src`` to ``dst``. ``key`` selects a nested state dict (pickles,
+    DCP); ``only`` the family to read when ``src`` holds several."""
+    with open_inputs(src, dst, opts or ExportOptions(), key=key, only=only) as inputs:
+        return write_inputs(inputs, dst)
 
 
 def save_state_dict(state_dict: Mapping[str, Any], dest: str | os.PathLike[str], *,
@@ -83,23 +47,8 @@ def save_state_dict(state_dict: Mapping[str, Any], dest: str | os.PathLike[str],
     Tied tensors (same storage, same view) are stored once and the alias recorded; non-contiguous
     tensors are written in bounded chunks. ``options`` are :class:`ExportOptions` fields.
     """
-    from ckptctl.sources.torch_source import TorchSource
-
-    opts = ExportOptions(**options)
-    source = TorchSource.from_state_dict(state_dict, path=Path(dest))
-    entries = entries_for(source, opts.dtype)
-    return write_checkpoint(entries, dest, opts, extras={k: (v if isinstance(v, bytes) else Path(v))
-                                                         for k, v in (extras or {}).items()},
-                            aliases=source.aliases)
-
-
-class _RangeSource(Source):
-    """Byte ranges of existing files, fed one by one (CheckpointWriter.add_range)."""
-
-    def chunks(self, t: SourceTensor, target_dtype: str | None = None, chunk_bytes: int = 16 << 20):
-        from ckptctl.sources.safetensors_source import SafetensorsSource
-
-        return SafetensorsSource.chunks(self, t, target_dtype, chunk_bytes)  # type: ignore[arg-type]
+    with state_dict_inputs(state_dict, dest, ExportOptions(**options), extras=extras) as inputs:
+        return write_inputs(inputs, dest)
 
 
 class CheckpointWriter:
@@ -109,29 +58,32 @@ class CheckpointWriter:
         self.dest = Path(dest)
         self.options = ExportOptions(**options)
         self._state: dict[str, Any] = {}
-        self._ranges = _RangeSource(path=self.dest, kind="ranges")
+        self._ranges = SafetensorsSource(path=self.dest, kind="ranges")
         self._extras: dict[str, bytes | Path] = {}
-        self._order: list[str] = []
+        self._order: dict[str, None] = {}  # every name, in the order added
 
-    def add(self, name: str, tensor: Any) -> None:
+    def _claim(self, name: str) -> None:
         if name in self._order:
             raise InputError(f"tensor {name!r} added twice", "tensor names must be unique")
+        self._order[name] = None
+
+    def add(self, name: str, tensor: Any) -> None:
+        self._claim(name)
         self._state[name] = tensor
-        self._order.append(name)
 
     def add_range(self, name: str, dtype: str, shape: tuple[int, ...], file: str | os.PathLike[str],
                   offset: int) -> None:
         if dtype not in dt.BY_NAME:
             raise InputError(f"unknown dtype {dtype!r}", "use a safetensors dtype name such as BF16")
-        if name in self._order:
-            raise InputError(f"tensor {name!r} added twice", "tensor names must be unique")
-        self._ranges.tensors.append(SourceTensor(name, dtype, tuple(shape), file=os.fspath(file), offset=offset))
-        self._order.append(name)
+        self._claim(name)
+        self._ranges.tensors.append(SourceTensor(TensorSpec(name, dtype, tuple(shape)), file=os.fspath(file),
+                                                 offset=offset))
 
     def add_extra(self, name: str, content: bytes | os.PathLike[str]) -> None:
         self._extras[name] = content if isinstance(content, bytes) else Path(content)
 
-    def plan_entries(self) -> tuple[list[Entry], dict[str, str]]:
+    def write(self) -> ExportResult:
+        settings = validate(self.options)
         entries: dict[str, Entry] = {}
         aliases: dict[str, str] = {}
         if self._state:
@@ -139,10 +91,8 @@ class CheckpointWriter:
 
             ts = TorchSource.from_state_dict(self._state, path=self.dest)
             aliases = ts.aliases
-            entries.update({e.tensor.name: e for e in entries_for(ts, self.options.dtype)})
-        entries.update({e.tensor.name: e for e in entries_for(self._ranges, self.options.dtype)})
-        return [entries[n] for n in self._order if n in entries], aliases
-
-    def write(self) -> ExportResult:
-        entries, aliases = self.plan_entries()
-        return write_checkpoint(entries, self.dest, self.options, extras=self._extras, aliases=aliases)
+            entries.update({e.name: e for e in entries_for(ts, self.options.dtype)})
+        entries.update({e.name: e for e in entries_for(self._ranges, self.options.dtype)})
+        ordered = [entries[n] for n in self._order if n in entries]  # tied aliases are not entries
+        inputs = build_inputs(ordered, self.options, settings, extras=self._extras, aliases=aliases)
+        return write_inputs(inputs, self.dest)

@@ -1,17 +1,20 @@
 """Multi-rank writing on torch.distributed.
 
-Every rank contributes tensors; the ranks agree on one global shard plan through a collective
-(names and order do not depend on the rank count), then run the publish protocol's phases:
+Every rank contributes tensors; the ranks agree on one global shard plan (names and order do not
+depend on the rank count) and run the single-process writer's steps (``ckptctl.write.job``),
+under the same phase names:
 
-1. ``plan``     all_gather of every rank's tensor metadata; each rank computes the same plan.
-2. ``prepare``  the leader (rank 0, or for node-local storage the local rank 0 of every node)
-                creates the staging directory and every shard file (header written, data area
-                allocated); the staging path is shared with the other ranks.
+1. ``plan``     all_gather of every rank's tensor metadata; then every rank runs the job's plan
+                step on the same global tensor list (the leader also recovers a dead writer's
+                half-done publish of the destination).
+2. ``stage``    the leader (rank 0, or for node-local storage the local rank 0 of every node)
+                creates the staging directory and every shard file with the job's own
+                allocation (header written, data area allocated); the staging path is shared.
 3. ``write``    every rank writes its tensors' bytes at their planned offsets (kernel copy for
                 unchanged safetensors ranges) and fsyncs what it wrote.
-4. ``exchange`` all_gather of what each rank wrote; the leader checks it against the plan.
-5. ``publish``  the leader writes index, extras, manifest and fsyncs; every rank votes.
-6. ``commit``   only if every rank is ready, the leader publishes; the outcome is agreed across
+4. ``finalize`` the leader checks what the ranks wrote against the plan, then writes index,
+                extras, manifest and seals the directory; every rank votes.
+5. ``publish``  only if every rank is ready, the leader publishes; the outcome is agreed across
                 ranks (for node-local storage a node whose publish fails is named in the error,
                 while the other nodes keep their complete new version).
 
@@ -34,12 +37,19 @@ from typing import Any, Callable, Mapping
 
 from ckptctl import _faults
 from ckptctl.errors import CkptctlError, InputError, OperationalError
+from ckptctl.format.tensor import TensorSpec
+from ckptctl.plan import Plan
 from ckptctl.sources.base import Source, SourceTensor
-from ckptctl.writer import Entry, ExportJob, ExportOptions, ExportResult, TensorWriter, entries_for
+from ckptctl.write.inputs import Entry, ExportInputs, open_inputs, state_dict_inputs
+from ckptctl.write.job import ExportJob, ExportResult
+from ckptctl.write.options import ExportOptions
+from ckptctl.write.shards import TensorWriter, create_shard, write_into
 
 SHARED = "shared"
 NODE_LOCAL = "node-local"
 DEFAULT_TIMEOUT = 300.0
+# What a collective raises when a peer died, hung past the timeout or tore the group down.
+_COLLECTIVE_ERRORS = (RuntimeError, ConnectionError, ValueError)
 
 
 class DistributedWriteError(OperationalError):
@@ -80,8 +90,8 @@ class _Ctx:
         if self.owns_group:
             try:
                 self.dist.destroy_process_group(self.group)
-            except Exception:  # noqa: BLE001 - a group broken by a dead peer cannot be torn down cleanly
-                pass
+            except _COLLECTIVE_ERRORS:
+                pass  # a group broken by a dead peer cannot be torn down cleanly
 
     @property
     def is_leader(self) -> bool:
@@ -94,12 +104,12 @@ def _context(group: Any, storage: str, node_rank: int | None, timeout: float) ->
     if not dist.is_available() or not dist.is_initialized():
         raise InputError("torch.distributed is not initialized",
                          "call torch.distributed.init_process_group first (or run under torchrun)")
+    if storage not in (SHARED, NODE_LOCAL):
+        raise InputError(f"unknown storage scope {storage!r}", "use 'shared' or 'node-local'")
     owned = group is None
     if owned:
         group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout))
     rank, world = dist.get_rank(), dist.get_world_size()
-    if storage not in (SHARED, NODE_LOCAL):
-        raise InputError(f"unknown storage scope {storage!r}", "use 'shared' or 'node-local'")
     if storage == SHARED:
         return _Ctx(dist, group, rank, world, 0, list(range(world)), 0, owned)
     if node_rank is None:
@@ -124,18 +134,16 @@ def _phase(ctx: _Ctx, name: str, fn: Callable[[], Any], on_failure: Callable[[],
     except CkptctlError as exc:
         error = str(exc.message)
     except BaseException as exc:  # noqa: BLE001 - every failure must reach the other ranks
-        error = f"{type(exc).__name__}: {exc}"
-        if isinstance(exc, KeyboardInterrupt):
-            error = "interrupted"
+        error = "interrupted" if isinstance(exc, KeyboardInterrupt) else f"{type(exc).__name__}: {exc}"
     outcomes: list[Any] = [None] * ctx.world
     try:
         ctx.dist.all_gather_object(outcomes, (error, value), group=ctx.group)
-    except Exception as exc:  # noqa: BLE001 - a dead or hung peer
+    except _COLLECTIVE_ERRORS as exc:
         if on_failure:
             on_failure()
         failures = {ctx.rank: error} if error else {}
         failures.setdefault(-1, f"collective failed (a rank died or timed out): {str(exc).splitlines()[0][:200]}")
-        raise DistributedWriteError(name, {k: v for k, v in failures.items()}) from None
+        raise DistributedWriteError(name, failures) from None
     failed = {r: o[0] for r, o in enumerate(outcomes) if o[0] is not None}
     if failed:
         if on_failure:
@@ -144,157 +152,130 @@ def _phase(ctx: _Ctx, name: str, fn: Callable[[], Any], on_failure: Callable[[],
     return [o[1] for o in outcomes]
 
 
-def _meta(e: Entry) -> tuple[str, str, tuple[int, ...], str]:
-    return (e.tensor.name, e.tensor.dtype, tuple(e.tensor.shape), e.dtype)
+@dataclass
+class _Merged:
+    """The global tensor list as this rank sees it after the metadata exchange."""
+
+    entries: list[Entry]  # plan order; this rank's own entries where it holds the tensor
+    owner: dict[str, int]  # the lowest rank of this node holding each tensor
+    aliases: dict[str, str]
+    conflicts: list[str]
 
 
-def write_distributed(local: list[Entry], dest: str | os.PathLike[str], opts: ExportOptions, *,
-                      group: Any = None, storage: str = SHARED, node_rank: int | None = None,
-                      timeout: float = DEFAULT_TIMEOUT, order: list[str] | None = None,
-                      split_shards: bool = False, extras: dict[str, Path | bytes] | None = None,
-                      aliases: dict[str, str] | None = None) -> ExportResult:
-    """The multi-rank protocol (see module docstring). Collective: every rank must call it.
-
-    ``local`` are the tensors this rank holds. With ``split_shards`` every rank holds every
-    tensor and the shards are divided among the writers round-robin; otherwise a tensor is
-    written by the lowest rank that holds it. ``order`` fixes the tensor order of the plan
-    (default: natural sort of the names, so the plan does not depend on the rank count).
-    ``extras`` and ``opts.manifest`` are taken from the leader.
-    """
-    ctx = _context(group, storage, node_rank, timeout)
-    try:
-        return _write(ctx, local, dest, opts, storage=storage, order=order, split_shards=split_shards,
-                      extras=extras, aliases=aliases)
-    finally:
-        ctx.close()
-
-
-def _write(ctx: _Ctx, local: list[Entry], dest: str | os.PathLike[str], opts: ExportOptions, *, storage: str,
-           order: list[str] | None, split_shards: bool, extras: dict[str, Path | bytes] | None,
-           aliases: dict[str, str] | None) -> ExportResult:
-    opts = replace(opts, progress=opts.progress if ctx.rank == 0 else None)
-
-    # 1. plan ------------------------------------------------------------------------------
-    gathered = _phase(ctx, "plan", lambda: ([_meta(e) for e in local], dict(aliases or {})))
-    metas: dict[str, tuple] = {}
+def _merge(ctx: _Ctx, gathered: list[Any], local: list[Entry], storage: str, order: list[str] | None) -> _Merged:
+    """Every rank's ``(source spec, stored spec)`` lists, merged into one tensor list."""
+    metas: dict[str, tuple[TensorSpec, TensorSpec]] = {}
     owner: dict[str, int] = {}
-    conflicts = []
-    all_aliases: dict[str, str] = {}
+    conflicts: list[str] = []
+    aliases: dict[str, str] = {}
     for r in ctx.node_ranks:
         rank_metas, rank_aliases = gathered[r]
-        all_aliases.update(rank_aliases)
+        aliases.update(rank_aliases)
         for m in rank_metas:
-            if m[0] in metas and metas[m[0]] != m:
-                conflicts.append(f"{m[0]!r}: rank {owner[m[0]]} has {metas[m[0]][1:]} , rank {r} has {m[1:]}")
-            metas.setdefault(m[0], m)
-            owner.setdefault(m[0], r)
-    if storage == NODE_LOCAL:
-        # every node must hold the same tensor set
-        everyone: dict[str, tuple] = {}
-        for rank_metas, _a in gathered:
-            for m in rank_metas:
-                everyone.setdefault(m[0], m)
-        missing = sorted(set(everyone) - set(metas))
+            name = m[0].name
+            if name in metas and metas[name] != m:
+                conflicts.append(f"{name!r}: rank {owner[name]} has {metas[name]}, rank {r} has {m}")
+            metas.setdefault(name, m)
+            owner.setdefault(name, r)
+    if storage == NODE_LOCAL:  # every node must hold the same tensor set
+        everyone = {m[0].name for rank_metas, _a in gathered for m in rank_metas}
+        missing = sorted(everyone - set(metas))
         if missing:
             conflicts.append(f"node {ctx.node} lacks {len(missing)} tensors held elsewhere (e.g. {missing[0]!r})")
     names = list(order) if order is not None else sorted(metas, key=_natural_key)
     if set(names) != set(metas):
         conflicts.append("the given order does not name exactly the tensors the ranks hold")
-    local_by_name = {e.tensor.name: e for e in local}
-    entries = []
-    for n in names:
-        if n in local_by_name:
-            entries.append(local_by_name[n])
-        elif n in metas:
-            name, dtype, shape, stored = metas[n]
-            entries.append(Entry(_Remote(path=Path("."), kind="remote"), SourceTensor(name, dtype, shape), stored))
+    mine = {e.name: e for e in local}
+    remote = _Remote(path=Path("."), kind="remote")
+    entries = [mine.get(n) or Entry(metas[n][1], remote, SourceTensor(metas[n][0])) for n in names if n in metas]
+    return _Merged(entries, owner, aliases, conflicts)
 
-    job = ExportJob(entries, dest, opts, extras=extras if ctx.is_leader else None, aliases=all_aliases)
 
-    def prepare() -> str | None:
-        if conflicts:
-            raise InputError("ranks disagree on the tensors: " + "; ".join(conflicts[:3]),
+def write_distributed(inputs: ExportInputs, dest: str | os.PathLike[str], *, group: Any = None,
+                      storage: str = SHARED, node_rank: int | None = None, timeout: float = DEFAULT_TIMEOUT,
+                      order: list[str] | None = None, split_shards: bool = False) -> ExportResult:
+    """The multi-rank protocol (see module docstring). Collective: every rank must call it.
+
+    ``inputs.entries`` are the tensors this rank holds. With ``split_shards`` every rank holds
+    every tensor and the shards are divided among the writers round-robin; otherwise a tensor is
+    written by the lowest rank that holds it. ``order`` fixes the tensor order of the plan
+    (default: natural sort of the names, so the plan does not depend on the rank count).
+    Extras and ``options.manifest`` are taken from the leader.
+    """
+    ctx = _context(group, storage, node_rank, timeout)
+    try:
+        return _write(ctx, inputs, dest, storage=storage, order=order, split_shards=split_shards)
+    finally:
+        ctx.close()
+
+
+def _write(ctx: _Ctx, inputs: ExportInputs, dest: str | os.PathLike[str], *, storage: str,
+           order: list[str] | None, split_shards: bool) -> ExportResult:
+    opts = replace(inputs.options, progress=inputs.options.progress if ctx.rank == 0 else None)
+
+    # plan: the metadata exchange, then the job's plan step on the global tensor list
+    gathered = _phase(ctx, "plan", lambda: ([(e.tensor.spec, e.spec) for e in inputs.entries], inputs.aliases))
+    merged = _merge(ctx, gathered, inputs.entries, storage, order)
+    job = ExportJob(replace(inputs, entries=merged.entries, options=opts, aliases=merged.aliases,
+                            extras=inputs.extras if ctx.is_leader else {}), dest)
+
+    def plan() -> None:
+        if merged.conflicts:
+            raise InputError("ranks disagree on the tensors: " + "; ".join(merged.conflicts[:3]),
                              "every tensor name must have one dtype and shape on all ranks")
         job.prepare(recover=ctx.is_leader)
-        if opts.dry_run or not ctx.is_leader:
-            return None
-        data = job.stage()
-        for shard in job.plan.shards:
-            fd = os.open(data / shard.name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
-            try:
-                os.pwrite(fd, shard.header, 0)
-                os.ftruncate(fd, shard.file_size)
-            finally:
-                os.close(fd)
-        return str(data)
 
-    # 2. prepare ---------------------------------------------------------------------------
-    staged = _phase(ctx, "prepare", prepare, on_failure=job.abort)
+    _phase(ctx, "plan", plan, on_failure=job.abort)
     if opts.dry_run:
         return job.result
-    data = Path(staged[ctx.leader])
-    plan = job.plan
-    assert plan is not None
+    planned = job.plan
+    assert planned is not None
 
-    # who writes what
-    mine: list[tuple[str, int, Any]] = []  # (shard name, file offset, TensorInfo)
+    def stage() -> str | None:
+        if not ctx.is_leader:
+            return None
+        data = job.stage()
+        for shard in planned.shards:
+            os.close(create_shard(data / shard.name, shard))
+        return str(data)
+
+    data = Path(_phase(ctx, "stage", stage, on_failure=job.abort)[ctx.leader])
     writers = ctx.node_ranks
-    for i, shard in enumerate(plan.shards):
-        base = len(shard.header)
-        for info in shard.layout:
-            w = writers[i % len(writers)] if split_shards else owner[info.name]
-            if w == ctx.rank:
-                mine.append((shard.name, base + info.begin, info))
 
-    def write() -> dict[str, int]:
-        tw = TensorWriter(opts.chunk_bytes, job.result)
+    def writes_here(i: int, name: str) -> bool:
+        w = writers[i % len(writers)] if split_shards else merged.owner[name]
+        return w == ctx.rank
+
+    def write() -> tuple[dict[str, int], int, int]:
+        tw = TensorWriter(opts.chunk_bytes)
         written: dict[str, int] = {}
-        fds: dict[str, int] = {}
         try:
-            for shard_name, pos, info in mine:
-                if shard_name not in fds:
-                    fds[shard_name] = os.open(data / shard_name, os.O_WRONLY | os.O_CLOEXEC)
-                tw.write(fds[shard_name], pos, local_by_name[info.name], info.nbytes)
-                written[shard_name] = written.get(shard_name, 0) + info.nbytes
-            _faults.point("fsync-shard")
-            if opts.fsync:
-                for fd in fds.values():
-                    os.fsync(fd)
+            for i, shard in enumerate(planned.shards):
+                mine = {info.name for info in shard.layout if writes_here(i, info.name)}
+                if not mine:
+                    continue
+                fd = os.open(data / shard.name, os.O_WRONLY | os.O_CLOEXEC)
+                try:
+                    written[shard.name] = write_into(fd, shard, job.by_name, tw, only=mine)
+                    _faults.point("fsync-shard")
+                    if opts.fsync:
+                        os.fsync(fd)
+                finally:
+                    os.close(fd)
         finally:
-            for fd in fds.values():
-                os.close(fd)
             tw.close()
-        return written
+        return written, tw.copied, tw.streamed
 
-    # 3. write -----------------------------------------------------------------------------
     written = _phase(ctx, "write", write, on_failure=job.abort)
 
-    # 4. exchange --------------------------------------------------------------------------
-    def exchange() -> None:
-        if not ctx.is_leader:
-            return
-        totals: dict[str, int] = {}
-        for r in ctx.node_ranks:
-            for name, n in written[r].items():
-                totals[name] = totals.get(name, 0) + n
-        for shard in plan.shards:
-            if totals.get(shard.name, 0) != shard.data_bytes:
-                raise OperationalError(f"{shard.name}: ranks wrote {totals.get(shard.name, 0)} of "
-                                       f"{shard.data_bytes} data bytes", "a rank skipped tensors it holds")
-            if (data / shard.name).stat().st_size != shard.file_size:
-                raise OperationalError(f"{shard.name} has the wrong size", "the storage lost a write")
-
-    _phase(ctx, "exchange", exchange, on_failure=job.abort)
-
-    # 5. publish: every rank votes (the leader by finalizing: index, extras, manifest, fsync);
-    #    only when all are ready does the leader publish, and the outcome is agreed once more.
     def finalize() -> None:
         if ctx.is_leader:
+            _check_written(planned, data, [written[r][0] for r in ctx.node_ranks])
             job.finalize()
 
-    _phase(ctx, "publish", finalize, on_failure=job.abort)
+    _phase(ctx, "finalize", finalize, on_failure=job.abort)
 
-    def commit() -> dict[str, Any] | None:
+    def publish() -> dict[str, Any] | None:
         if not ctx.is_leader:
             return None
         try:
@@ -304,11 +285,25 @@ def _write(ctx: _Ctx, local: list[Entry], dest: str | os.PathLike[str], opts: Ex
             raise
         return job.result.to_dict()
 
-    results = _phase(ctx, "commit", commit, on_failure=job.abort)
-    leader_result = results[ctx.leader]
-    result = ExportResult(**{k: v for k, v in leader_result.items()})
-    result.bytes_copied_by_kernel = sum(r["bytes_copied_by_kernel"] for r in results if r)
+    results = _phase(ctx, "publish", publish, on_failure=job.abort)
+    result = ExportResult(**results[ctx.leader])
+    result.bytes_copied_by_kernel = sum(written[r][1] for r in ctx.node_ranks)
+    result.bytes_streamed = sum(written[r][2] for r in ctx.node_ranks)
     return result
+
+
+def _check_written(plan: Plan, data: Path, per_rank: list[dict[str, int]]) -> None:
+    """Every shard's data bytes were written by some rank, and its file has the planned size."""
+    totals: dict[str, int] = {}
+    for written in per_rank:
+        for name, n in written.items():
+            totals[name] = totals.get(name, 0) + n
+    for shard in plan.shards:
+        if totals.get(shard.name, 0) != shard.data_bytes:
+            raise OperationalError(f"{shard.name}: ranks wrote {totals.get(shard.name, 0)} of "
+                                   f"{shard.data_bytes} data bytes", "a rank skipped tensors it holds")
+        if (data / shard.name).stat().st_size != shard.file_size:
+            raise OperationalError(f"{shard.name} has the wrong size", "the storage lost a write")
 
 
 def save_state_dict_distributed(state_dict: Mapping[str, Any], dest: str | os.PathLike[str], *,
@@ -317,14 +312,8 @@ def save_state_dict_distributed(state_dict: Mapping[str, Any], dest: str | os.Pa
                                 extras: Mapping[str, bytes | os.PathLike[str]] | None = None,
                                 **options: Any) -> ExportResult:
     """Collective: each rank passes the tensors it holds (replicated names are written once)."""
-    from ckptctl.sources.torch_source import TorchSource
-
-    opts = ExportOptions(**options)
-    src = TorchSource.from_state_dict(state_dict, path=Path(dest))
-    local = entries_for(src, opts.dtype)
-    ex = {k: (v if isinstance(v, bytes) else Path(v)) for k, v in (extras or {}).items()}
-    return write_distributed(local, dest, opts, group=group, storage=storage, node_rank=node_rank,
-                             timeout=timeout, extras=ex, aliases=src.aliases)
+    with state_dict_inputs(state_dict, dest, ExportOptions(**options), extras=extras) as inputs:
+        return write_distributed(inputs, dest, group=group, storage=storage, node_rank=node_rank, timeout=timeout)
 
 
 def export_distributed(src: str | os.PathLike[str], dst: str | os.PathLike[str], opts: ExportOptions, *,
@@ -332,9 +321,6 @@ def export_distributed(src: str | os.PathLike[str], dst: str | os.PathLike[str],
                        storage: str = SHARED, timeout: float = DEFAULT_TIMEOUT) -> ExportResult:
     """``export`` under torchrun: every rank opens the source, ranks split the shards, rank 0
     publishes. The output is byte-identical to a single-process export of the same source."""
-    from ckptctl.api import prepare_export
-
-    with prepare_export(src, dst, opts, key=key, only=only) as (source, entries, opts2, extras, adapter):
-        return write_distributed(entries, dst, opts2, group=group, storage=storage, timeout=timeout,
-                                 order=[e.tensor.name for e in entries], split_shards=True, extras=extras,
-                                 aliases=source.aliases)
+    with open_inputs(src, dst, opts, key=key, only=only) as inputs:
+        return write_distributed(inputs, dest=dst, group=group, storage=storage, timeout=timeout,
+                                 order=[e.name for e in inputs.entries], split_shards=True)

@@ -1,7 +1,8 @@
 """The manifest: every file of a published checkpoint with its size and sha256.
 
-Written by ``export``/``resave --manifest`` inside the staging directory, so it is published
-atomically with the data it describes. The sha256 is the digest the Hub shows for LFS files.
+Written by ``export``/``resave --manifest`` inside the staging directory once every other file is
+there, so it is published atomically with the data it describes. The sha256 is the digest the
+Hub shows for LFS files.
 
 Format (``ckptctl.manifest.json``)::
 
@@ -42,17 +43,24 @@ def sha256_file(path: str | os.PathLike[str], chunk: int = HASH_CHUNK) -> str:
     return h.hexdigest()
 
 
-def build_manifest(root: Path, files: list[str], *, label: str | None = None,
-                   digests: dict[str, str] | None = None) -> dict[str, Any]:
-    """Manifest for ``files`` (names relative to root). ``digests`` saves re-hashing what the
-    writer already hashed while writing."""
-    digests = digests or {}
+def list_files(root: Path) -> list[str]:
+    """Every file below ``root``, as sorted paths relative to it (what a manifest lists)."""
+    out = []
+    for dirpath, _dirs, files in os.walk(root):
+        for f in files:
+            out.append(os.path.relpath(os.path.join(dirpath, f), root))
+    return sorted(out)
+
+
+def build_manifest(root: Path, files: list[str], *, label: str | None = None) -> dict[str, Any]:
+    """Manifest for ``files`` (names relative to ``root``): each one's size and sha256, read
+    from disk (the manifest itself is never listed)."""
     entries: dict[str, Any] = {}
     for name in sorted(files):
         if name == MANIFEST_NAME:
             continue
         p = root / name
-        entries[name] = {"size": p.stat().st_size, "sha256": digests.get(name) or sha256_file(p)}
+        entries[name] = {"size": p.stat().st_size, "sha256": sha256_file(p)}
     return {
         "schema_version": SCHEMA_VERSION,
         "tool": "ckptctl",

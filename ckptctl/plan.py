@@ -1,9 +1,11 @@
 """Shard planning from tensor metadata alone (pure: no I/O, no torch).
 
-Grouping is huggingface_hub's ``split_state_dict_into_shards_factory``: greedy in input order, a
-tensor that alone exceeds the limit goes into a shard of its own (appended at once, before the
-shard being filled), limits are inclusive. Names are ``{prefix}-00001-of-0000N.safetensors`` or
-``{prefix}.safetensors`` for a single shard.
+Grouping is huggingface_hub's own ``split_state_dict_into_shards_factory``, fed each tensor's
+stored size: greedy in input order, limits inclusive, a tensor that alone exceeds the limit goes
+into a shard of its own (appended at once, before the shard being filled). Tied tensors never
+reach the plan: sources list them once and record the alias. File names come from
+``ckptctl.format.names``: ``{prefix}-00001-of-0000N.safetensors``, or ``{prefix}.safetensors``
+for a single shard, and ``{prefix}.safetensors.index.json``.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Iterable
 
 from ckptctl.format import dtypes as dt
+from ckptctl.format import names as N
 from ckptctl.format.header import TensorInfo, encode_header
 from ckptctl.format.tensor import TensorSpec
 
@@ -27,6 +30,11 @@ class ShardPlan:
     layout: list[TensorInfo] = field(default_factory=list)  # file order, offsets in the data section
     # An existing file with exactly these bytes: hard-linked instead of written (resave).
     link_from: str | None = None
+
+    @property
+    def data_start(self) -> int:
+        """File offset of the data section (a tensor sits at ``data_start + info.begin``)."""
+        return len(self.header)
 
     @property
     def data_bytes(self) -> int:
@@ -59,53 +67,48 @@ class Plan:
 
 
 def group(sizes: Iterable[tuple[str, int]], max_shard_size: int) -> list[list[str]]:
-    """Group names into shards exactly as huggingface_hub does for the same sizes."""
-    shards: list[list[str]] = []
-    current: list[str] = []
-    current_size = 0
-    for name, size in sizes:
-        if size > max_shard_size:
-            shards.append([name])
-            continue
-        if current_size + size > max_shard_size:
-            shards.append(current)
-            current, current_size = [], 0
-        current.append(name)
-        current_size += size
-    if current:
-        shards.append(current)
-    return shards
+    """Group names (with their stored sizes) into shards: huggingface_hub's grouping itself."""
+    from huggingface_hub import split_state_dict_into_shards_factory
+
+    split = split_state_dict_into_shards_factory(dict(sizes), get_storage_size=lambda size: size,
+                                                 filename_pattern="{suffix}", max_shard_size=max_shard_size)
+    return list(split.filename_to_tensors.values())
+
+
+def with_alias_records(metadata: dict[str, str] | None, aliases: dict[str, str]) -> dict[str, str]:
+    """The metadata a checkpoint records: the user's, plus ``{alias: kept name}`` for each tied
+    tensor stored once (as transformers records them), the user's keys winning."""
+    out = dict(metadata or {})
+    out.update({k: v for k, v in aliases.items() if k not in out})
+    return out
 
 
 def make_plan(specs: list[TensorSpec], *, max_shard_size: int, prefix: str = "model",
               metadata: dict[str, str] | None = None, aliases: dict[str, str] | None = None,
               single_file: bool = False) -> Plan:
-    """Plan the shards, their names and header bytes.
+    """Plan the shards, their names and header bytes. ``specs`` have unique names (the export
+    job checks that once, before planning).
 
     ``metadata`` is the user's metadata: in a single file it goes into the header next to
     ``format: pt`` (with the alias records), in a sharded checkpoint into the index, while each
-    shard's header carries ``format: pt`` only (huggingface_hub's convention).
+    shard's header carries ``format: pt`` only (huggingface_hub's convention). Raises
+    ``ValueError`` when the shards would be too many to name.
     """
     by_name = {s.name: s for s in specs}
-    if len(by_name) != len(specs):
-        seen: set[str] = set()
-        dup = next(s.name for s in specs if s.name in seen or seen.add(s.name))  # type: ignore[func-returns-value]
-        raise ValueError(f"tensor {dup!r} is given twice")
     aliases = dict(aliases or {})
     groups = [list(by_name)] if single_file else group(((s.name, s.nbytes) for s in specs), max_shard_size)
     if len(groups) > MAX_SHARDS:
         raise ValueError(f"{len(groups)} shards exceed the {MAX_SHARDS}-shard naming limit; raise --max-shard-size")
     n = len(groups)
-    extra = dict(metadata or {})
-    extra.update({k: v for k, v in aliases.items() if k not in extra})
+    extra = with_alias_records(metadata, aliases)
     shards: list[ShardPlan] = []
     for i, names in enumerate(groups, start=1):
-        name = f"{prefix}.safetensors" if n == 1 else f"{prefix}-{i:05d}-of-{n:05d}.safetensors"
+        name = N.weights_file_name(prefix, N.SAFETENSORS_EXT, shard=(i, n) if n > 1 else None)
         md = {"format": "pt", **extra} if n == 1 else {"format": "pt"}
         sp = ShardPlan(name, [by_name[x] for x in names], md)
         sp.header, sp.layout = encode_header(sp.specs, md)
         shards.append(sp)
     total = sum(s.nbytes for s in specs)
     params = sum(dt.numel(s.shape) for s in specs)
-    index = f"{prefix}.safetensors.index.json" if n > 1 else None
+    index = N.index_name(prefix, N.SAFETENSORS_EXT) if n > 1 else None
     return Plan(shards, index, total, params, aliases)

@@ -21,7 +21,7 @@ from __future__ import annotations
 import hashlib
 import os
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -30,13 +30,14 @@ from ckptctl.errors import InputError, UnrepairableError, UsageError
 from ckptctl.findings import ERROR, Finding
 from ckptctl.format import dtypes as dt
 from ckptctl.format.header import Header, TensorInfo, encode_header, read_header
-from ckptctl.format.tensor import TensorSpec
 from ckptctl.format import names as N
 from ckptctl.format.index import Index
 from ckptctl.plan import Plan, ShardPlan
 from ckptctl.sources.base import Source, SourceTensor
 from ckptctl.sources.safetensors_source import SafetensorsSource
-from ckptctl.writer import Entry, ExportOptions, ExportResult, entries_for, write_checkpoint
+from ckptctl.write.inputs import Entry, build_inputs, entries_for
+from ckptctl.write.job import ExportResult, write_inputs
+from ckptctl.write.options import ExportOptions, ExportSettings, validate
 
 @dataclass
 class Repair:
@@ -241,8 +242,7 @@ def _keep_layout_plan(root: Path, files: list[str], rep: Repair, metadata: dict[
                 continue
             seen[t.name] = (n, None)  # type: ignore[assignment]
             keep.append(t)
-            src.tensors.append(SourceTensor(t.name, t.dtype, t.shape, file=str(root / n),
-                                            offset=h.data_start + t.begin))
+            src.tensors.append(SourceTensor(t.spec, file=str(root / n), offset=h.data_start + t.begin))
         if keep:
             per_file[n] = keep
     if rep.duplicates:
@@ -255,7 +255,7 @@ def _keep_layout_plan(root: Path, files: list[str], rep: Repair, metadata: dict[
         h = headers[n]
         keep = per_file[n]
         unchanged = (len(keep) == len(h.tensors) and h.data_start + h.data_bytes == h.file_size)
-        specs = [TensorSpec(t.name, t.dtype, t.shape) for t in keep]
+        specs = [t.spec for t in keep]
         if unchanged:
             with open(root / n, "rb") as f:
                 raw_header = f.read(h.data_start)
@@ -293,19 +293,26 @@ def _link_matching(plan: Plan, root: Path, entries: list[Entry]) -> None:
         sp.link_from = str(existing)
 
 
+PREFER = ("index", "single", L.SAFETENSORS, L.PYTORCH)
+
+
 def resave(root: str | os.PathLike[str], opts: ExportOptions, *, output: str | os.PathLike[str] | None = None,
            repair: bool = False, prefer: str | None = None) -> ResaveResult:
+    """Rewrite the checkpoint at ``root`` (in place, or into ``output``): re-plan when a shard
+    size or dtype is given, else keep its layout and repair what is certain."""
     root = Path(root)
+    # Every option is checked before anything touches the filesystem (a recovery renames).
+    if prefer not in (None, *PREFER):
+        raise UsageError(f"unknown --prefer {prefer!r}", f"use {', '.join(PREFER)}")
+    opts = replace(opts, overwrite=True if not output else opts.overwrite)
+    settings = validate(opts)
     if not opts.dry_run:  # a dead writer's half-done publish of this very directory comes first
         from ckptctl.staging import recover_destination
 
         recover_destination(Path(os.path.abspath(root)))
     if not root.is_dir():
         raise InputError(f"{root} is not a checkpoint directory", "resave works on a directory")
-    if prefer not in (None, "index", "single", "safetensors", "pytorch"):
-        raise UsageError(f"unknown --prefer {prefer!r}", "use index, single, safetensors or pytorch")
     chosen, rep = analyze(root, prefer=prefer, repair=repair)
-    files = chosen.files
     dest = Path(output) if output else root
     replan = opts.dtype not in (None, "keep") or opts.max_shard_size is not None
     extras: dict[str, Path | bytes] = {}
@@ -315,36 +322,35 @@ def resave(root: str | os.PathLike[str], opts: ExportOptions, *, output: str | o
         for n in sorted(os.listdir(root)):
             if n in L.COPIED_EXTRAS and n not in extras:
                 extras[n] = root / n
-    overwrite = True if not output else opts.overwrite
-    if not files:  # pickles: read through torch like an export
+    if not chosen.files:  # pickles: read through torch like an export
         from ckptctl.sources.base import open_source
 
-        with open_source(root, only="pytorch") as src:
-            o = _with(opts, overwrite)
-            res = write_checkpoint(entries_for(src, opts.dtype), dest, o, extras=extras, aliases=src.aliases)
-        return ResaveResult(res, rep)
+        with open_source(root, only=L.PYTORCH) as src:
+            inputs = build_inputs(entries_for(src, opts.dtype), opts, settings, extras=extras, aliases=src.aliases)
+            return ResaveResult(write_inputs(inputs, dest), rep)
     if replan:
-        src = SafetensorsSource.open(root, files)
-        o = _with(opts, overwrite, default_shard="5GB")
-        from ckptctl.plan import make_plan
-        from ckptctl.sizes import parse_size
-
-        entries = entries_for(src, o.dtype)
-        try:
-            plan = make_plan([e.spec for e in entries], max_shard_size=parse_size(o.max_shard_size),
-                             metadata=src.metadata or None)
-        except ValueError as exc:
-            raise UsageError(str(exc), "use a size like 5GB, 500MB or 2GiB") from None
+        src = SafetensorsSource.open(root, chosen.files)
+        entries = entries_for(src, opts.dtype)
+        plan = _replan(entries, settings, src.metadata or None)
         _link_matching(plan, root, entries)
-        res = write_checkpoint(entries, dest, o, extras=extras, plan=plan)
+        inputs = build_inputs(entries, opts, settings, extras=extras)
     else:
-        plan, src, entries = _keep_layout_plan(root, files, rep, {})
-        o = _with(opts, overwrite, default_shard="5GB")
+        plan, src, entries = _keep_layout_plan(root, chosen.files, rep, {})
+        metadata = None
         if plan.index_name and chosen.index is not None:
-            o.metadata = {**_own_metadata(chosen.index), **(o.metadata or {})}
+            metadata = _own_metadata(chosen.index)
             _note_index_changes(chosen.index, plan, rep)
-        res = write_checkpoint(entries, dest, o, extras=extras, plan=plan)
-    return ResaveResult(res, rep)
+        inputs = build_inputs(entries, opts, settings, extras=extras, metadata=metadata)
+    return ResaveResult(write_inputs(inputs, dest, plan=plan), rep)
+
+
+def _replan(entries: list[Entry], settings: ExportSettings, metadata: dict[str, str] | None) -> Plan:
+    from ckptctl.plan import make_plan
+
+    try:
+        return make_plan([e.spec for e in entries], max_shard_size=settings.max_shard_size, metadata=metadata)
+    except ValueError as exc:
+        raise InputError(str(exc), "check the tensor names and --max-shard-size") from None
 
 
 def _note_index_changes(old: Index, plan: Plan, rep: Repair) -> None:
@@ -366,9 +372,3 @@ def _note_index_changes(old: Index, plan: Plan, rep: Repair) -> None:
 def _own_metadata(old: Index) -> dict[str, str]:
     """The previous index's own metadata (alias records, user keys), without the computed sizes."""
     return {k: v for k, v in old.metadata.items() if k not in ("total_size", "total_parameters") and isinstance(v, str)}
-
-
-def _with(opts: ExportOptions, overwrite: bool, default_shard: str = "5GB") -> ExportOptions:
-    from dataclasses import replace
-
-    return replace(opts, overwrite=overwrite, max_shard_size=opts.max_shard_size or default_shard)

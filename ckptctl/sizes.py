@@ -17,8 +17,13 @@ _SIZE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*$")
 
 
 def parse_size(text: str | int) -> int:
-    """``"5GB"`` -> 5_000_000_000, ``"2GiB"`` -> 2_147_483_648, ``"123"`` -> 123."""
+    """``"5GB"`` -> 5_000_000_000, ``"2GiB"`` -> 2_147_483_648, ``"123"`` -> 123; an int is a
+    byte count. Raises ``ValueError`` for anything else, or for a size that is not positive."""
+    if isinstance(text, bool) or not isinstance(text, (int, str)):
+        raise ValueError(f"invalid size {text!r}: expected a byte count or a string like 5GB or 2GiB")
     if isinstance(text, int):
+        if text <= 0:
+            raise ValueError(f"size {text!r} must be positive")
         return text
     m = _SIZE.match(text)
     if not m:

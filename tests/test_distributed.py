@@ -60,9 +60,9 @@ def test_ranks_write_one_checkpoint_equal_to_single_process(tmp_path, world):
     assert run_ckptctl("inspect", str(dest)).returncode == 0
     # the plan does not depend on the rank count: same bytes as one process with the same order
     from ckptctl.api import save_state_dict
-    sd = full_state()
-    from tests.dist_worker import full_state as fs  # noqa: F401
     from ckptctl.distributed import _natural_key
+
+    sd = full_state()
     ordered = {k: sd[k] for k in sorted(sd, key=_natural_key)}
     save_state_dict(ordered, tmp_path / "single", max_shard_size="20KB",
                     extras={"config.json": b'{"model_type": "test"}'})
@@ -72,7 +72,8 @@ def test_ranks_write_one_checkpoint_equal_to_single_process(tmp_path, world):
     assert staging_dirs(tmp_path) == []
 
 
-@pytest.mark.parametrize("phase", ["plan", "prepare", "write", "exchange", "publish"])
+# the single-process writer's step names; a failure in any of them (before publish) publishes nothing
+@pytest.mark.parametrize("phase", ["plan", "stage", "write", "finalize"])
 def test_error_on_one_rank_reaches_every_rank_and_nothing_is_published(tmp_path, phase):
     dest = tmp_path / "dist"
     write_single(dest, {"old": torch.ones(3)})
@@ -124,7 +125,11 @@ def test_torchrun_export_is_byte_identical_to_single_process(tmp_path, world):
     outs = _launch(world, ["-m", "ckptctl", "export", str(src), str(tmp_path / "many"), "--max-shard-size", "20KB",
                            "--json"])
     assert all(rc == 0 for rc, _, _ in outs), outs
-    assert json.loads(outs[0][1])["ok"] and outs[1][1] == ""
+    doc = json.loads(outs[0][1])
+    assert doc["ok"] and outs[1][1] == ""
+    # every rank's writes are counted (same dtype: all copied by the kernel, none streamed)
+    tensor_bytes = sum(t.numel() * t.element_size() for t in full_state().values())
+    assert doc["bytes_copied_by_kernel"] == tensor_bytes and doc["bytes_streamed"] == 0, doc
     assert sorted(os.listdir(tmp_path / "one")) == sorted(os.listdir(tmp_path / "many"))
     for name in os.listdir(tmp_path / "one"):
         assert sha256_file(tmp_path / "one" / name) == sha256_file(tmp_path / "many" / name), name

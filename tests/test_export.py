@@ -13,7 +13,6 @@ from safetensors.torch import load_file
 from ckptctl import ExportOptions, export, save_state_dict
 from ckptctl.errors import InputError, UsageError
 from ckptctl.manifest import MANIFEST_NAME, sha256_file
-from ckptctl.plan import group
 from tests.ckpt_helpers import (load_dir, load_hub, run_ckptctl, same, staging_dirs, state, wait_stopped,
                                 write_sharded, write_single)
 
@@ -145,16 +144,18 @@ def test_grouping_matches_huggingface_hub(tmp_path):
     sizes = [int(x) for x in torch.randint(1, 40, (60,), generator=g)]
     sd = {f"t{i:03d}": torch.zeros(s, dtype=torch.uint8) for i, s in enumerate(sizes)}
     for limit in (10, 39, 50, 100, 1000):
+        res = save_state_dict(sd, tmp_path / f"o{limit}", max_shard_size=limit)
         hub = split_torch_state_dict_into_shards(sd, max_shard_size=limit)
-        ours = group(((k, v.numel()) for k, v in sd.items()), limit)
-        assert [sorted(x) for x in ours] == [sorted(v) for v in hub.filename_to_tensors.values()]
-    res = save_state_dict(sd, tmp_path / "o", max_shard_size=100)
-    hub = split_torch_state_dict_into_shards(sd, max_shard_size=100)
-    idx = json.loads((tmp_path / "o" / "model.safetensors.index.json").read_text())
-    assert idx["weight_map"] == dict(sorted(hub.tensor_to_filename.items()))
-    assert idx["metadata"]["total_size"] == hub.metadata["total_size"]
-    assert list(idx["weight_map"]) == sorted(idx["weight_map"])
-    assert res.index == "model.safetensors.index.json"
+        assert hub.is_sharded  # 1,289 bytes in all
+        idx = json.loads((tmp_path / f"o{limit}" / "model.safetensors.index.json").read_text())
+        assert idx["weight_map"] == dict(sorted(hub.tensor_to_filename.items()))
+        assert idx["metadata"]["total_size"] == hub.metadata["total_size"]
+        assert list(idx["weight_map"]) == sorted(idx["weight_map"])
+        assert res.index == "model.safetensors.index.json"
+        assert sorted(os.listdir(tmp_path / f"o{limit}")) == sorted(hub.filename_to_tensors) + [res.index]
+        for name, names in hub.filename_to_tensors.items():  # each shard holds exactly its tensors
+            with safe_open(str(tmp_path / f"o{limit}" / name), "pt") as f:
+                assert sorted(f.keys()) == sorted(names)
 
 
 def test_oversize_tensor_alone_in_its_shard(tmp_path):

@@ -34,7 +34,7 @@ def export(
     with out.guard():
         from ckptctl.api import export as run_export
         from ckptctl.resolve import resolve_path
-        from ckptctl.writer import ExportOptions
+        from ckptctl.write.options import ExportOptions
 
         if label and not manifest:
             out.warn("--label is recorded only in the manifest; add --manifest")

@@ -31,7 +31,7 @@ def resave(
     out = Output("resave", json_mode=json_, quiet=quiet + (1 if json_ else 0), verbose=verbose)
     with out.guard():
         from ckptctl.resave import resave as run_resave
-        from ckptctl.writer import ExportOptions
+        from ckptctl.write.options import ExportOptions
 
         reporter = ProgressReporter(out)
         opts = ExportOptions(max_shard_size=max_shard_size, dtype=dtype, overwrite=overwrite, fsync=not no_fsync,

@@ -9,26 +9,54 @@ from typing import Any, Iterator
 
 from ckptctl.errors import InputError
 from ckptctl.format import dtypes as dt
+from ckptctl.format.tensor import TensorSpec
 
 CHUNK_BYTES = 16 * 1024 * 1024  # what one read/convert step holds in memory at most
 
 
-@dataclass
-class SourceTensor:
-    name: str
-    dtype: str  # safetensors dtype name
-    shape: tuple[int, ...]
-    # Where the bytes already sit, when they can be copied as they are (safetensors sources).
-    file: str | None = None
-    offset: int | None = None  # absolute offset in ``file``
+class SpecFields:
+    """A record that holds a ``spec`` (:class:`TensorSpec`) by composition: its name, dtype,
+    shape, element count and stored size, read through the spec."""
+
+    spec: TensorSpec
 
     @property
-    def nbytes(self) -> int:
-        return dt.nbytes(dt.BY_NAME[self.dtype], self.shape)
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def dtype(self) -> str:
+        return self.spec.dtype  # type: ignore[return-value]  # sources and the writer always know it
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.spec.shape
 
     @property
     def numel(self) -> int:
-        return dt.numel(self.shape)
+        return self.spec.numel
+
+    @property
+    def nbytes(self) -> int:
+        return self.spec.nbytes
+
+
+@dataclass(init=False)
+class SourceTensor(SpecFields):
+    """A tensor as a source lists it: its identity (``spec``) and, when its bytes can be copied as
+    they are (safetensors sources), the file and absolute offset where they sit."""
+
+    spec: TensorSpec
+    file: str | None = None
+    offset: int | None = None  # absolute offset in ``file``
+
+    def __init__(self, spec: TensorSpec | str, dtype: str | None = None, shape: tuple[int, ...] | None = None, *,
+                 file: str | None = None, offset: int | None = None) -> None:
+        # ``SourceTensor(name, dtype, shape)`` is still accepted for callers that build the spec
+        # in place (resave's keep-layout plan, the DCP source).
+        self.spec = spec if isinstance(spec, TensorSpec) else TensorSpec(spec, dtype, tuple(shape))  # type: ignore[arg-type]
+        self.file = file
+        self.offset = offset
 
 
 @dataclass
@@ -44,6 +72,22 @@ class Source:
     # Files beside the weights that export copies (config, tokenizer, adapter_config, ...).
     extras: list[Path] = field(default_factory=list)
     is_adapter: bool = False
+    # Where each listed tensor came from (a file name), for the one duplicate check: :meth:`claim`.
+    _origins: dict[str, str] = field(default_factory=dict, repr=False)
+
+    def claim(self, name: str, origin: str) -> None:
+        """Record that tensor ``name`` comes from ``origin``; a name listed twice is refused here,
+        once for every source (a tensor stored in two shards cannot be exported silently)."""
+        first = self._origins.get(name)
+        if first is not None:
+            raise InputError(f"tensor {name!r} is stored in both {first} and {origin}",
+                             f"run `ckptctl verify {self.path}` and repair the checkpoint first")
+        self._origins[name] = origin
+
+    def add(self, t: SourceTensor, origin: str) -> None:
+        """List ``t`` (from ``origin``), refusing a name listed before."""
+        self.claim(t.name, origin)
+        self.tensors.append(t)
 
     def chunks(self, t: SourceTensor, target_dtype: str | None = None,
                chunk_bytes: int = CHUNK_BYTES) -> Iterator[memoryview | bytes]:
@@ -74,9 +118,10 @@ def convert_bytes(raw: Any, src_dtype: str, dst_dtype: str) -> bytes:
     return out.view(torch.uint8).numpy().tobytes()
 
 
-def open_source(path: str | os.PathLike[str], *, key: str | None = None, only: str | None = None,
-                allow_pickle: bool = True) -> Source:
-    """Open whatever ``path`` holds as a tensor source."""
+def open_source(path: str | os.PathLike[str], *, key: str | None = None, only: str | None = None) -> Source:
+    """Open whatever ``path`` holds as a tensor source: the family ``layout`` chooses (``only``
+    names a kind), refused when the layout has an error finding (except for DCP, whose own
+    checks are stricter). A directory's copied extras (config, tokenizer, ...) come along."""
     from ckptctl import layout as L
 
     p = Path(path)
@@ -94,8 +139,6 @@ def open_source(path: str | os.PathLike[str], *, key: str | None = None, only: s
 
         src: Source = SafetensorsSource.open(lay.root, fam.files, kind=fam.kind)
     elif fam.container == L.PYTORCH:
-        if not allow_pickle:
-            raise InputError(f"{p} is a pickle checkpoint", "pickle sources are not allowed here")
         from ckptctl.sources.torch_source import TorchSource
 
         src = TorchSource.open(lay.root, fam.files, kind=fam.kind, key=key)

@@ -1,4 +1,7 @@
-"""A safetensors file or sharded directory as a source: metadata from headers, bytes by range."""
+"""A safetensors file or sharded directory as a source: metadata from headers, bytes by range.
+
+Also the source of byte ranges fed one by one (``CheckpointWriter.add_range``): any tensor whose
+``file`` and ``offset`` are known is read with ``pread`` (and converted chunk by chunk)."""
 
 from __future__ import annotations
 
@@ -7,26 +10,20 @@ from pathlib import Path
 from typing import Iterator
 
 from ckptctl.errors import InputError, from_oserror
+from ckptctl.format import dtypes as dt
 from ckptctl.format.header import load_header
 from ckptctl.sources.base import CHUNK_BYTES, Source, SourceTensor, convert_bytes
-from ckptctl.format import dtypes as dt
 
 
 class SafetensorsSource(Source):
     @classmethod
     def open(cls, root: Path, files: list[str], *, kind: str = "safetensors") -> "SafetensorsSource":
         src = cls(path=root, kind=kind)
-        seen: dict[str, str] = {}
         for name in files:
             fpath = root / name
             hdr = load_header(fpath, display=str(fpath))
             for t in hdr.tensors.values():
-                if t.name in seen:
-                    raise InputError(f"tensor {t.name!r} is stored in both {seen[t.name]} and {name}",
-                                     f"run `ckptctl verify {root}` and repair the checkpoint first")
-                seen[t.name] = name
-                src.tensors.append(SourceTensor(t.name, t.dtype, t.shape, file=str(fpath),
-                                                offset=hdr.data_start + t.begin))
+                src.add(SourceTensor(t.spec, file=str(fpath), offset=hdr.data_start + t.begin), name)
             if len(files) == 1 and hdr.metadata:
                 src.metadata = {k: v for k, v in hdr.metadata.items() if k != "format"}
         return src

@@ -8,12 +8,18 @@ tensor data stays on disk until a chunk of it is written. Tensors that share sto
 from __future__ import annotations
 
 import os
+import struct
 from pathlib import Path
 from typing import Any, Iterator, Mapping
 
 from ckptctl.errors import InputError, from_oserror
 from ckptctl.format import dtypes as dt
+from ckptctl.format.tensor import TensorSpec
 from ckptctl.sources.base import CHUNK_BYTES, Source, SourceTensor
+
+# What torch.load raises on a corrupt zip or pickle besides the cases handled one by one: the
+# weights-only unpickler's stack and memo errors, truncated structs, bad rebuild arguments.
+_CORRUPT = (EOFError, ValueError, KeyError, IndexError, TypeError, AttributeError, AssertionError, struct.error)
 
 # When tied names alias each other, drop these in favour of the embedding (transformers' choice).
 _DISCARD_SUFFIXES = ("lm_head.weight", "embed_out.weight", "output.weight", "decoder.weight")
@@ -55,7 +61,7 @@ def load_pickle(path: Path, key: str | None) -> dict[str, Any]:
                          "check that the file is a complete torch.save output") from None
     except OSError as exc:
         raise from_oserror(exc, "cannot read pickle checkpoint") from None
-    except Exception as exc:  # noqa: BLE001 - torch raises assorted types for a corrupt zip/pickle
+    except _CORRUPT as exc:
         raise InputError(f"{path}: not a readable torch checkpoint ({type(exc).__name__}: {str(exc)[:160]})",
                          "check that the file is a complete torch.save output") from None
     if key:
@@ -93,26 +99,28 @@ class TorchSource(Source):
     @classmethod
     def open(cls, root: Path, files: list[str], *, kind: str = "pytorch", key: str | None = None
              ) -> "TorchSource":
-        if len(files) == 1 and not files[0].endswith(".index.json"):
-            state = load_pickle(root / files[0], key)
-        else:
-            state = {}
-            for name in files:
-                for k, v in load_pickle(root / name, key).items():
-                    if k in state:
-                        raise InputError(f"tensor {k!r} appears in two pickle shards",
-                                         f"run `ckptctl verify {root}`")
-                    state[k] = v
-        src = cls.from_state_dict(state, path=root, kind=kind)
+        src = cls(path=root, kind=kind)
+        state: dict[str, Any] = {}
+        for name in files:
+            for k, v in load_pickle(root / name, key).items():
+                src.claim(k, name)
+                state[k] = v
+        src._fill(state)
         src._file_backed = True
         return src
 
     @classmethod
     def from_state_dict(cls, state: Mapping[str, Any], *, path: Path | None = None,
                         kind: str = "state_dict") -> "TorchSource":
+        src = cls(path=path or Path("."), kind=kind)
+        src._fill(state)
+        return src
+
+    def _fill(self, state: Mapping[str, Any]) -> None:
+        """List ``state``'s tensors in its order; tensors that share storage exactly are listed
+        once (the name :func:`_keep_name` picks) and the others recorded as aliases."""
         import torch
 
-        src = cls(path=path or Path("."), kind=kind)
         groups: dict[tuple, list[str]] = {}
         for name, t in state.items():
             if not isinstance(t, torch.Tensor):
@@ -140,7 +148,7 @@ class TorchSource(Source):
             keep[kept] = state[kept]
             for n in names:
                 if n != kept:
-                    src.aliases[n] = kept
+                    self.aliases[n] = kept
         for name in state:  # keep the caller's order for listing
             if name in keep:
                 t = keep[name]
@@ -148,9 +156,8 @@ class TorchSource(Source):
                 shape = tuple(t.shape)
                 if d.name == "F4":  # torch packs two values per element; the header counts values
                     shape = shape[:-1] + (shape[-1] * 2,) if shape else (2,)
-                src.tensors.append(SourceTensor(name, d.name, shape))
-                src._tensors[name] = t
-        return src
+                self.tensors.append(SourceTensor(TensorSpec(name, d.name, shape)))
+                self._tensors[name] = t
 
     def tensor(self, name: str) -> Any:
         return self._tensors[name]

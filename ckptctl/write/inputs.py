@@ -1,0 +1,148 @@
+"""What an export writes: one :class:`Entry` per tensor, and the :class:`ExportInputs` value that
+carries them with the options, the extra files and the alias records.
+
+:func:`build_inputs` is the one function that makes an :class:`ExportInputs` (adapter naming,
+metadata, plain extra names); :func:`open_inputs` opens a path for it (``api.export``, the CLI,
+``export_distributed``) and :func:`state_dict_inputs` takes an in-memory state dict
+(``save_state_dict`` and its multi-rank twin). Both validate the options before anything else.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Mapping
+
+from ckptctl.errors import CkptctlError, InputError, UsageError
+from ckptctl.format import dtypes as dt
+from ckptctl.format import names as N
+from ckptctl.format.tensor import TensorSpec
+from ckptctl.sources.base import Source, SourceTensor, SpecFields, open_source
+from ckptctl.write.options import ExportOptions, ExportSettings, target_dtype, validate
+
+
+@dataclass
+class Entry(SpecFields):
+    """One tensor to write: ``spec`` is what is stored (the dtype after any ``--dtype``
+    conversion); ``source`` gives the bytes of ``tensor``, the source's own record of it."""
+
+    spec: TensorSpec
+    source: Source
+    tensor: SourceTensor
+
+    @property
+    def converted(self) -> bool:
+        return self.spec.dtype != self.tensor.dtype
+
+
+def entries_for(source: Source, dtype_option: str | None) -> list[Entry]:
+    """An entry per tensor of ``source``; with a ``--dtype`` value (keep, bf16, fp16, fp32) the
+    floating tensors are stored as that dtype, every other tensor as it is."""
+    target = target_dtype(dtype_option)
+    return [Entry(t.spec.with_dtype(target) if target and t.dtype in dt.CONVERTIBLE else t.spec, source, t)
+            for t in source.tensors]
+
+
+@dataclass
+class ExportInputs:
+    """Everything an export job reads, resolved: the entries in plan order, the options (with
+    the adapter's naming and the source's metadata applied), the validated settings, the extra
+    files (name -> path or bytes) and the tied-tensor aliases. Owns ``source`` when it has one:
+    close it (or use ``with``) when the job is done."""
+
+    entries: list[Entry]
+    options: ExportOptions
+    settings: ExportSettings
+    extras: dict[str, Path | bytes] = field(default_factory=dict)
+    aliases: dict[str, str] = field(default_factory=dict)
+    is_adapter: bool = False
+    source: Source | None = None
+
+    def close(self) -> None:
+        if self.source is not None:
+            self.source.close()
+
+    def __enter__(self) -> "ExportInputs":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def build_inputs(entries: list[Entry], opts: ExportOptions, settings: ExportSettings, *,
+                 extras: Mapping[str, Path | bytes | os.PathLike[str]] | None = None,
+                 aliases: dict[str, str] | None = None, adapter: bool = False,
+                 metadata: dict[str, str] | None = None, source: Source | None = None) -> ExportInputs:
+    """The :class:`ExportInputs` of ``entries``. An adapter is written as one
+    ``adapter_model.safetensors``; ``metadata`` (a source's own) is kept unless the options
+    override a key. Extra file names must be plain names."""
+    files: dict[str, Path | bytes] = {}
+    for name, content in (extras or {}).items():
+        if "/" in name or name in ("", ".", ".."):
+            raise InputError(f"extra file name {name!r} is not a plain file name", "pass plain names")
+        files[name] = bytes(content) if isinstance(content, (bytes, bytearray)) else Path(content)
+    if adapter:
+        opts = replace(opts, prefix=N.ADAPTER_STEM, single_file=True)
+    merged = dict(metadata or {})
+    merged.update(opts.metadata or {})
+    opts = replace(opts, metadata=merged or None)
+    return ExportInputs(entries, opts, settings, files, dict(aliases or {}), adapter, source)
+
+
+def open_inputs(src: str | os.PathLike[str], dst: str | os.PathLike[str], opts: ExportOptions, *,
+                key: str | None = None, only: str | None = None) -> ExportInputs:
+    """Validate the options, check the two paths, open the source at ``src``; the inputs of its
+    export to ``dst``. The caller closes the result."""
+    settings = validate(opts, only=only, key=key)
+    src_p, dst_p = Path(src), Path(dst)
+    _check_paths(src_p, dst_p)
+    try:
+        source = open_source(src_p, key=settings.key, only=settings.only)
+    except CkptctlError as exc:
+        if exc.phase is None and exc.exit_code != 2:
+            exc.phase = "read-source"  # an I/O failure reading the source's metadata
+        raise
+    try:
+        if source.is_adapter:
+            extras = {p.name: p for p in source.extras if p.name == N.ADAPTER_CONFIG}
+            if N.ADAPTER_CONFIG not in extras:
+                raise InputError(f"{src_p}: adapter weights without {N.ADAPTER_CONFIG}",
+                                 f"copy the {N.ADAPTER_CONFIG} that belongs to the adapter next to it")
+        else:
+            extras = {p.name: p for p in source.extras if p.name != N.ADAPTER_CONFIG}
+        return build_inputs(entries_for(source, opts.dtype), opts, settings, extras=extras, aliases=source.aliases,
+                            adapter=source.is_adapter, metadata=source.metadata, source=source)
+    except BaseException:
+        source.close()
+        raise
+
+
+def state_dict_inputs(state_dict: Mapping[str, Any], dest: str | os.PathLike[str], opts: ExportOptions, *,
+                      extras: Mapping[str, bytes | os.PathLike[str]] | None = None) -> ExportInputs:
+    """The inputs of writing an in-memory torch state dict (tied tensors stored once)."""
+    settings = validate(opts)
+    from ckptctl.sources.torch_source import TorchSource
+
+    source = TorchSource.from_state_dict(state_dict, path=Path(dest))
+    return build_inputs(entries_for(source, opts.dtype), opts, settings, extras=extras, aliases=source.aliases,
+                        source=source)
+
+
+def _inside(child: Path, parent: Path) -> bool:
+    c, p = os.path.realpath(child), os.path.realpath(parent)
+    return c == p or c.startswith(p.rstrip(os.sep) + os.sep)
+
+
+def _check_paths(src: Path, dst: Path) -> None:
+    """Refuse a destination that is the source, inside it, or that contains it."""
+    if os.path.isdir(src) and os.path.realpath(src) == os.path.realpath(dst):
+        raise UsageError(f"source and destination are the same directory: {src}",
+                         "use `ckptctl resave DIR` to rewrite a checkpoint in place")
+    src_dir = src if src.is_dir() else src.parent
+    if _inside(dst, src_dir) and src.is_dir():
+        raise UsageError(f"destination {dst} is inside the source {src}",
+                         "choose a destination outside the source directory")
+    if _inside(src, dst) and os.path.lexists(dst):
+        raise UsageError(f"source {src} is inside the destination {dst}",
+                         "replacing the destination would remove the source; export elsewhere")

@@ -1,0 +1,307 @@
+"""One export, step by step: plan, stage, write, finalize, publish.
+
+:class:`ExportJob` holds the steps; :func:`write_inputs` runs them in one process (the multi-rank
+writer in ``ckptctl.distributed`` runs the same steps across ranks, under the same phase names).
+``plan`` checks the tensor names and plans from metadata alone, then (the first I/O) finishes
+any half-done publish a dead writer left for the destination, checks the destination and decides
+what its old version loses and keeps; ``stage`` checks free space and creates the staging
+directory; ``write`` creates each shard (header, data area) and fills it, fsyncing in the
+background; ``finalize`` writes the index, the extras, the carried files and the manifest and
+seals the directory; ``publish`` makes it the destination. Any failure before publish removes
+the staging directory and leaves the destination untouched.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ckptctl import _faults
+from ckptctl.errors import CkptctlError, DiskFullError, InputError, Interrupted, from_oserror
+from ckptctl.format.index import encode_index
+from ckptctl.manifest import MANIFEST_NAME, build_manifest, encode_manifest, list_files
+from ckptctl.plan import Plan, make_plan, with_alias_records
+from ckptctl.publish import Stage, check_destination, check_writable, free_space
+from ckptctl.staging import recover_destination
+from ckptctl.write.extras import read_extras
+from ckptctl.write.inputs import Entry, ExportInputs, build_inputs
+from ckptctl.write.options import ExportOptions, ProgressEvent, validate
+from ckptctl.write.shards import TensorWriter, create_shard, fsync_and_close, link_or_copy, write_into
+from ckptctl.write.superseded import superseded
+
+BLOCK_MARGIN = 4096  # per file written: the last partial block, directory entries
+
+
+@dataclass
+class ExportResult:
+    dest: str
+    dry_run: bool
+    files: list[dict[str, Any]] = field(default_factory=list)  # written: name, size
+    index: str | None = None
+    tensors: int = 0
+    parameters: int = 0
+    total_size: int = 0
+    bytes_to_write: int = 0
+    space_available: int | None = None  # free bytes on the destination's filesystem at planning time
+    bytes_copied_by_kernel: int = 0
+    bytes_streamed: int = 0
+    extras: list[str] = field(default_factory=list)
+    linked: list[str] = field(default_factory=list)  # shards hard-linked from unchanged files
+    carried: list[str] = field(default_factory=list)  # dest's non-weight files kept
+    removed: list[str] = field(default_factory=list)  # dest's files the new version drops
+    aliases: dict[str, str] = field(default_factory=dict)
+    converted: int = 0
+    publish: str | None = None
+    manifest: str | None = None
+    recovered: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+def index_entries(entries: list[Entry]) -> dict[str, Entry]:
+    """The entries by name: the one check that no tensor name is given twice."""
+    by_name: dict[str, Entry] = {}
+    for e in entries:
+        if e.name in by_name:
+            raise InputError(f"tensor {e.name!r} is given twice", "tensor names must be unique")
+        by_name[e.name] = e
+    return by_name
+
+
+class ExportJob:
+    """One export of ``inputs`` to ``dest``, in steps: :meth:`prepare` (the plan; all a dry run
+    does), :meth:`stage`, :meth:`write_shards`, :meth:`finalize` and :meth:`publish`; :meth:`abort`
+    on failure. ``plan`` replaces the computed plan (resave's keep-layout plan)."""
+
+    def __init__(self, inputs: ExportInputs, dest: str | os.PathLike[str], *, plan: Plan | None = None) -> None:
+        self.started = time.monotonic()
+        self.inputs = inputs
+        self.entries = inputs.entries
+        self.opts: ExportOptions = inputs.options
+        self.dest = Path(os.path.abspath(dest))
+        self.result = ExportResult(dest=str(self.dest), dry_run=self.opts.dry_run, aliases=dict(inputs.aliases))
+        self.by_name: dict[str, Entry] = {}
+        self.plan: Plan | None = plan
+        self.extra_blobs: dict[str, bytes] = {}
+        self.stage_: Stage | None = None
+        self.dest_existed = False
+
+    def prepare(self, *, recover: bool = True) -> ExportResult:
+        """Plan from metadata (no I/O), then look at the destination: finish a dead writer's
+        half-done publish there (unless a dry run, or ``recover=False`` on ranks that are not the
+        leader), check it, decide what its old version loses and keeps, read the extras."""
+        opts, result, dest = self.opts, self.result, self.dest
+        if not self.entries:
+            raise InputError("there are no tensors to write", "check the source: it holds no weights")
+        self.by_name = index_entries(self.entries)
+        if self.plan is None:
+            try:
+                self.plan = make_plan([e.spec for e in self.entries],
+                                      max_shard_size=self.inputs.settings.max_shard_size, prefix=opts.prefix,
+                                      metadata=opts.metadata, aliases=result.aliases,
+                                      single_file=opts.single_file)
+            except ValueError as exc:
+                raise InputError(str(exc), "check the tensor names and --max-shard-size") from None
+        plan = self.plan
+        if recover and not opts.dry_run:
+            result.recovered = recover_destination(dest)
+        self.dest_existed = check_destination(dest, overwrite=opts.overwrite)
+        removed, carried = superseded(dest, adapter=self.inputs.is_adapter) if self.dest_existed else ([], [])
+        self.extra_blobs = read_extras(self.inputs.extras, self.entries)
+        result.index = plan.index_name
+        result.tensors = len(self.entries)
+        result.parameters = plan.total_parameters
+        result.total_size = plan.total_size
+        result.bytes_to_write = plan.bytes_to_write + sum(len(b) for b in self.extra_blobs.values())
+        result.files = [{"name": s.name, "size": s.file_size, "tensors": len(s.specs),
+                         "linked_from": s.link_from} for s in plan.shards]
+        result.linked = [s.name for s in plan.shards if s.link_from]
+        result.extras = sorted(self.extra_blobs)
+        result.carried = [n for n in carried if n not in self.extra_blobs]
+        # the old version's files that the new one does not replace by name
+        result.removed = sorted((set(removed) | {n for n in carried if n in self.extra_blobs})
+                                - set(plan.files) - set(self.extra_blobs))
+        result.converted = sum(1 for e in self.entries if e.converted)
+        result.manifest = MANIFEST_NAME if opts.manifest else None
+        result.space_available = _free_space_near(dest)
+        if opts.progress:
+            opts.progress(ProgressEvent("plan", total=plan.total_size))
+        return result
+
+    def stage(self) -> Path:
+        """Check the parent and its free space, create the staging directory; returns its data/."""
+        assert self.plan is not None
+        dest = self.dest
+        if not dest.parent.is_dir():
+            try:
+                dest.parent.mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                raise from_oserror(exc, "cannot create the destination's parent", phase="plan") from None
+        check_writable(dest.parent)
+        avail = free_space(dest.parent)
+        need = self.result.bytes_to_write + BLOCK_MARGIN * (len(self.plan.files) + len(self.extra_blobs) + 4)
+        if avail < need:
+            raise DiskFullError(
+                f"not enough free space in {dest.parent}: need {self.result.bytes_to_write:,} bytes, "
+                f"{avail:,} available", "free space or write elsewhere; nothing was written", phase="plan")
+        self.stage_ = Stage(dest, fsync=self.opts.fsync, command=self.opts.command)
+        data = self.stage_.create()
+        self.stage_.check_competitors()
+        return data
+
+    def write_shards(self, data: Path) -> None:
+        """Create and fill (or link) every shard. Each written shard is fsynced on a background
+        thread while the next one is written; every fsync has finished (and any error raised) on
+        return."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        assert self.plan is not None
+        tw = TensorWriter(self.opts.chunk_bytes)
+        progress = self.opts.progress
+        done, total = 0, self.plan.total_size
+
+        def wrote(n: int) -> None:
+            nonlocal done
+            done += n
+            if progress:
+                progress(ProgressEvent("write", shard.name, done, total))
+
+        syncer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckptctl-fsync")
+        pending = []
+        try:
+            for shard in self.plan.shards:
+                _faults.point("shard-start")
+                try:
+                    if shard.link_from:
+                        link_or_copy(Path(shard.link_from), data / shard.name, fsync=self.opts.fsync)
+                        done += shard.data_bytes
+                    else:
+                        fd = create_shard(data / shard.name, shard)
+                        try:
+                            write_into(fd, shard, self.by_name, tw, on_tensor=wrote)
+                            _faults.point("fsync-shard")
+                        except BaseException:
+                            os.close(fd)
+                            raise
+                        if self.opts.fsync:
+                            pending.append((shard.name, syncer.submit(fsync_and_close, fd)))
+                        else:
+                            os.close(fd)
+                except OSError as exc:
+                    raise from_oserror(exc, f"cannot write {shard.name}", phase="write") from None
+                if progress:
+                    progress(ProgressEvent("shard-done", shard.name, done, total,
+                                           message="linked" if shard.link_from else "wrote"))
+            for name, fut in pending:
+                try:
+                    fut.result()  # never retried: a failed fsync aborts the publish
+                except OSError as exc:
+                    raise from_oserror(exc, f"cannot make {name} durable", phase="write") from None
+        finally:
+            syncer.shutdown(wait=True)
+            tw.close()
+            self.count_bytes(tw)
+        _faults.point("shards-written")
+
+    def count_bytes(self, tw: TensorWriter) -> None:
+        """Add what ``tw`` wrote to the result's byte counts."""
+        self.result.bytes_copied_by_kernel += tw.copied
+        self.result.bytes_streamed += tw.streamed
+
+    def finalize(self) -> None:
+        """Index, extras, the old version's kept files, manifest; then fsync and mark ready."""
+        assert self.plan is not None and self.stage_ is not None
+        plan, opts, stage, data = self.plan, self.opts, self.stage_, self.stage_.data
+        if opts.progress:
+            opts.progress(ProgressEvent("finalize"))
+        try:
+            if plan.index_name:
+                _faults.point("index")
+                stage.write_file(plan.index_name, encode_index(
+                    plan.weight_map, plan.total_size, total_parameters=plan.total_parameters,
+                    extra_metadata=with_alias_records(opts.metadata, plan.aliases)))
+            for name, blob in sorted(self.extra_blobs.items()):
+                stage.write_file(name, blob)
+            for name in self.result.carried:
+                link_or_copy(self.dest / name, data / name, fsync=opts.fsync)
+            _faults.point("extras-written")
+            if opts.manifest:
+                stage.write_file(MANIFEST_NAME, encode_manifest(build_manifest(data, list_files(data),
+                                                                               label=opts.label)))
+            _faults.point("manifest-written")
+        except OSError as exc:
+            raise from_oserror(exc, "cannot write the index and extras", phase="finalize") from None
+        stage.seal()
+        stage.check_competitors()
+
+    def publish(self) -> ExportResult:
+        """Make the staged version the destination, then remove the staging directory."""
+        assert self.stage_ is not None and self.plan is not None
+        if self.opts.progress:
+            self.opts.progress(ProgressEvent("publish"))
+        self.result.publish = self.stage_.publish(replace=self.dest_existed)
+        _faults.point("after-publish")
+        self.stage_.finish()
+        self.result.seconds = time.monotonic() - self.started
+        if self.opts.progress:
+            self.opts.progress(ProgressEvent("done", done=self.plan.total_size, total=self.plan.total_size))
+        return self.result
+
+    def abort(self) -> None:
+        if self.stage_ is not None:
+            self.stage_.abort()
+
+
+def write_inputs(inputs: ExportInputs, dest: str | os.PathLike[str], *, plan: Plan | None = None) -> ExportResult:
+    """Write ``inputs`` as a safetensors checkpoint and publish it at ``dest`` atomically (all of
+    :class:`ExportJob`'s steps in this process). Errors name the step they failed in."""
+    job = ExportJob(inputs, dest, plan=plan)
+    result = job.prepare()
+    if inputs.options.dry_run:
+        result.seconds = time.monotonic() - job.started
+        return result
+    phase = "stage"
+    try:
+        data = job.stage()
+        phase = "write"
+        job.write_shards(data)
+        phase = "finalize"
+        job.finalize()
+        phase = "publish"
+        return job.publish()
+    except BaseException as exc:
+        published = job.stage_ is not None and job.stage_.published
+        job.abort()
+        if isinstance(exc, KeyboardInterrupt) and published:
+            raise Interrupted(f"interrupted after publishing: {job.dest} holds the new version",
+                              "nothing to redo; `ckptctl gc-tmp` removes anything left behind",
+                              phase="cleanup") from None
+        if isinstance(exc, CkptctlError) and exc.phase is None:
+            exc.phase = phase
+        raise
+
+
+def write_checkpoint(entries: list[Entry], dest: str | os.PathLike[str], opts: ExportOptions, *,
+                     extras: dict[str, Path | bytes] | None = None, aliases: dict[str, str] | None = None,
+                     adapter: bool = False, plan: Plan | None = None) -> ExportResult:
+    """:func:`write_inputs` for entries a caller made itself (resave, ``CheckpointWriter``):
+    validates ``opts`` first. ``extras`` maps file names to a path or bytes."""
+    settings = validate(opts)
+    return write_inputs(build_inputs(entries, opts, settings, extras=extras, aliases=aliases, adapter=adapter),
+                        dest, plan=plan)
+
+
+def _free_space_near(dest: Path) -> int | None:
+    """Free bytes on the filesystem that will hold ``dest`` (its nearest existing ancestor)."""
+    probe = dest.parent
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    try:
+        return free_space(probe)
+    except OSError:
+        return None

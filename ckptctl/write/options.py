@@ -1,0 +1,89 @@
+"""What an export is asked to do: the options as given, and the same options validated.
+
+:class:`ExportOptions` is the public input (library keywords, CLI flags). :func:`validate` turns
+it into :class:`ExportSettings` (the shard size in bytes, the target dtype, ``only``/``key``).
+Every way into the writer calls it first, before anything touches the filesystem: a bad
+``--max-shard-size`` or ``--dtype`` never lets a recovery rename a directory or a source be
+opened.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from ckptctl import layout as L
+from ckptctl.errors import UsageError
+from ckptctl.format import dtypes as dt
+from ckptctl.sizes import parse_size
+from ckptctl.sources.base import CHUNK_BYTES
+
+DEFAULT_MAX_SHARD_SIZE = "5GB"
+# What --only may name: a kind of weights, or (between a single file and a sharded family of one
+# kind) index or single; layout.choose applies it.
+ONLY_CHOICES = (L.SAFETENSORS, L.PYTORCH, L.PEFT, L.DCP, "index", "single")
+
+
+@dataclass
+class ProgressEvent:
+    phase: str  # plan | write | shard-done | finalize | publish | done
+    file: str | None = None
+    done: int = 0
+    total: int = 0
+    message: str | None = None
+
+
+ProgressFn = Callable[[ProgressEvent], None]
+
+
+@dataclass
+class ExportOptions:
+    max_shard_size: int | str | None = DEFAULT_MAX_SHARD_SIZE  # None: the default
+    dtype: str | None = None  # keep | bf16 | fp16 | fp32 (None = keep)
+    overwrite: bool = False
+    fsync: bool = True
+    manifest: bool = False
+    label: str | None = None
+    dry_run: bool = False
+    metadata: dict[str, str] | None = None
+    prefix: str = "model"
+    single_file: bool = False  # adapters: always one file
+    command: str | None = None
+    progress: ProgressFn | None = None
+    chunk_bytes: int = CHUNK_BYTES
+
+
+@dataclass(frozen=True)
+class ExportSettings:
+    """The options an export acts on, validated."""
+
+    max_shard_size: int  # bytes
+    target_dtype: str | None  # safetensors dtype floating tensors are stored as; None: as they are
+    only: str | None = None
+    key: str | None = None
+
+
+def target_dtype(option: str | None) -> str | None:
+    """The safetensors dtype a ``--dtype`` value converts to (None for keep)."""
+    if option in (None, "", "keep"):
+        return None
+    try:
+        return dt.TARGETS[option]  # type: ignore[index]
+    except KeyError:
+        raise UsageError(f"unknown --dtype {option!r}", "use keep, bf16, fp16 or fp32") from None
+
+
+def validate(opts: ExportOptions, *, only: str | None = None, key: str | None = None) -> ExportSettings:
+    """Check every option; raises :class:`UsageError` (exit 2). Touches no file."""
+    try:
+        size = parse_size(DEFAULT_MAX_SHARD_SIZE if opts.max_shard_size is None else opts.max_shard_size)
+    except ValueError as exc:
+        raise UsageError(str(exc), "use a size like 5GB, 500MB or 2GiB") from None
+    target = target_dtype(opts.dtype)
+    if only is not None and only not in ONLY_CHOICES:
+        raise UsageError(f"unknown --only {only!r}", f"use one of {', '.join(ONLY_CHOICES)}")
+    if key is not None and key != "" and "" in key.split("."):
+        raise UsageError(f"--key {key!r} has an empty part", "use a dotted key such as state_dict or model.module")
+    if opts.prefix in ("", ".", "..") or "/" in opts.prefix or "\0" in opts.prefix:
+        raise UsageError(f"file name prefix {opts.prefix!r} is not a plain name", "use a name such as model")
+    return ExportSettings(size, target, only, key or None)
