@@ -41,8 +41,7 @@ from typing import Any
 from ckptctl import _faults, staging
 from ckptctl.errors import CkptctlError, LockHeldError, OperationalError, UsageError, from_oserror
 from ckptctl.format.names import parse_staging_name, staging_name
-# recover_destination lives in the staging package; writer.py and resave.py import it from here
-from ckptctl.staging import fsync_path, recover_destination  # noqa: F401
+from ckptctl.staging import fsync_path
 
 AT_FDCWD = -100
 RENAME_NOREPLACE = 1
