@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from ckptctl import staging
-from ckptctl.errors import LockHeldError
+from ckptctl.errors import LockHeldError, OperationalError
 from ckptctl.publish import Stage
 from ckptctl.staging import State
 from tests.test_gc import dead_pid  # noqa: F401 (fixture)
@@ -347,3 +347,94 @@ def test_a_killed_writer_in_the_two_rename_window_is_rolled_forward_by_the_next_
     assert staging.recover_destination(dest) == [f"{d.name}: rolled-forward"]
     assert not d.exists() and os.listdir(dest.parent) == ["ckpt"]
     np.testing.assert_array_equal(load_file(str(dest / "model.safetensors"))["w"], np.arange(16, dtype=np.float32))
+
+
+# ---------------------------------------------------------------------------------------------
+# the journal, identities, conflicts (issue 18)
+
+
+def _journaled(parent: Path, dead: dict, *, ready: bool = True) -> tuple[Path, Path]:
+    """A dead writer's staging directory between its two renames, as ``Stage._two_rename`` leaves
+    it: journal written from the real directories, then ``dest -> old/``. Returns (dir, dest)."""
+    dest = parent / "ckpt"
+    dest.mkdir(parents=True)
+    (dest / "model.safetensors").write_bytes(b"old version")
+    d = make(parent, owner=dead, ready=ready)
+    staging.write_small(d / staging.JOURNAL, json.dumps(staging.journal_record(dest, d / staging.DATA)).encode(),
+                        fsync=False)
+    os.rename(dest, d / staging.OLD)
+    return d, dest
+
+
+def test_journal_records_what_old_and_data_are(tmp_path, dead):
+    d, dest = _journaled(tmp_path, dead)
+    j = staging.read_journal(d)
+    assert j["dest"] == "ckpt" and j["tool"] == "ckptctl"
+    assert j["previous"]["ino"] == os.lstat(d / staging.OLD).st_ino
+    assert j["new"]["ino"] == os.lstat(d / staging.DATA).st_ino
+    assert staging.inspect(d).state is State.HALF_PUBLISHED_FORWARD
+    (d / staging.JOURNAL).write_text("{not json")
+    assert staging.read_journal(d) is None  # an unreadable journal is no journal (an older ckptctl's rules)
+
+
+def test_an_old_dir_that_is_not_the_journaled_destination_is_a_conflict_never_acted_on(tmp_path, dead):
+    d, dest = _journaled(tmp_path, dead)
+    os.rename(d / staging.OLD, tmp_path / "moved-away")
+    (d / staging.OLD).mkdir()  # some other directory now sits at old/
+    (d / staging.OLD / "model.safetensors").write_bytes(b"who knows")
+    st = staging.inspect(d)
+    assert st.state is State.CONFLICT and st.state.protected
+    with pytest.raises(OSError) as err:
+        staging.remove_staging(d)
+    assert err.value.errno == errno.EEXIST
+    with pytest.raises(OperationalError) as err:
+        staging.recover_destination(dest)
+    assert err.value.exit_code == 3 and "nothing was deleted" in err.value.message
+    assert (d / staging.OLD / "model.safetensors").read_bytes() == b"who knows" and not dest.exists()
+    assert (d / staging.DATA / "model.safetensors").read_bytes() == b"new version"
+
+
+def test_data_that_is_not_the_journaled_directory_is_rolled_back_not_forward(tmp_path, dead):
+    d, dest = _journaled(tmp_path, dead)
+    os.rename(d / staging.DATA, tmp_path / "elsewhere")
+    (d / staging.DATA).mkdir()  # a different directory than the one that was sealed
+    assert staging.inspect(d).state is State.HALF_PUBLISHED_BACK
+    assert staging.recover_destination(dest) == [f"{d.name}: rolled-back"] and not d.exists()
+    assert (dest / "model.safetensors").read_bytes() == b"old version"
+
+
+def test_the_destination_appearing_between_the_renames_is_a_conflict(tmp_path, dead):
+    d, dest = _journaled(tmp_path, dead)
+    dest.mkdir()
+    (dest / "theirs").write_text("t")
+    assert staging.inspect(d).state is State.CONFLICT
+    with pytest.raises(OperationalError):
+        staging.recover_destination(dest)
+    assert os.listdir(dest) == ["theirs"] and (d / staging.OLD).is_dir() and (d / staging.DATA).is_dir()
+    os.rename(dest, tmp_path / "theirs")  # moved aside: now it can finish
+    assert staging.recover_destination(dest) == [f"{d.name}: rolled-forward"] and not d.exists()
+    assert (dest / "model.safetensors").read_bytes() == b"new version"
+
+
+def test_each_directory_is_judged_on_its_own_facts_not_by_order(tmp_path, dead):
+    """A completed publish's leftover (old/ only) sorted first, and a writer killed between its
+    renames: the leftover is never rolled back; the killed writer's version is rolled forward."""
+    parent = tmp_path / "p"
+    stale = make(parent, owner=dead, ready=True, old=True, data=False)  # earlier stamp: first in any sort
+    (stale / staging.OLD / "model.safetensors").write_bytes(b"two publishes old")
+    d, dest = _journaled(parent, dead)
+    assert sorted([stale, d]) == [stale, d]
+    assert staging.inspect(stale).state is State.PUBLISHED_LEFTOVER
+    assert staging.recover_destination(dest) == [f"{d.name}: rolled-forward"]
+    assert (dest / "model.safetensors").read_bytes() == b"new version"
+    assert os.listdir(parent) == ["ckpt"]
+
+
+def test_checked_rename_counts_a_rename_that_was_done(tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir()
+    staging.rename(a, b)
+    assert b.is_dir() and not a.exists()
+    assert staging.moved(a, b) and not staging.moved(b, a)
+    with pytest.raises(FileNotFoundError):
+        staging.rename(a, tmp_path / "c")  # neither done nor doable: raised
