@@ -166,11 +166,12 @@ class Stage:
                 except OSError as exc:
                     if exc.errno in (errno.EEXIST, errno.ENOTEMPTY):
                         raise _appeared(dest) from None
-                    if exc.errno not in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP):
+                    if exc.errno in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP):
+                        if os.path.lexists(dest):  # no NOREPLACE here: check, then rename (a small race)
+                            raise _appeared(dest) from None
+                        staging.rename(data, dest)
+                    elif not staging.moved(data, dest):  # else: done, its reply lost
                         raise
-                    if os.path.lexists(dest):  # no NOREPLACE here: check, then rename (a small race)
-                        raise _appeared(dest) from None
-                    staging.rename(data, dest)
             else:
                 how = "exchange"
                 try:

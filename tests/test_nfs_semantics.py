@@ -347,19 +347,22 @@ def test_resave_during_another_writers_window_refuses_as_a_second_writer(nfs, tm
     assert which_version(dest) == 2 and staging_dirs(ws) == []
 
 
-@pytest.mark.parametrize("overwrite", [True, False])
-def test_lost_reply_on_the_publishing_rename_reports_success(nfs, tmp_path, overwrite):
+@pytest.mark.parametrize("overwrite,flags", [(True, False), (False, False), (False, True)])
+def test_lost_reply_on_the_publishing_rename_reports_success(mount, tmp_path, overwrite, flags):
     """``data -> dest`` is done but answered EIO: the new version is in place, and the command says
-    so (it used to report "nothing was published")."""
+    so (it used to report "nothing was published"). ``flags``: the mount supports renameat2 flags,
+    so a new destination is published with ``RENAME_NOREPLACE`` itself."""
+    m = mount(refuse_rename_flags=not flags, silly="nfs", cache=60)
     src = sources(tmp_path / "in", 1, 2)
-    ws = nfs.mnt / "ws"
+    ws = m.mnt / "ws"
     ws.mkdir()
     dest = ws / DEST
     if overwrite:
         assert ckptctl("export", src[1], dest).returncode == 0
-    nfs.lose_reply(src=staging.DATA, dst=DEST)
+    m.lose_reply(src=staging.DATA, dst=DEST)
     p = ckptctl("export", src[2], dest, *(["--overwrite"] if overwrite else []), "--json")
-    assert len(nfs.faults("lost-reply")) == 1
+    assert len(m.faults("lost-reply")) == 1
+    assert bool(m.faults("rename-flags-refused")) is not flags
     assert p.returncode == 0, p.stderr
     assert json.loads(p.stdout)["publish"] == ("two-rename" if overwrite else "rename")
     assert "nothing was published" not in p.stderr
