@@ -71,6 +71,31 @@ def sources(root: Path, *ns: int) -> dict[int, Path]:
     return out
 
 
+def workspace(m, tmp_path: Path, *ns: int, first: bool = True) -> tuple[dict[int, Path], Path, Path]:
+    """Sources of versions ``ns`` and ``<mount>/ws``; with ``first``, version ns[0] published at
+    ``ws/ckpt``. Returns (sources, ws, dest)."""
+    src = sources(tmp_path / "in", *ns)
+    ws = m.mnt / "ws"
+    ws.mkdir()
+    dest = ws / DEST
+    if first:
+        p = ckptctl("export", src[ns[0]], dest)
+        assert p.returncode == 0, p.stderr
+    return src, ws, dest
+
+
+@contextlib.contextmanager
+def paused_in_window(src: Path, dest: Path):
+    """``export SRC DEST --overwrite`` stopped (SIGSTOP) between its two renames; continued when
+    the block ends. Yields the process (``communicate()`` it afterwards)."""
+    w = start("export", src, dest, "--overwrite", env={"CKPTCTL_STOP_AT": "two-rename-between"})
+    try:
+        wait_stopped(w.pid)
+        yield w
+    finally:
+        os.kill(w.pid, signal.SIGCONT)
+
+
 def _env(extra: dict[str, str] | None = None) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("CKPTCTL_")}
     env["PYTHONPATH"] = str(REPO)
@@ -171,11 +196,7 @@ def test_the_mount_refuses_rename_flags_silly_renames_and_caches_dentries(nfs):
 
 @pytest.mark.parametrize("recovery", ["gc-tmp", "next-run"])
 def test_stale_old_of_a_completed_publish_is_never_rolled_back(nfs, tmp_path, recovery):
-    src = sources(tmp_path / "in", 1, 2, 3, 4)
-    ws = nfs.mnt / "ws"
-    ws.mkdir()
-    dest = ws / DEST
-    assert ckptctl("export", src[1], dest).returncode == 0
+    src, ws, dest = workspace(nfs, tmp_path, 1, 2, 3, 4)
     reader = os.open(dest / "model.safetensors", os.O_RDONLY)  # a reader still has v1's shard open
     try:
         p = ckptctl("export", src[2], dest, "--overwrite", "--json")
@@ -220,11 +241,7 @@ def test_stale_old_of_a_completed_publish_is_never_rolled_back(nfs, tmp_path, re
 
 
 def test_lost_reply_on_the_first_rename_never_deletes_both_versions(nfs, tmp_path):
-    src = sources(tmp_path / "in", 1, 2)
-    ws = nfs.mnt / "ws"
-    ws.mkdir()
-    dest = ws / DEST
-    assert ckptctl("export", src[1], dest).returncode == 0
+    src, ws, dest = workspace(nfs, tmp_path, 1, 2)
     nfs.lose_reply(src=DEST, dst=staging.OLD)  # dest -> staging/old is done, its reply lost (EIO)
     p = ckptctl("export", src[2], dest, "--overwrite", "--json")
     assert len(nfs.faults("lost-reply")) == 1
@@ -238,11 +255,7 @@ def test_a_failed_second_rename_after_a_lost_first_reply_puts_the_previous_versi
     """The first rename's reply is lost and the second rename really fails (EIO, not done): the
     writer puts the previous version back (an uncached check sees old/ there), says nothing was
     published, and deletes nothing."""
-    src = sources(tmp_path / "in", 1, 2)
-    ws = nfs.mnt / "ws"
-    ws.mkdir()
-    dest = ws / DEST
-    assert ckptctl("export", src[1], dest).returncode == 0
+    src, ws, dest = workspace(nfs, tmp_path, 1, 2)
     nfs.lose_reply(src=DEST, dst=staging.OLD)
     p = ckptctl("export", src[2], dest, "--overwrite",
                 env={"CKPTCTL_FAIL_AT": "two-rename-between:EIO"})
@@ -257,18 +270,10 @@ def test_a_failed_second_rename_after_a_lost_first_reply_puts_the_previous_versi
 
 
 def test_a_directory_appearing_in_the_window_is_a_conflict_that_deletes_nothing(nfs, tmp_path):
-    src = sources(tmp_path / "in", 1, 2, 3)
-    ws = nfs.mnt / "ws"
-    ws.mkdir()
-    dest = ws / DEST
-    assert ckptctl("export", src[1], dest).returncode == 0
-    w = start("export", src[2], dest, "--overwrite", env={"CKPTCTL_STOP_AT": "two-rename-between"})
-    try:
-        wait_stopped(w.pid)
+    src, ws, dest = workspace(nfs, tmp_path, 1, 2, 3)
+    with paused_in_window(src[2], dest) as w:
         dest.mkdir()  # someone else's directory appears at the destination
         (dest / "theirs.txt").write_text("not ckptctl's")
-    finally:
-        os.kill(w.pid, signal.SIGCONT)
     out, err = w.communicate(timeout=120)
     assert w.returncode == 3, err
     [d] = staging_dirs(ws, staging.OLD)
@@ -297,11 +302,8 @@ def test_a_directory_appearing_in_the_window_is_a_conflict_that_deletes_nothing(
 
 @pytest.mark.parametrize("silly", ["nfs", "libfuse"])
 def test_an_export_leaves_no_staging_directory_and_gc_removes_stubs(mount, tmp_path, silly):
-    src = sources(tmp_path / "in", 1, 2)
     m = mount(refuse_rename_flags=True, silly=silly, cache=60)
-    ws = m.mnt / "ws"
-    ws.mkdir()
-    dest = ws / DEST
+    src, ws, dest = workspace(m, tmp_path, 1, 2, first=False)
     for n, extra in ((1, ()), (2, ("--overwrite",))):
         p = ckptctl("export", src[n], dest, *extra)
         assert p.returncode == 0, p.stderr
@@ -327,21 +329,13 @@ def test_an_export_leaves_no_staging_directory_and_gc_removes_stubs(mount, tmp_p
 
 
 def test_resave_during_another_writers_window_refuses_as_a_second_writer(nfs, tmp_path):
-    src = sources(tmp_path / "in", 1, 2)
-    ws = nfs.mnt / "ws"
-    ws.mkdir()
-    dest = ws / DEST
-    assert ckptctl("export", src[1], dest).returncode == 0
-    w = start("export", src[2], dest, "--overwrite", env={"CKPTCTL_STOP_AT": "two-rename-between"})
-    try:
-        wait_stopped(w.pid)
+    src, ws, dest = workspace(nfs, tmp_path, 1, 2)
+    with paused_in_window(src[2], dest) as w:
         assert not os.path.lexists(dest)
         p = ckptctl("resave", dest, "--repair")
         assert p.returncode == 3 and "another writer is already writing" in p.stderr, p.stderr
         p = ckptctl("export", src[1], dest, "--overwrite")
         assert p.returncode == 3 and "another writer is already writing" in p.stderr, p.stderr
-    finally:
-        os.kill(w.pid, signal.SIGCONT)
     out, err = w.communicate(timeout=120)
     assert w.returncode == 0, err
     assert which_version(dest) == 2 and staging_dirs(ws) == []
@@ -353,12 +347,7 @@ def test_lost_reply_on_the_publishing_rename_reports_success(mount, tmp_path, ov
     so (it used to report "nothing was published"). ``flags``: the mount supports renameat2 flags,
     so a new destination is published with ``RENAME_NOREPLACE`` itself."""
     m = mount(refuse_rename_flags=not flags, silly="nfs", cache=60)
-    src = sources(tmp_path / "in", 1, 2)
-    ws = m.mnt / "ws"
-    ws.mkdir()
-    dest = ws / DEST
-    if overwrite:
-        assert ckptctl("export", src[1], dest).returncode == 0
+    src, ws, dest = workspace(m, tmp_path, 1, 2, first=overwrite)
     m.lose_reply(src=staging.DATA, dst=DEST)
     p = ckptctl("export", src[2], dest, *(["--overwrite"] if overwrite else []), "--json")
     assert len(m.faults("lost-reply")) == 1
@@ -375,12 +364,8 @@ def test_lost_reply_on_the_publishing_rename_reports_success(mount, tmp_path, ov
 
 @pytest.mark.parametrize("fstype", ["gcsfuse", "s3fs"])
 def test_overwrite_is_refused_on_object_store_mounts(mount, tmp_path, fstype):
-    src = sources(tmp_path / "in", 1, 2)
     m = mount(refuse_rename_flags=True, silly="none", subtype=fstype)
-    ws = m.mnt / "ws"
-    ws.mkdir()
-    dest = ws / DEST
-    assert ckptctl("export", src[1], dest).returncode == 0  # a new directory: nothing to replace
+    src, ws, dest = workspace(m, tmp_path, 1, 2)  # a new directory: nothing to replace
     p = ckptctl("export", src[2], dest, "--overwrite")
     assert p.returncode == 3 and f"fuse.{fstype}" in p.stderr and "cannot be atomic" in p.stderr, p.stderr
     assert which_version(dest) == 1 and os.listdir(ws) == [DEST]
