@@ -76,6 +76,7 @@ class Stage:
         self.dir: Path | None = None
         self.lock: staging.StagingLock | None = None
         self.published = False
+        self.kept = False  # a failed publish left the staging directory for recovery (said so)
 
     @property
     def data(self) -> Path:
@@ -217,28 +218,29 @@ class Stage:
         """After a failed (or interrupted) exchange-less publish, put the previous version back, as
         the directories themselves show it (``staging.phase``). Raises :class:`OperationalError`
         when that cannot be done: the staging directory then stays, ``old/`` and ``data/`` intact,
-        for the next run or gc-tmp (it is refused removal)."""
+        for the next run or gc-tmp (it is refused removal), and :meth:`abort` does not try again."""
         assert self.dir is not None
         try:
             state = staging.phase(self.dir)
         except OSError as exc:
-            raise self._left_for_recovery(exc) from None
+            raise self._left_for_recovery(exc, f"{self.dir} cannot be read to tell how far it got") from None
         if state is staging.State.CONFLICT:
+            self.kept = True
             raise OperationalError(*staging.conflict_message(self.dest, self.dir), phase="publish")
         if state.half_published:
             try:
                 staging.roll(self.dir, self.dest, forward=False, fsync=self.fsync)
             except OSError as exc:
-                raise self._left_for_recovery(exc) from None
+                raise self._left_for_recovery(exc, f"the previous version could not be put back from "
+                                                   f"{self.dir / staging.OLD}") from None
 
-    def _left_for_recovery(self, exc: OSError) -> OperationalError:
-        assert self.dir is not None
-        cause = from_oserror(exc, "putting the previous version back")
+    def _left_for_recovery(self, exc: OSError, what: str) -> OperationalError:
+        self.kept = True
+        cause = exc.strerror or str(exc)
         return OperationalError(
-            f"publishing {self.dest} failed half-way and {cause.message}: the previous version is in "
-            f"{self.dir / staging.OLD}, the new one in {self.dir / staging.DATA}; nothing was deleted",
+            f"publishing {self.dest} failed half-way, and {what} ({cause}); nothing was deleted",
             f"run `ckptctl gc-tmp {self.parent} --min-age 0` (or this command again) once the storage "
-            "answers: it finishes the publish from that directory", phase="publish")
+            "answers: it finishes the publish from the staging directory", phase="publish")
 
     def finish(self) -> None:
         """Remove the staging directory (with the old version) and drop the lock (closed before
@@ -260,7 +262,7 @@ class Stage:
         removes ``old/``."""
         if self.dir is None:
             return
-        if not self.published:
+        if not self.published and not self.kept:
             try:
                 self._undo_half_publish()
             except CkptctlError:

@@ -265,6 +265,25 @@ def test_a_failed_second_rename_after_a_lost_first_reply_puts_the_previous_versi
     assert staging_dirs(ws) == []
 
 
+def test_when_the_previous_version_cannot_be_put_back_the_staging_directory_stays_for_recovery(nfs, tmp_path):
+    """As above, and the rename that would put the previous version back fails too (the server
+    is unreachable): the writer deletes nothing, says where both versions are, and leaves its
+    sealed staging directory; gc-tmp rolls it forward once the storage answers."""
+    src, ws, dest = workspace(nfs, tmp_path, 1, 2)
+    nfs.lose_reply(src=DEST, dst=staging.OLD)
+    nfs.fail_rename(src=staging.OLD, dst=DEST)
+    p = ckptctl("export", src[2], dest, "--overwrite", env={"CKPTCTL_FAIL_AT": "two-rename-between:EIO"})
+    assert [len(nfs.faults(k)) for k in ("lost-reply", "rename-failed")] == [1, 1]
+    assert p.returncode == 3 and "nothing was deleted" in p.stderr and "gc-tmp" in p.stderr, p.stderr
+    [d] = staging_dirs(ws)
+    assert str(d / staging.OLD) in p.stderr and not os.path.lexists(dest)
+    assert staging.inspect(d).state is staging.State.HALF_PUBLISHED_FORWARD
+    assert assert_invariant(ws, published=1, staged=2) == 2
+    rc, doc = gc_tmp(ws)
+    assert rc == 0 and [c["recovery"] for c in doc["candidates"]] == ["rolled-forward"]
+    assert assert_invariant(ws, published=2) == 2 and staging_dirs(ws) == []
+
+
 # ---------------------------------------------------------------------------------------------
 # 3. a directory appearing at the destination inside the window
 

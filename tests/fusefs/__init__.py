@@ -87,19 +87,22 @@ class FuseMount:
 
     def lose_reply(self, *, src: str = "*", dst: str = "*", times: int = 1) -> None:
         """The next ``times`` renames whose base names match are performed, then answered EIO."""
-        rules = json.loads(self.control.read_text())["lost_reply"] if self.control.exists() else []
-        rules.append({"src": src, "dst": dst, "times": times})
+        self._add_rule("lost_reply", src, dst, times)
+
+    def fail_rename(self, *, src: str = "*", dst: str = "*", times: int = 1) -> None:
+        """The next ``times`` renames whose base names match are answered EIO and not performed."""
+        self._add_rule("fail", src, dst, times)
+
+    def _add_rule(self, kind: str, src: str, dst: str, times: int) -> None:
+        doc = json.loads(self.control.read_text()) if self.control.exists() else {}
+        doc.setdefault(kind, []).append({"src": src, "dst": dst, "times": times})
         tmp = self.control.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"lost_reply": rules}))
+        tmp.write_text(json.dumps(doc))
         os.replace(tmp, self.control)
 
-    def clear_rules(self) -> None:
-        with contextlib.suppress(FileNotFoundError):
-            self.control.unlink()
-
     def faults(self, kind: str | None = None) -> list[dict]:
-        """The faults the filesystem injected so far (``kind``: lost-reply, rename-flags-refused,
-        silly-rename)."""
+        """The faults the filesystem injected so far (``kind``: lost-reply, rename-failed,
+        rename-flags-refused, silly-rename)."""
         if not self.log.exists():
             return []
         events = [json.loads(line) for line in self.log.read_text().splitlines() if line]

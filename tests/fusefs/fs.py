@@ -29,10 +29,12 @@ Every operation is done on ``BACKING`` (a directory of a local filesystem). The 
 ``--subtype NAME``
     the filesystem type shown in ``/proc/self/mountinfo`` is ``fuse.NAME`` (e.g. ``gcsfuse``).
 ``--control FILE``
-    JSON rules read whenever the file changes (``{"lost_reply": [{"src": GLOB, "dst": GLOB,
-    "times": N}]}``): a rename whose source and target base names match is **performed** on the
-    backing filesystem and then answered with EIO, as a network filesystem does when the reply to
-    a rename is lost (a soft mount's timeout). Rewriting the file resets the counts.
+    JSON rules read whenever the file changes (``{"lost_reply": [RULE...], "fail": [RULE...]}``,
+    a RULE being ``{"src": GLOB, "dst": GLOB, "times": N}``): a rename whose source and target
+    base names match a ``lost_reply`` rule is **performed** on the backing filesystem and then
+    answered with EIO, as a network filesystem does when the reply to a rename is lost (a soft
+    mount's timeout); one matching a ``fail`` rule is answered EIO and not performed (the server
+    is unreachable). Rewriting the file resets the counts.
 ``--log FILE``
     one JSON line per injected fault (lost reply, refused flags, silly rename), so a test can
     prove that its fault really happened.
@@ -90,7 +92,7 @@ class Passthrough(Operations):
         self.fd_key: dict[int, tuple[int, int]] = {}
         self.hidden: dict[tuple[int, int], list[tuple[int, str]]] = {}  # inode -> [(dir fd, .nfs name)]
         self.silly_counter = 0
-        self.rules: list[dict] = []
+        self.rules: dict[str, list[dict]] = {}
         self.rules_stamp: tuple[int, int] | None = None
 
     # ------------------------------------------------------------------------------------------
@@ -291,19 +293,20 @@ class Passthrough(Operations):
         try:
             st = os.stat(self.control)
         except FileNotFoundError:
-            self.rules, self.rules_stamp = [], None
+            self.rules, self.rules_stamp = {}, None
             return
         stamp = (st.st_mtime_ns, st.st_size)
         if stamp != self.rules_stamp:
             with open(self.control, encoding="utf-8") as f:
                 doc = json.load(f)
-            self.rules = [dict(r) for r in doc.get("lost_reply", [])]
+            self.rules = {kind: [dict(r) for r in doc.get(kind, [])] for kind in ("lost_reply", "fail")}
             self.rules_stamp = stamp
 
-    def _lost_reply(self, old: str, new: str) -> bool:
+    def _matches(self, kind: str, old: str, new: str) -> bool:
+        """Does a ``kind`` rule match this rename (and has it uses left)? Uses one up."""
         with self.mutex:
             self._load_rules()
-            for rule in self.rules:
+            for rule in self.rules.get(kind, []):
                 if rule.get("times", 1) <= 0:
                     continue
                 if fnmatch.fnmatchcase(os.path.basename(old), rule.get("src", "*")) and \
@@ -316,7 +319,10 @@ class Passthrough(Operations):
         if flags and self.refuse_flags:
             self._log(fault="rename-flags-refused", src=old, dst=new, flags=flags)
             raise FuseOSError(errno.EINVAL)
-        lost = self._lost_reply(old, new)
+        if self._matches("fail", old, new):
+            self._log(fault="rename-failed", src=old, dst=new)
+            raise FuseOSError(errno.EIO)  # not done: the server never got it
+        lost = self._matches("lost_reply", old, new)
         if flags:
             _renameat2(self._p(old), self._p(new), flags)
         else:
