@@ -8,9 +8,9 @@
 - destination present (and ``--overwrite``): ``renameat2(RENAME_EXCHANGE)``, after which
   ``data/`` holds the old version and is removed with the staging directory;
 - exchange unsupported (EINVAL/ENOSYS, e.g. NFS): a journaled two-rename. ``ready`` is written
-  and fsynced first; then the journal (``publish.json``: the identity of the destination's
-  directory and of ``data/``), fsynced with the staging directory; then ``dest -> <staging>/old``,
-  then ``<staging>/data -> dest``. A crash in between leaves a staging directory whose state
+  and fsynced first, with the staging directory; it holds the journal (the identity of the
+  destination's directory and of ``data/``). Then ``dest -> <staging>/old``, then
+  ``<staging>/data -> dest``. A crash in between leaves a staging directory whose state
   (:func:`ckptctl.staging.inspect`) is half-published: :func:`ckptctl.staging.recover` rolls it
   forward (``ready`` present and ``data/`` complete) or back (``old/`` renamed onto the
   destination), so the destination is never lost. The next run on the same destination
@@ -132,7 +132,8 @@ class Stage:
 
     # ------------------------------------------------------------------------------------
     def seal(self) -> None:
-        """fsync data/ (and its subdirectories) and mark the staging directory ready."""
+        """fsync data/ (and its subdirectories) and mark the staging directory ready: ``ready``
+        holds the publish journal (what the destination and ``data/`` are now)."""
         assert self.dir is not None
         try:
             if self.fsync:
@@ -141,7 +142,8 @@ class Stage:
                         fsync_path(Path(root) / d, directory=True)
                 _faults.point("fsync-dir")
                 fsync_path(self.data, directory=True)
-            self._write_small(self.dir / staging.READY, b"ready\n")
+            record = staging.journal_record(self.dest, self.data)
+            self._write_small(self.dir / staging.READY, json.dumps(record, indent=2).encode() + b"\n")
             if self.fsync:
                 fsync_path(self.dir, directory=True)
         except OSError as exc:
@@ -203,13 +205,10 @@ class Stage:
         return how
 
     def _two_rename(self) -> None:
-        """The exchange-less publish: journal, ``dest -> old/``, ``data/ -> dest``. Each rename
-        that reports an error but was done (a lost reply) counts as done."""
+        """The exchange-less publish (journaled in ``ready`` by :meth:`seal`): ``dest -> old/``,
+        ``data/ -> dest``. Each rename that reports an error but was done (a lost reply) counts
+        as done."""
         assert self.dir is not None
-        record = staging.journal_record(self.dest, self.data)
-        self._write_small(self.dir / staging.JOURNAL, json.dumps(record, indent=2).encode())
-        if self.fsync:
-            fsync_path(self.dir, directory=True)
         staging.rename(self.dest, self.dir / staging.OLD)
         _faults.point("two-rename-between")
         staging.rename(self.data, self.dest)

@@ -353,14 +353,15 @@ def test_a_killed_writer_in_the_two_rename_window_is_rolled_forward_by_the_next_
 # the journal, identities, conflicts (issue 18)
 
 
-def _journaled(parent: Path, dead: dict, *, ready: bool = True) -> tuple[Path, Path]:
-    """A dead writer's staging directory between its two renames, as ``Stage._two_rename`` leaves
-    it: journal written from the real directories, then ``dest -> old/``. Returns (dir, dest)."""
+def _journaled(parent: Path, dead: dict) -> tuple[Path, Path]:
+    """A dead writer's staging directory between its two renames, as ``Stage`` leaves it: sealed
+    (``ready`` holding the journal of the real directories), then ``dest -> old/``. Returns
+    (dir, dest)."""
     dest = parent / "ckpt"
     dest.mkdir(parents=True)
     (dest / "model.safetensors").write_bytes(b"old version")
-    d = make(parent, owner=dead, ready=ready)
-    staging.write_small(d / staging.JOURNAL, json.dumps(staging.journal_record(dest, d / staging.DATA)).encode(),
+    d = make(parent, owner=dead)
+    staging.write_small(d / staging.READY, json.dumps(staging.journal_record(dest, d / staging.DATA)).encode(),
                         fsync=False)
     os.rename(dest, d / staging.OLD)
     return d, dest
@@ -373,8 +374,8 @@ def test_journal_records_what_old_and_data_are(tmp_path, dead):
     assert j["previous"]["ino"] == os.lstat(d / staging.OLD).st_ino
     assert j["new"]["ino"] == os.lstat(d / staging.DATA).st_ino
     assert staging.inspect(d).state is State.HALF_PUBLISHED_FORWARD
-    (d / staging.JOURNAL).write_text("{not json")
-    assert staging.read_journal(d) is None  # an unreadable journal is no journal (an older ckptctl's rules)
+    (d / staging.READY).write_text("ready\n")  # an older ckptctl's seal: no journal, the same rules minus identity
+    assert staging.read_journal(d) is None and staging.inspect(d).state is State.HALF_PUBLISHED_FORWARD
 
 
 def test_an_old_dir_that_is_not_the_journaled_destination_is_a_conflict_never_acted_on(tmp_path, dead):

@@ -8,10 +8,11 @@ A staging directory is a sibling of the destination on the same filesystem, name
                        command, destination name, creation time
         lock           flock(LOCK_EX) held by the writer for its whole life
         data/          the checkpoint being built; published by renaming it onto <parent>/<name>
-        ready          present once data/ is complete and fsynced (publish may roll forward)
-        publish.json   the journal of an exchange-less publish, written and fsynced before its
-                       first rename: the identity (device, inode) of the destination's directory
-                       (which becomes old/) and of data/ (which becomes the destination)
+        ready          present once data/ is complete and fsynced (publish may roll forward);
+                       it holds the publish journal, written and fsynced before any rename: the
+                       identity (device, inode) of the destination's directory (which an
+                       exchange-less publish moves to old/) and of data/ (which becomes the
+                       destination)
         old/           during an exchange-less publish: the previous version moved aside
 
 Modules: ``record`` (entry names, owner record, journal, siblings), ``lock`` (the one flock:
@@ -65,16 +66,16 @@ HALF_PUBLISHED_BACK        dead; ``old/`` and ``data/`` present,            roll
                            link or not the journal's)
 =========================  ===============================================  ==========================================
 
-The journal makes ``old/`` attributable: with one, ``old/`` is acted on only when its inode is the
-one the destination had before the first rename (the device number is not compared: it changes
-when the filesystem is mounted again). Without one (a directory of an older ckptctl) the same
-rules apply minus that check.
+The journal (in ``ready``) makes ``old/`` attributable: with one, ``old/`` is acted on only when its
+inode is the one the destination had when ``data/`` was sealed, before the first rename (the
+device number is not compared: it changes when the filesystem is mounted again). Without one (a
+``ready`` of an older ckptctl) the same rules apply minus that check.
 
 Removing a staging directory (:func:`remove_staging`) is refused while its state is protected
 (half-published or CONFLICT: ``old/`` may hold the only copy of a version), whoever asks,
 including the writer's own cleanup after a failed publish. It removes everything else first,
-then the journal, the owner record and the lock (closed before it is unlinked, so no
-silly-renamed lock keeps the directory), so an interrupted removal stays recognisable.
+then the owner record and the lock (closed before it is unlinked, so no silly-renamed lock keeps
+the directory), so an interrupted removal stays recognisable.
 """
 
 from __future__ import annotations
@@ -85,7 +86,7 @@ from ckptctl.staging.actions import (competitor_error, conflict_message, recover
 from ckptctl.staging.fs import Deferred, fsync_path, listing, moved, open_beneath, remove_at, remove_tree, rename, write_small
 from ckptctl.staging.liveness import Liveness, boot_id, judge_owner, on_this_host, process_start_time, process_state
 from ckptctl.staging.lock import LOCK, StagingLock, acquire, probe
-from ckptctl.staging.record import (DATA, JOURNAL, OLD, OWNER, READY, TOOL, journal_record, owner_record, read_journal,
+from ckptctl.staging.record import (DATA, OLD, OWNER, READY, TOOL, journal_record, owner_record, read_journal,
                                     read_owner, siblings)
 from ckptctl.staging.state import State, StagingState, inspect, is_stub, phase
 
@@ -93,7 +94,7 @@ from ckptctl.staging.state import State, StagingState, inspect, is_stub, phase
 parse_name = parse_staging_name
 
 __all__ = [
-    "DATA", "JOURNAL", "LOCK", "OLD", "OWNER", "READY", "TOOL",
+    "DATA", "LOCK", "OLD", "OWNER", "READY", "TOOL",
     "Deferred", "Liveness", "StagingLock", "StagingState", "State",
     "acquire", "boot_id", "competitor_error", "conflict_message", "fsync_path", "inspect", "is_stub",
     "journal_record", "judge_owner", "listing", "moved", "on_this_host", "open_beneath", "owner_record",

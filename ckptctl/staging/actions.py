@@ -11,7 +11,7 @@ from ckptctl.errors import LockHeldError, OperationalError
 from ckptctl.staging.fs import fsync_path, remove_at, rename
 from ckptctl.staging.liveness import on_this_host
 from ckptctl.staging.lock import LOCK, StagingLock, acquire
-from ckptctl.staging.record import DATA, JOURNAL, OLD, OWNER, siblings
+from ckptctl.staging.record import DATA, OLD, OWNER, siblings
 from ckptctl.staging.state import State, StagingState, inspect, phase
 
 
@@ -37,8 +37,8 @@ def recover(st: StagingState) -> str | None:
 def remove_staging_at(parent_fd: int, name: str, *, where: Path, lock: StagingLock | None = None) -> int:
     """Remove the staging directory ``name`` under ``parent_fd`` (``where`` is its path); bytes freed.
 
-    Everything else first, then the journal, the owner record, the lock last: an interrupted
-    removal stays recognisable, and a racing gc run finds no owner and backs off. ``lock`` (the
+    Everything else first, then the owner record, the lock last: an interrupted removal stays
+    recognisable, and a racing gc run finds no owner and backs off. ``lock`` (the
     caller's hold on this directory's lock) is closed just before the lock file is unlinked: a file
     unlinked while open is silly-renamed on NFS (hidden by libfuse) and would keep the directory
     from going. Refused (EEXIST) while ``old/`` or ``data/`` may hold the only copy of a version
@@ -49,7 +49,7 @@ def remove_staging_at(parent_fd: int, name: str, *, where: Path, lock: StagingLo
         return 0  # gone already (another gc run)
     if state.protected:
         raise OSError(errno.EEXIST, "old/ holds the only copy of a checkpoint version; not removing", str(where))
-    return remove_at(parent_fd, name, where=str(where), keep_last=(JOURNAL, OWNER, LOCK),
+    return remove_at(parent_fd, name, where=str(where), keep_last=(OWNER, LOCK),
                      before_last=lock.release if lock is not None else None)
 
 

@@ -21,9 +21,8 @@ from ckptctl.staging.liveness import boot_id, process_start_time
 
 OWNER = "owner.json"  # who writes here (the record below)
 DATA = "data"  # the checkpoint being built
-READY = "ready"  # written and fsynced once data/ is complete
+READY = "ready"  # written and fsynced once data/ is complete; holds the publish journal
 OLD = "old"  # during an exchange-less publish: the previous version, moved aside
-JOURNAL = "publish.json"  # written before an exchange-less publish: what old/ and data/ must be
 TOOL = "ckptctl"
 
 MAX_OWNER_BYTES = 1 << 16
@@ -81,22 +80,30 @@ def read_owner(staging: Path) -> dict[str, Any] | None:
 
 
 def journal_record(dest: Path, data: Path) -> dict[str, Any]:
-    """What an exchange-less publish of ``data`` onto ``dest`` is about to move: the identity
-    (device, inode) of the destination's current directory, which becomes ``old/``, and of
-    ``data/``, which becomes the destination. Raises OSError when either cannot be examined."""
-    prev, new = os.lstat(dest), os.lstat(data)
-    return {"tool": TOOL, "dest": dest.name, "written": time.time(),
-            "previous": {"dev": prev.st_dev, "ino": prev.st_ino},
+    """The publish journal, written into ``ready`` when ``data/`` is sealed (before any rename):
+    the identity (device, inode) of the destination's directory, which an exchange-less publish
+    moves to ``old/`` (None when there is no destination), and of ``data/``, which becomes the
+    destination. Raises OSError when they cannot be examined."""
+    try:
+        prev = os.lstat(dest)
+    except FileNotFoundError:
+        prev = None
+    new = os.lstat(data)
+    return {"tool": TOOL, "dest": dest.name, "sealed": time.time(),
+            "previous": {"dev": prev.st_dev, "ino": prev.st_ino} if prev is not None else None,
             "new": {"dev": new.st_dev, "ino": new.st_ino}}
 
 
 def read_journal(staging: Path) -> dict[str, Any] | None:
-    """The publish journal, or None when there is none (or it is not a valid one)."""
-    doc = _read_record(staging / JOURNAL)
+    """The publish journal in ``ready``, or None when there is none (a ``ready`` of an older
+    ckptctl, or not a valid journal)."""
+    doc = _read_record(staging / READY)
     if doc is None:
         return None
     try:
-        int(doc["previous"]["ino"]), int(doc["new"]["ino"])
+        if doc["previous"] is not None:
+            int(doc["previous"]["ino"])
+        int(doc["new"]["ino"])
     except (KeyError, TypeError, ValueError):
         return None
     return doc

@@ -17,7 +17,7 @@ from ckptctl.format.names import parse_staging_name
 from ckptctl.staging.fs import listing
 from ckptctl.staging.liveness import Liveness, judge_owner
 from ckptctl.staging.lock import LOCK
-from ckptctl.staging.record import DATA, JOURNAL, OLD, OWNER, READY, read_journal, read_owner
+from ckptctl.staging.record import DATA, OLD, OWNER, READY, read_journal, read_owner
 
 
 class State(enum.Enum):
@@ -79,7 +79,7 @@ def is_stub(path: Path) -> bool:
 def _same(entry: os.DirEntry[str], journal: dict[str, Any], key: str) -> bool:
     """Is ``entry`` the directory the journal recorded as ``key`` ('previous' or 'new')? By inode
     number: the device number changes when the filesystem is mounted again."""
-    return entry.stat(follow_symlinks=False).st_ino == journal[key]["ino"]
+    return journal[key] is not None and entry.stat(follow_symlinks=False).st_ino == journal[key]["ino"]
 
 
 def phase(path: Path) -> State:
@@ -90,8 +90,8 @@ def phase(path: Path) -> State:
     and from this directory's own facts only (never from its siblings or their order):
 
     - no ``old/``: SEALED (``ready`` a regular file) or ABANDONED;
-    - ``old/`` that is not the destination directory the journal recorded before the first
-      rename: CONFLICT (never rolled back, never removed);
+    - ``old/`` that is not the destination directory the journal (in ``ready``) recorded before
+      the first rename: CONFLICT (never rolled back, never removed);
     - ``old/`` and no ``data/``: ``data/`` became the destination, so the publish completed and
       ``old/`` is superseded: PUBLISHED_LEFTOVER, whatever is at the destination now;
     - ``old/``, ``data/`` and something at the destination: the second rename never happened and
@@ -106,7 +106,7 @@ def phase(path: Path) -> State:
     parsed = parse_staging_name(path.name)
     if old is None or parsed is None:
         return State.SEALED if sealed else State.ABANDONED
-    journal = read_journal(path) if JOURNAL in names else None
+    journal = read_journal(path) if sealed else None
     if journal is not None and not _same(old, journal, "previous"):
         return State.CONFLICT
     if data is None:
