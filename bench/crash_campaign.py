@@ -1,9 +1,9 @@
 """The long crash campaign (issue #8): hundreds of SIGKILLs of `export --overwrite` and `resave`.
 
-    python bench/crash_campaign.py --kills 500 --seed 1 --out bench/results/crash.json
-    python bench/crash_campaign.py --kills 40 --rounds 0 --errno-rounds 0 --publishes 0   # a quick look
+    python -m bench.crash_campaign --kills 500 --seed 1 --out bench/results/crash.json
+    python -m bench.crash_campaign --kills 40 --rounds 0 --errno-rounds 0 --publishes 0   # a quick look
 
-Not a benchmark and not a test: a script that runs trials of ``tests/crash_harness.py`` until
+Not a benchmark and not a test: a script that runs trials of ``tests.crash_harness`` until
 ``--kills`` processes have really been killed, and prints the table that docs/RELIABILITY.md
 shows (fault -> kills, what the destination held after each, what gc-tmp left, whether the
 re-run was byte-identical to a clean run).
@@ -31,10 +31,8 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from tests import crash_harness as H  # noqa: E402
+from tests import crash_harness as H
+from tests.support import write_sharded, write_single
 
 # the retry of these cannot recover by itself yet (xfail tests in tests/test_crash_campaign.py)
 GC_ONLY_POINTS = {"two-rename-between"}
@@ -47,8 +45,8 @@ def _log(msg: str) -> None:
 def _publishes_with_reader(work: Path, runner, n: int, einval: bool) -> dict:
     """``n`` alternating publishes (3 shards + index <-> one file) with a reader polling."""
     a_src, b_src = work / "a", work / "b"
-    H._save_sharded(a_src, H._state(1), max_shard_size=20_000)
-    H._save_single(b_src, H._state(2))
+    write_sharded(a_src, H.model_state(1), max_shard_size=20_000)
+    write_single(b_src, H.model_state(2))
     ws = work / "ws"
     ws.mkdir()
     dst = ws / "ckpt"

@@ -1,9 +1,9 @@
 """Synthetic Llama-shaped checkpoints for the benchmarks.
 
-    python bench/gen.py OUT --size 2GB --dtype bf16 --shards 4      # sharded safetensors + index
-    python bench/gen.py OUT --size 500MB --single                   # one model.safetensors
-    python bench/gen.py OUT --size 500MB --bin                      # pytorch_model.bin
-    python bench/gen.py OUT --tiny-shards 1000 --layers 1000        # 1,000 shards of tiny tensors
+    python -m bench.gen OUT --size 2GB --dtype bf16 --shards 4      # sharded safetensors + index
+    python -m bench.gen OUT --size 500MB --single                   # one model.safetensors
+    python -m bench.gen OUT --size 500MB --bin                      # pytorch_model.bin
+    python -m bench.gen OUT --tiny-shards 1000 --layers 1000        # 1,000 shards of tiny tensors
 
 Safetensors files are written here, byte by byte (header from ckptctl's encoder, then the data
 streamed from one reusable block of normally distributed values), so memory stays bounded at any
@@ -29,7 +29,9 @@ import numpy as np
 from ckptctl.format import dtypes as dt
 from ckptctl.format.header import encode_header
 from ckptctl.format.tensor import TensorSpec
-from ckptctl.sizes import format_size, parse_size
+from rich import filesize
+
+from ckptctl.sizes import parse_size
 
 WORK = Path(__file__).resolve().parent / "work"
 GEN_VERSION = 1  # bump when the output for the same parameters changes
@@ -56,7 +58,7 @@ class Spec:
             return f"llama-tiny-{self.layers or 'auto'}L-{self.tiny_shards}shards-{self.dtype}"
         kind = "bin" if self.bin else "single" if self.single else f"{self.shards}shards"
         layers = f"-{self.layers}L" if self.layers else ""
-        return f"llama-{format_size(self.size).replace(' ', '')}-{self.dtype}-{kind}{layers}"
+        return f"llama-{filesize.decimal(self.size, precision=2).replace(' ', '')}-{self.dtype}-{kind}{layers}"
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,8 @@
 """Run benchmark cases and print a table.
 
-    python bench/run.py                       # every case, 3 rounds
-    python bench/run.py --case inspect-1000 --rounds 5 --json bench/results/inspect.json
-    python bench/run.py --list
+    python -m bench.run                       # every case, 3 rounds
+    python -m bench.run --case inspect-1000 --rounds 5 --json bench/results/inspect.json
+    python -m bench.run --list
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import platform
 import sys
 import time
 
-from cases import discover
-from harness import drop_caches, rss_floor, run_case, table
+from bench.cases import discover
+from bench.harness import drop_caches, rss_floor, run_case, table
 
 from ckptctl.sizes import parse_size
 

@@ -36,14 +36,17 @@ class Finding:
         return out
 
 
-def worst(findings: list[Finding]) -> str | None:
-    """The highest severity among findings, or None."""
-    best: str | None = None
-    for f in findings:
-        if best is None or SEVERITY_RANK[f.severity] > SEVERITY_RANK[best]:
-            best = f.severity
-    return best
-
-
 def has_errors(findings: list[Finding]) -> bool:
     return any(f.severity == ERROR for f in findings)
+
+
+@dataclass
+class PathFindings:
+    """Findings about one path, in the order they were found."""
+
+    path: str
+    findings: list[Finding] = field(default_factory=list)
+
+    def add(self, code: str, severity: str, message: str, hint: str | None = None, tensor: str | None = None,
+            **details: Any) -> None:
+        self.findings.append(Finding(code, severity, self.path, message, hint, tensor, dict(details)))

@@ -14,43 +14,23 @@ from pathlib import Path
 from typing import Any
 
 from ckptctl import layout as L
+from ckptctl.config_fields import ConfigFields
 from ckptctl.errors import InputError
 from ckptctl.findings import Finding
-from ckptctl.format import dtypes as dt
 from ckptctl.format.header import load_header
-from ckptctl.format.tensor import TensorSpec
+from ckptctl.format.tensor import SpecFields, TensorSpec
 
 CONFIG_FIELDS = (
     "model_type", "architectures", "hidden_size", "num_hidden_layers", "num_attention_heads",
-    "num_key_value_heads", "intermediate_size", "vocab_size", "dtype", "torch_dtype", "tie_word_embeddings",
+    "num_key_value_heads", "intermediate_size", "vocab_size", "dtype", "tie_word_embeddings",
 )
-# Other names for the same things in GPT-2 / NeoX / Falcon / T5-style configs.
-CONFIG_ALIASES = {
-    "hidden_size": ("n_embd", "d_model"),
-    "num_hidden_layers": ("n_layer", "num_layers"),
-    "num_attention_heads": ("n_head", "num_heads"),
-    "intermediate_size": ("n_inner", "ffn_dim"),
-}
 
 
 @dataclass
-class TensorRow:
+class TensorRow(SpecFields):
     spec: TensorSpec
     file: str  # relative to the inspected root (``unet/diffusion_pytorch_model.safetensors``)
-    nbytes: int
     component: str | None = None  # the component of a multi-component root
-
-    @property
-    def name(self) -> str:
-        return self.spec.name
-
-    @property
-    def dtype(self) -> str:
-        return self.spec.dtype or "?"
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return self.spec.shape
 
     @property
     def parameters(self) -> int:
@@ -134,22 +114,9 @@ class Inspection:
 
 
 def config_summary(cfg: dict[str, Any]) -> dict[str, Any]:
-    """The config fields that matter, under their Llama-style names (nested text_config too)."""
-    out: dict[str, Any] = {}
-    layers = [cfg]
-    if isinstance(cfg.get("text_config"), dict):
-        layers.append(cfg["text_config"])
-    for key in CONFIG_FIELDS:
-        for c in layers:
-            names = (key,) + CONFIG_ALIASES.get(key, ())
-            hit = next((n for n in names if n in c), None)
-            if hit is not None:
-                out[key] = c[hit]
-                break
-    if "dtype" not in out and "torch_dtype" in out:
-        out["dtype"] = out["torch_dtype"]
-    out.pop("torch_dtype", None)
-    return out
+    """The config fields that matter, under their Llama-style names (``config_fields`` knows the
+    other names and the nested ``text_config``)."""
+    return ConfigFields(cfg).summary(CONFIG_FIELDS)
 
 
 def read_config(root: Path) -> dict[str, Any] | None:
@@ -232,7 +199,7 @@ def _add_family(res: Inspection, p: Path, lay: L.Layout, fam: L.Family, *, only:
         for n in fam.files:
             hdr = load_header(lay.root / n, display=str(lay.root / n))
             for t in hdr.tensors.values():
-                res.tensors.append(TensorRow(t.spec, rel(n), t.nbytes, component))
+                res.tensors.append(TensorRow(t.spec, rel(n), component))
     else:
         from ckptctl.sources import open_source
 
@@ -240,7 +207,7 @@ def _add_family(res: Inspection, p: Path, lay: L.Layout, fam: L.Family, *, only:
             res.aliases.update(src.aliases)
             for t in src.tensors:
                 where = Path(t.file).name if t.file else _pickle_file(fam)
-                res.tensors.append(TensorRow(TensorSpec(t.name, t.dtype, t.shape), rel(where), t.nbytes, component))
+                res.tensors.append(TensorRow(t.spec, rel(where), component))
 
 
 def _pickle_file(fam: L.Family) -> str:

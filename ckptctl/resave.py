@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from ckptctl import layout as L
+from ckptctl.config_fields import ConfigFields, as_int
 from ckptctl.errors import InputError, UnrepairableError, UsageError
 from ckptctl.findings import ERROR, Finding
 from ckptctl.format import dtypes as dt
@@ -80,8 +81,9 @@ def _config_mismatches(tensors: dict[str, TensorInfo], cfg: dict[str, Any] | Non
     if not cfg:
         return 0
     bad = 0
-    vocab = cfg.get("vocab_size")
-    layers = cfg.get("num_hidden_layers") or cfg.get("n_layer")
+    fields = ConfigFields(cfg)
+    vocab = as_int(fields.get("vocab_size"))
+    layers = as_int(fields.get("num_hidden_layers"))
     for name, t in tensors.items():
         if vocab and name.endswith(("embed_tokens.weight", "wte.weight", "lm_head.weight")) and t.shape:
             bad += t.shape[0] != vocab
@@ -184,15 +186,13 @@ def analyze(root: Path, *, prefer: str | None = None, repair: bool = False) -> t
 
 
 def _usable_sharded(root: Path, fam: L.Family, single: L.Family | None, rep: Repair) -> L.Family | None:
-    """The sharded family as far as its index can be trusted: entries that are not safe member
-    names are ignored; a stale index none of whose shards exist beside a single file is dropped;
-    missing shards are a loss (refused); shards of several -of-N counts without a usable index too."""
+    """The sharded family as far as its index can be trusted: a stale index none of whose shards
+    exist beside a single file is dropped; shards that are missing or that the index places
+    outside the directory are a loss (refused); so are shards of several -of-N counts without a
+    usable index."""
     doc = fam.index_doc
     if doc is not None and doc.ok and doc.weight_map:
-        bad = [s for s in doc.shards if N.member_problem(s)]
-        if bad:
-            rep.fixes.append(f"ignored index entries that point outside the directory: {', '.join(bad)}")
-        named = [s for s in doc.shards if s not in bad]
+        named = doc.shards
         missing = [s for s in named if s not in fam.files]
         if missing and single is not None and len(missing) == len(named):
             rep.fixes.append(f"dropped the stale index (none of its shards exist) beside {single.files[0]}")
@@ -200,9 +200,9 @@ def _usable_sharded(root: Path, fam: L.Family, single: L.Family | None, rep: Rep
         if missing:
             lost = sorted(k for k, v in doc.weight_map.items() if v in missing)
             raise UnrepairableError(
-                f"{root}: {len(missing)} shard(s) named by the index are missing ({', '.join(missing)}); "
-                f"{len(lost)} tensors are lost (e.g. {', '.join(lost[:3])})",
-                "restore the missing shards from a copy; nothing was changed")
+                f"{root}: {len(missing)} shard(s) named by the index are missing or outside the directory "
+                f"({', '.join(missing)}); {len(lost)} tensors are lost (e.g. {', '.join(lost[:3])})",
+                "restore the missing shards into the directory from a copy; nothing was changed")
         return fam
     if fam.index is not None:
         rep.fixes.append("rebuilt the unreadable index from the shard headers")

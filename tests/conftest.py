@@ -1,28 +1,15 @@
-"""Generic fixtures only; topic-specific fixtures live in the test module that uses them."""
+"""Generic fixtures only; the helpers behind them live in ``tests.support``, topic-specific
+fixtures in the test module that uses them."""
 
 from __future__ import annotations
 
-import os
 import subprocess
-import sys
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import pytest
-from typer.testing import CliRunner
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-
-
-def run_cli_subprocess(*args: str, env: dict[str, str] | None = None, cwd: str | os.PathLike[str] | None = None,
-                       input: str | None = None, timeout: float = 120) -> tuple[int, str, str]:
-    """Run ``python -m ckptctl ARGS`` as a real process; returns (exit code, stdout, stderr)."""
-    full_env = dict(os.environ)
-    full_env.pop("CKPTCTL_DEBUG", None)
-    full_env.update(env or {})
-    proc = subprocess.run([sys.executable, "-m", "ckptctl", *map(str, args)], capture_output=True, text=True,
-                          env=full_env, cwd=cwd, input=input, timeout=timeout)
-    return proc.returncode, proc.stdout, proc.stderr
+from tests.support import invoke, run_cli_subprocess
 
 
 @pytest.fixture
@@ -32,14 +19,25 @@ def run_cli() -> Callable[..., tuple[int, str, str]]:
 
 
 @pytest.fixture
-def cli(monkeypatch: pytest.MonkeyPatch):
+def cli() -> Callable[..., Any]:
     """In-process runner: ``cli("inspect", path).exit_code / .stdout / .stderr``."""
-    from ckptctl.cli import app
-
-    monkeypatch.delenv("CKPTCTL_DEBUG", raising=False)
-    runner = CliRunner()
-
-    def invoke(*args: str, env: dict[str, str] | None = None):
-        return runner.invoke(app, [str(a) for a in args], env=env, prog_name="ckptctl")
-
     return invoke
+
+
+@pytest.fixture
+def mount_tmpfs():
+    """``mount_tmpfs(where, size="16m") -> where`` with a fresh tmpfs mounted there (skips the test
+    where mounting is not permitted); unmounted after the test."""
+    mounted: list[Path] = []
+
+    def mount(where: Path, size: str = "16m") -> Path:
+        where.mkdir(parents=True, exist_ok=True)
+        r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)], capture_output=True)
+        if r.returncode != 0:
+            pytest.skip("cannot mount a tmpfs here")
+        mounted.append(where)
+        return where
+
+    yield mount
+    for m in reversed(mounted):
+        subprocess.run(["umount", "-l", str(m)], capture_output=True)

@@ -12,7 +12,7 @@ plus an index (sorted keys, total_size and total_parameters) or one ``model.safe
 ``{"format": "pt"}`` metadata, and a config.json with LlamaConfig's fields;
 ``tests/test_verify_corpus.py`` checks that transformers loads it.
 
-``CASES`` lists every builder with the options its code needs (``deep``).
+``CASES`` lists every builder with the verify options its code needs (``ARGS``).
 """
 
 from __future__ import annotations
@@ -85,8 +85,12 @@ def llama_tensors(cfg: dict[str, Any] | None = None, *, seed: int = 0, tie: bool
 def write_checkpoint(d: Path, groups: list[dict[str, np.ndarray]], *, config: dict[str, Any] | None = None,
                      prefix: str = "model", metadata: dict[str, str] | None = None, index: bool | None = None
                      ) -> list[str]:
-    """Write ``groups`` as shards (one group: a single file) plus index and config. Returns file names."""
+    """Write ``groups`` as shards (one group: a single file) plus index and config. Returns file names.
+
+    ``prefix`` is the stem, with a variant after a dot (``model.fp16``): the index is then named
+    as transformers' ``_add_variant`` names it, ``model.safetensors.index.fp16.json``."""
     from ckptctl.format.index import encode_index
+    from ckptctl.format.names import index_name
 
     d.mkdir(parents=True, exist_ok=True)
     groups = [g for g in groups if g]
@@ -105,17 +109,34 @@ def write_checkpoint(d: Path, groups: list[dict[str, np.ndarray]], *, config: di
             total += a.nbytes
             params += a.size
     if sharded:
-        (d / f"{prefix}.safetensors.index.json").write_bytes(
+        stem, _, variant = prefix.partition(".")
+        (d / index_name(stem, "safetensors", variant=variant or None)).write_bytes(
             encode_index(weight_map, total, total_parameters=params))
     if config is not None:
         (d / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     return names
 
 
+def write_tokenizer(d: Path, *, vocab: int = 64, added: tuple[str, ...] = ()) -> None:
+    """tokenizer.json as the tokenizers library saves it: a BPE vocabulary of ``vocab`` tokens,
+    then the ``added`` special tokens (ids ``vocab``, ``vocab + 1``, ...)."""
+    from tokenizers import AddedToken, Tokenizer, models
+
+    tok = Tokenizer(models.BPE({f"t{i}": i for i in range(vocab)}, []))
+    tok.add_special_tokens([AddedToken(a, special=True) for a in added])
+    tok.save(str(d / "tokenizer.json"))
+
+
+def _extras(d: Path) -> None:
+    """What save_pretrained of a model and its tokenizer leaves beside the weights."""
+    (d / "generation_config.json").write_text('{"bos_token_id": 1, "eos_token_id": 2}\n')
+    write_tokenizer(d)
+
+
 def make_clean_sharded(d: Path, **config: Any) -> str | None:
     cfg = llama_config(**config)
     write_checkpoint(d, llama_tensors(cfg), config=cfg)
-    (d / "generation_config.json").write_text('{"bos_token_id": 1, "eos_token_id": 2}\n')
+    _extras(d)
     return None
 
 
@@ -123,7 +144,7 @@ def make_clean_single(d: Path, **config: Any) -> str | None:
     cfg = llama_config(**config)
     groups = llama_tensors(cfg)
     write_checkpoint(d, [{k: v for g in groups for k, v in g.items()}], config=cfg)
-    (d / "generation_config.json").write_text('{"bos_token_id": 1, "eos_token_id": 2}\n')
+    _extras(d)
     return None
 
 
@@ -412,6 +433,13 @@ def make_f6_dtype(d: Path) -> str:
 # directory and index level
 
 
+def make_dtype_min_version(d: Path) -> str:
+    h, data = st_file([("a.weight", "F32", [2], _f32(1, 2)), ("a.scale", "F8_E8M0", [2], b"\x7f\x80")],
+                      {"format": "pt"})
+    _raw_model(d, h, data)
+    return "header.dtype_min_version"
+
+
 def make_stale_index_beside_single(d: Path) -> str:
     make_clean_single(d)
     tmp = d.parent / (d.name + ".sharded")
@@ -437,7 +465,7 @@ def make_index_parent_path(d: Path) -> str:
     idx["weight_map"] = {k: (f"../{outside.name}/x.safetensors" if v == shard(3) else v)
                          for k, v in idx["weight_map"].items()}
     write_index(d, idx)
-    return "index.shard_outside"
+    return "layout.shard_missing"
 
 
 def make_index_absolute_path(d: Path) -> str:
@@ -449,7 +477,7 @@ def make_index_absolute_path(d: Path) -> str:
     idx["weight_map"] = {k: (str((outside / "x.safetensors").resolve()) if v == shard(3) else v)
                          for k, v in idx["weight_map"].items()}
     write_index(d, idx)
-    return "index.shard_outside"
+    return "layout.shard_missing"
 
 
 def make_symlink_escape(d: Path) -> str:
@@ -458,6 +486,16 @@ def make_symlink_escape(d: Path) -> str:
     outside.mkdir()
     shutil.move(str(d / shard(2)), str(outside / shard(2)))
     os.symlink(os.path.relpath(outside / shard(2), d), d / shard(2))
+    return "dir.symlink_escape"
+
+
+def make_config_symlink_escape(d: Path) -> str:
+    """config.json is a link to a file outside: verify must report it without opening it."""
+    make_clean_sharded(d)
+    outside = d.parent / (d.name + ".outside")
+    outside.mkdir()
+    shutil.move(str(d / "config.json"), str(outside / "config.json"))
+    os.symlink(os.path.relpath(outside / "config.json", d), d / "config.json")
     return "dir.symlink_escape"
 
 
@@ -553,10 +591,24 @@ def make_index_empty(d: Path) -> str:
     return "index.empty"
 
 
+def make_index_too_large(d: Path) -> str:
+    make_clean_sharded(d)
+    idx = read_index(d)
+    idx["metadata"]["notes"] = "x" * (10 * 1024 * 1024)  # huggingface_hub refuses an index over 10 MiB
+    write_index(d, idx)
+    return "index.too_large"
+
+
+def make_shard_too_large(d: Path) -> str:
+    """Shards of about 4 KB checked with --max-shard-size 2KB (see ``ARGS``)."""
+    make_clean_sharded(d)
+    return "dir.shard_too_large"
+
+
 def make_shard_missing(d: Path) -> str:
     make_clean_sharded(d)
     (d / shard(2)).unlink()
-    return "index.shard_missing"
+    return "layout.shard_missing"
 
 
 def make_tensor_missing(d: Path) -> str:
@@ -645,7 +697,7 @@ def make_variant_incomplete(d: Path) -> str:
     cfg = llama_config()
     write_checkpoint(d, llama_tensors(cfg, seed=1), prefix="model.fp16")
     (d / "model.fp16-00002-of-00003.safetensors").unlink()
-    return "index.shard_missing"
+    return "layout.shard_missing"
 
 
 def _leftover(d: Path, make: Callable[[Path], Any]) -> None:
@@ -655,27 +707,27 @@ def _leftover(d: Path, make: Callable[[Path], Any]) -> None:
 
 def make_leftover_temp_shard(d: Path) -> str:
     _leftover(d, lambda d: shutil.copy(d / shard(1), d / "model-00001-of-?????.safetensors"))
-    return "dir.leftover"
+    return "layout.leftover"
 
 
 def make_leftover_staging_dir(d: Path) -> str:
     _leftover(d, lambda d: (d / "_tmp_step_100.0000018a3b2c4d5e-1a2b3c4d").mkdir())
-    return "dir.leftover"
+    return "layout.leftover"
 
 
 def make_leftover_st_tempfile(d: Path) -> str:
     _leftover(d, lambda d: shutil.copy(d / shard(2), d / ".tmpciTtek"))
-    return "dir.leftover"
+    return "layout.leftover"
 
 
 def make_leftover_incomplete(d: Path) -> str:
     _leftover(d, lambda d: (d / "model-00001-of-00003.safetensors.incomplete").write_bytes(b"\0" * 64))
-    return "dir.leftover"
+    return "layout.leftover"
 
 
 def make_leftover_lock(d: Path) -> str:
     _leftover(d, lambda d: (d / "model.safetensors.lock").write_bytes(b""))
-    return "dir.leftover"
+    return "dir.lock_file"
 
 
 # --------------------------------------------------------------------------------------------
@@ -757,12 +809,33 @@ def make_config_missing_field(d: Path) -> str:
 
 def make_tokenizer_beyond_vocab(d: Path) -> str:
     make_clean_sharded(d)
-    vocab = {f"t{i}": i for i in range(64)}
-    tok = {"version": "1.0", "model": {"type": "BPE", "vocab": vocab, "merges": []},
-           "added_tokens": [{"id": 64, "content": "<|im_start|>", "special": True},
-                            {"id": 65, "content": "<|im_end|>", "special": True}]}
-    (d / "tokenizer.json").write_text(json.dumps(tok))
+    write_tokenizer(d, added=("<|im_start|>", "<|im_end|>"))  # ids 64 and 65; vocab_size is 64
     return "config.tokenizer_vocab"
+
+
+def make_tokenizer_missing(d: Path) -> str:
+    make_clean_sharded(d)
+    (d / "tokenizer.json").unlink()
+    return "config.tokenizer_missing"
+
+
+def make_generation_config_missing(d: Path) -> str:
+    make_clean_sharded(d)
+    (d / "generation_config.json").unlink()
+    return "config.generation_config_missing"
+
+
+def make_config_missing(d: Path) -> str:
+    make_clean_sharded(d)
+    (d / "config.json").unlink()
+    return "config.missing"
+
+
+def make_config_names_not_recognised(d: Path) -> str:
+    """A model whose tensor names no rule knows (a T5-style encoder): the shapes are not checked."""
+    write_checkpoint(d, [{"encoder.block.0.layer.0.SelfAttention.q.weight": np.ones((16, 16), np.float32)}],
+                     config=llama_config())
+    return "config.not_checked"
 
 
 def make_quantization_missing(d: Path) -> str:
@@ -957,6 +1030,48 @@ def make_adapter_without_config(d: Path) -> str:
 # manifest (the format `export --manifest` writes)
 
 
+def make_adapter_empty(d: Path) -> str:
+    write_adapter(d, {}, adapter_config(base_for(d)))
+    return "adapter.empty"
+
+
+def make_adapter_not_lora(d: Path) -> str:
+    t = {f"base_model.model.{m}.ia3_l": np.ones((s[0], 1), np.float32) for m, s in llama_lora_modules().items()}
+    write_adapter(d, t, adapter_config(base_for(d), peft_type="IA3", feedforward_modules=[]))
+    return "adapter.not_checked"
+
+
+def make_adapter_base_unavailable(d: Path) -> str:
+    write_adapter(d, lora_tensors(llama_lora_modules()), adapter_config("nobody/not-downloaded"))
+    return "adapter.base_unavailable"
+
+
+def make_adapter_missing_optional(d: Path) -> str:
+    write_adapter(d, lora_tensors(llama_lora_modules()), adapter_config(base_for(d), lora_alpha=None))
+    return "adapter.missing_optional"
+
+
+def make_adapter_regex_not_checked(d: Path) -> str:
+    """A target_modules pattern that backtracks exponentially on a non-matching name."""
+    write_adapter(d, lora_tensors(llama_lora_modules()), adapter_config(base_for(d), target_modules=r"(\w+\.?\w*)+X"))
+    return "adapter.regex_not_checked"
+
+
+def make_adapter_beside_model(d: Path) -> str:
+    make_clean_sharded(d)
+    write_adapter(d, lora_tensors(llama_lora_modules()), adapter_config(base_for(d)))
+    return "layout.adapter_beside_model"
+
+
+def make_two_adapters(d: Path) -> str:
+    import torch
+
+    make_clean_adapter(d)
+    torch.save({k: torch.from_numpy(v) for k, v in lora_tensors(llama_lora_modules()).items()},
+               d / "adapter_model.bin")
+    return "layout.two_adapters"
+
+
 def write_manifest(d: Path) -> None:
     from ckptctl.manifest import build_manifest, encode_manifest
 
@@ -1011,6 +1126,25 @@ def make_manifest_bad_json(d: Path) -> str:
 # --deep
 
 
+def make_manifest_bad_schema(d: Path) -> str:
+    make_clean_with_manifest(d)
+    doc = json.loads((d / MANIFEST).read_text())
+    doc["files"] = sorted(doc["files"])  # a list of names, no sizes or digests
+    (d / MANIFEST).write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n")
+    return "manifest.bad_schema"
+
+
+def make_manifest_path_outside(d: Path) -> str:
+    make_clean_with_manifest(d)
+    outside = d.parent / (d.name + ".outside")
+    outside.mkdir()
+    (outside / "notes.txt").write_text("not part of the checkpoint\n")
+    doc = json.loads((d / MANIFEST).read_text())
+    doc["files"][f"../{outside.name}/notes.txt"] = {"size": 27, "sha256": "0" * 64}
+    (d / MANIFEST).write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n")
+    return "manifest.path_outside"
+
+
 def _deep_single(d: Path, edit: Callable[[dict[str, np.ndarray]], None]) -> None:
     cfg = llama_config()
     flat = {k: v for g in llama_tensors(cfg) for k, v in g.items()}
@@ -1035,6 +1169,19 @@ def make_deep_all_zero(d: Path) -> str:
 
 # --------------------------------------------------------------------------------------------
 # PyTorch pickles (need torch)
+
+
+def make_deep_all_zero_vector(d: Path) -> str:
+    _deep_single(d, lambda t: t["model.norm.weight"].fill(0.0))
+    return "deep.all_zero_vector"
+
+
+def make_deep_not_decoded(d: Path) -> str:
+    """F8_E8M0 (a scale format without a zero) is hashed but not decoded."""
+    h, data = st_file([("a.weight", "F32", [2], _f32(1, 2)), ("a.scale", "F8_E8M0", [2], b"\x7f\x80")],
+                      {"format": "pt"})
+    _raw_model(d, h, data)
+    return "deep.not_decoded"
 
 
 def torch_state(seed: int = 0) -> dict[str, Any]:
@@ -1140,6 +1287,39 @@ def make_bin_bad_archive(d: Path) -> str:
     return "pickle.bad_archive"
 
 
+def make_bin_html_page(d: Path) -> str:
+    make_clean_bin(d)
+    (d / "pytorch_model.bin").write_text("<!DOCTYPE html>\n<html><head><title>Sign in</title></head></html>\n")
+    return "pickle.html_page"
+
+
+def make_bin_not_state_dict(d: Path) -> str:
+    """A training checkpoint (state dict under "model", plus a step) where a state dict belongs."""
+    import torch
+
+    d.mkdir(parents=True, exist_ok=True)
+    torch.save({"model": torch_state(), "step": 7}, d / "pytorch_model.bin")
+    (d / "config.json").write_text(json.dumps(llama_config(), indent=2))
+    return "pickle.not_state_dict"
+
+
+def make_bin_tensor_out_of_range(d: Path) -> str:
+    """A tensor whose shape reaches past its (intact) storage: torch.load refuses to resize it."""
+    import torch
+
+    d.mkdir(parents=True, exist_ok=True)
+    torch.save({"w": torch.zeros(4), "b": torch.ones(2)}, d / "pytorch_model.bin")
+    size4, size8 = b"QK\x00K\x04\x85", b"QK\x00K\x08\x85"  # BINPERSID, offset 0, shape (4,) -> (8,)
+
+    def edit(name: str, data: bytes) -> bytes:
+        if name.endswith("data.pkl"):
+            assert data.count(size4) == 1, "torch.save's pickle changed"
+            return data.replace(size4, size8)
+        return data
+    _rewrite_zip(d / "pytorch_model.bin", edit)
+    return "pickle.tensor_out_of_range"
+
+
 def make_bin_index_shard_missing(d: Path) -> str:
     import torch
 
@@ -1152,7 +1332,7 @@ def make_bin_index_shard_missing(d: Path) -> str:
     torch.save(half, d / "pytorch_model-00001-of-00002.bin")
     wm = {k: ("pytorch_model-00001-of-00002.bin" if k in half else "pytorch_model-00002-of-00002.bin") for k in keys}
     (d / "pytorch_model.bin.index.json").write_bytes(encode_index(wm, 1))
-    return "index.shard_missing"
+    return "layout.shard_missing"
 
 
 def make_two_families(d: Path) -> str:
@@ -1222,6 +1402,77 @@ def make_dcp_without_metadata(d: Path) -> str:
     return "layout.dcp_without_metadata"
 
 
+def _edit_dcp_metadata(d: Path, edit: Callable[[Any], None]) -> None:
+    """Rewrite .metadata (our own, trusted pickle) after ``edit`` changed the Metadata object."""
+    import pickle
+
+    md = pickle.loads((d / ".metadata").read_bytes())
+    edit(md)
+    (d / ".metadata").write_bytes(pickle.dumps(md))
+
+
+def make_dcp_path_outside(d: Path) -> str:
+    import dataclasses
+
+    make_clean_dcp(d)
+
+    def edit(md: Any) -> None:
+        key = sorted(md.storage_data, key=str)[0]
+        md.storage_data[key] = dataclasses.replace(md.storage_data[key], relative_path="../elsewhere.distcp")
+    _edit_dcp_metadata(d, edit)
+    return "dcp.path_outside"
+
+
+def make_dcp_chunk_missing(d: Path) -> str:
+    make_clean_dcp(d)
+    _edit_dcp_metadata(d, lambda md: md.storage_data.pop(sorted(md.storage_data, key=str)[0]))
+    return "dcp.chunk_missing"
+
+
+# --------------------------------------------------------------------------------------------
+# multi-component roots (diffusers' model_index.json)
+
+
+def make_clean_pipeline(d: Path) -> str | None:
+    """A diffusers pipeline root: model_index.json, a transformers text encoder (the corpus
+    Llama), a scheduler folder without weights."""
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "model_index.json").write_text(json.dumps({
+        "_class_name": "DiffusionPipeline", "_diffusers_version": "0.42.1",
+        "text_encoder": ["transformers", "LlamaForCausalLM"], "scheduler": ["diffusers", "DDPMScheduler"],
+        "safety_checker": [None, None]}, indent=2, sort_keys=True) + "\n")
+    make_clean_single(d / "text_encoder")
+    (d / "scheduler").mkdir()
+    (d / "scheduler" / "scheduler_config.json").write_text('{"_class_name": "DDPMScheduler", '
+                                                          '"num_train_timesteps": 10}\n')
+    return None
+
+
+def make_pipeline_component_missing(d: Path) -> str:
+    make_clean_pipeline(d)
+    shutil.rmtree(d / "text_encoder")
+    return "layout.component_missing"
+
+
+def make_pipeline_bad_model_index(d: Path) -> str:
+    make_clean_pipeline(d)
+    (d / "model_index.json").write_text('{"text_encoder": ["transformers", ')
+    return "layout.bad_component_manifest"
+
+
+def make_pipeline_component_without_weights(d: Path) -> str:
+    make_clean_pipeline(d)
+    (d / "text_encoder" / "model.safetensors").unlink()
+    return "dir.no_weights"
+
+
+def make_pipeline_component_truncated(d: Path) -> str:
+    make_clean_pipeline(d)
+    p = d / "text_encoder" / "model.safetensors"
+    p.write_bytes(p.read_bytes()[:-100])
+    return "header.truncated"
+
+
 # --------------------------------------------------------------------------------------------
 # registry
 
@@ -1230,21 +1481,39 @@ def make_dcp_without_metadata(d: Path) -> str:
 class Case:
     name: str
     make: Callable[[Path], str]
-    deep: bool = False
-    torch: bool = False  # the builder imports torch
+    args: tuple[str, ...] = ()  # verify options the case needs
 
     def __str__(self) -> str:
         return self.name
 
+    @property
+    def deep(self) -> bool:
+        return "--deep" in self.args
+
+
+ARGS = {
+    "make_manifest_hash_mismatch": ("--deep",), "make_deep_nan": ("--deep",), "make_deep_inf": ("--deep",),
+    "make_deep_all_zero": ("--deep",), "make_deep_all_zero_vector": ("--deep",), "make_deep_not_decoded": ("--deep",),
+    "make_shard_too_large": ("--max-shard-size", "2KB"),
+}
+
+
+def make_dcp_metadata_not_a_map(d: Path) -> str:
+    """Allow-listed classes only, but state_dict_metadata is a list: not DCP Metadata."""
+    make_clean_dcp(d)
+
+    def edit(md: Any) -> None:
+        md.state_dict_metadata = sorted(md.state_dict_metadata)
+    _edit_dcp_metadata(d, edit)
+    return "dcp.bad_metadata"
+
 
 def _cases() -> list[Case]:
-    deep = {"make_manifest_hash_mismatch", "make_deep_nan", "make_deep_inf", "make_deep_all_zero"}
     out: list[Case] = []
     for name, fn in sorted(globals().items()):
         if not name.startswith("make_") or name.startswith("make_clean") or not callable(fn):
             continue
-        uses_torch = any(s in name for s in ("bin", "dcp", "two_families"))
-        out.append(Case(name.removeprefix("make_"), fn, deep=name in deep, torch=uses_torch))
+        out.append(Case(name.removeprefix("make_"), fn, ARGS.get(name, ())))
     return out
 
 
@@ -1252,4 +1521,5 @@ CASES: list[Case] = _cases()
 CLEAN: dict[str, Callable[[Path], str | None]] = {
     "sharded": make_clean_sharded, "single": make_clean_single, "adapter": make_clean_adapter,
     "manifest": make_clean_with_manifest, "bin": make_clean_bin, "dcp": make_clean_dcp,
+    "pipeline": make_clean_pipeline,
 }

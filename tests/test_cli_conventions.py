@@ -1,30 +1,21 @@
 """CLI conventions (DESIGN.md section 4), checked on real processes: exit codes, stdout for data
-only, one JSON document even on failure, one-line errors with hints, CKPTCTL_DEBUG tracebacks,
-and no torch import for --help, shell completion and inspecting safetensors."""
+only, one JSON document even on failure, one-line errors with hints, CKPTCTL_DEBUG tracebacks.
+That --help, completion, inspect, verify and gc-tmp never import torch is in test_layering.py."""
 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-import torch
-from safetensors.torch import save_file
 
 from ckptctl._version import __version__
+from tests.support import write_tiny_checkpoint
 
 
 @pytest.fixture(scope="module")
 def st_dir(tmp_path_factory) -> Path:
-    d = tmp_path_factory.mktemp("conv") / "ckpt"
-    d.mkdir()
-    save_file({"model.embed.weight": torch.zeros(8, 4), "model.norm.weight": torch.ones(4)},
-              d / "model.safetensors", metadata={"format": "pt"})
-    (d / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 4}))
-    return d
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("conv") / "ckpt")
 
 
 @pytest.fixture(scope="module")
@@ -132,60 +123,3 @@ def test_version_and_help(cli) -> None:
     assert res.exit_code == 0 and "inspect" in res.stdout
     res = cli("-h")
     assert res.exit_code == 0 and "inspect" in res.stdout
-
-
-# ------------------------------------------------------------------------------------------
-# No torch where it is not needed (a real interpreter, so nothing is imported beforehand)
-
-PROBE = r"""
-import json, sys
-sys.argv = ["ckptctl", *json.loads(sys.argv[1])]
-from ckptctl.cli import main
-try:
-    main()
-    code = 0
-except SystemExit as exc:
-    code = exc.code
-heavy = sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "transformers", "numpy"))
-sys.stderr.write("\nPROBE " + json.dumps({"exit": code, "heavy": heavy}) + "\n")
-"""
-
-
-def probe(args: list[str], env: dict[str, str] | None = None) -> tuple[dict, str, str]:
-    full_env = {k: v for k, v in os.environ.items() if not k.startswith("_CKPTCTL_COMPLETE")}
-    full_env.update(env or {})
-    proc = subprocess.run([sys.executable, "-c", PROBE, json.dumps(args)], capture_output=True, text=True,
-                          env=full_env, timeout=120)
-    line = [ln for ln in proc.stderr.splitlines() if ln.startswith("PROBE ")][-1]
-    return json.loads(line[len("PROBE "):]), proc.stdout, proc.stderr
-
-
-@pytest.mark.parametrize("args", [["--help"], ["inspect", "--help"], ["--version"]])
-def test_help_does_not_import_torch(args: list[str]) -> None:
-    result, out, _ = probe(args)
-    assert result["exit"] in (0, None) and out
-    assert [m for m in result["heavy"] if m.startswith("torch")] == []
-
-
-def test_completion_does_not_import_torch() -> None:
-    result, out, _ = probe([], env={"_CKPTCTL_COMPLETE": "complete_bash", "COMP_WORDS": "ckptctl in",
-                                    "COMP_CWORD": "1"})
-    assert "inspect" in out.split()
-    assert [m for m in result["heavy"] if m.startswith("torch")] == []
-
-
-def test_inspect_safetensors_does_not_import_torch(st_dir: Path) -> None:
-    result, out, _ = probe(["inspect", str(st_dir), "--json", "--tensors"])
-    assert result["exit"] in (0, None)
-    assert json.loads(out)["parameters"] == 36
-    assert result["heavy"] == []
-    result, out, _ = probe(["inspect", str(st_dir / "model.safetensors"), "--tensors"])
-    assert "model.embed.weight" in out and result["heavy"] == []
-
-
-def test_probe_sees_torch_when_it_is_needed(tmp_path: Path) -> None:
-    """The probe is not blind: inspecting a pickle must import torch."""
-    torch.save({"w": torch.zeros(3)}, tmp_path / "pytorch_model.bin")
-    result, out, _ = probe(["inspect", str(tmp_path), "--json"])
-    assert json.loads(out)["parameters"] == 3
-    assert "torch" in result["heavy"]

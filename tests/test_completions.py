@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
+from tests.support import REPO
+
 COMPLETIONS = REPO / "completions"
 SCRIPTS = ("ckptctl.bash", "_ckptctl", "ckptctl.fish")
 BIN = Path(sys.executable).parent  # the venv's bin, where the `ckptctl` console script lives

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from ckptctl.manifest import sha256_file
-from tests.ckpt_helpers import REPO, load_dir, load_hub, run_ckptctl, same, staging_dirs, write_single
+from tests.support import REPO, load_hub, run_ckptctl, same, staging_dirs, write_single
+from tests.support import load_glob as load_dir
 from tests.dist_worker import full_state
 
 

@@ -13,8 +13,9 @@ from safetensors.torch import load_file
 from ckptctl import ExportOptions, export, save_state_dict
 from ckptctl.errors import InputError, UsageError
 from ckptctl.manifest import MANIFEST_NAME, sha256_file
-from tests.ckpt_helpers import (load_dir, load_hub, run_ckptctl, same, staging_dirs, state, wait_stopped,
-                                write_sharded, write_single)
+from tests.support import (load_hub, run_ckptctl, same, staging_dirs, state, wait_stopped, write_sharded,
+                           write_single)
+from tests.support import load_glob as load_dir
 
 
 # --- the four cases that broke mcore-bridge's saver ------------------------------------------

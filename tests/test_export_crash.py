@@ -5,17 +5,17 @@ from __future__ import annotations
 import json
 import os
 import random
+import resource
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
 from ckptctl import staging
-from tests.ckpt_helpers import (load_dir, load_hub, run_ckptctl, same, staging_dirs, state, wait_stopped,
-                                write_sharded, write_single)
+from tests.support import (fill_filesystem, load_glob, load_hub, popen_ckptctl, run_ckptctl, same, staging_dirs,
+                           state, wait_stopped, write_sharded, write_single)
 
 KILL_POINTS = ["stage-created", "shard-start", "write-data", "fsync-shard", "shards-written", "index",
                "extras-written", "manifest-written", "sealed", "publish", "published", "after-publish"]
@@ -33,7 +33,7 @@ def _setup(tmp_path: Path) -> tuple[Path, Path, dict, dict]:
 
 
 def _is_old_or_new(dst: Path, old: dict, new: dict) -> str:
-    got = load_dir(dst)
+    got = load_glob(dst)
     assert same(got, load_hub(dst)), "glob and index-first loaders disagree"
     if same(got, old):
         return "old"
@@ -66,16 +66,15 @@ def test_kill9_at_random_moments_during_data_writes(tmp_path):
     write_single(src, big)
     dst = tmp_path / "dst"
     write_single(dst, state(6, n=2))
-    old = load_dir(dst)
+    old = load_glob(dst)
     rng = random.Random(1234)
     for _ in range(4):
-        proc = subprocess.Popen([sys.executable, "-m", "ckptctl", "export", str(src), str(dst), "--overwrite",
-                                 "--dtype", "bf16", "--max-shard-size", "8MB"],
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        proc = popen_ckptctl("export", src, dst, "--overwrite", "--dtype", "bf16", "--max-shard-size", "8MB",
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         time.sleep(rng.uniform(0.3, 1.5))
         proc.send_signal(signal.SIGKILL)
         proc.wait()
-        got = load_dir(dst)
+        got = load_glob(dst)
         assert same(got, old) or same(got, {k: v.bfloat16() for k, v in big.items()})
         old = got
 
@@ -120,14 +119,8 @@ def test_exchange_failure_leaves_old_intact(tmp_path):
 
 
 @pytest.fixture
-def small_fs(tmp_path):
-    mnt = tmp_path / "mnt"
-    mnt.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], capture_output=True)
-    if r.returncode != 0:
-        pytest.skip("cannot mount a tmpfs here")
-    yield mnt
-    subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
+def small_fs(tmp_path, mount_tmpfs):
+    return mount_tmpfs(tmp_path / "mnt", size="1m")
 
 
 def test_enospc_on_small_tmpfs(tmp_path, small_fs):
@@ -135,37 +128,27 @@ def test_enospc_on_small_tmpfs(tmp_path, small_fs):
     write_single(src, state(1, n=4, rows=256, cols=256))  # 1 MiB of tensors
     dst = small_fs / "out"
     write_single(dst, state(2, n=1, rows=8, cols=8))
-    old = load_dir(dst)
+    old = load_glob(dst)
     # the free-space check refuses before anything is written
     p = run_ckptctl("export", str(src), str(dst), "--overwrite")
     assert p.returncode == 3 and "not enough free space" in p.stderr, p.stderr
-    assert same(load_dir(dst), old) and staging_dirs(small_fs) == []
+    assert same(load_glob(dst), old) and staging_dirs(small_fs) == []
     # a real ENOSPC in the middle of the data: the disk fills up after the check passed
     write_single(tmp_path / "src2", state(3, n=4, rows=128, cols=128))  # 256 KiB
-    env = dict(os.environ, CKPTCTL_STOP_AT="stage-created")
-    proc = subprocess.Popen([sys.executable, "-m", "ckptctl", "export", str(tmp_path / "src2"), str(dst),
-                             "--overwrite"], stderr=subprocess.PIPE, env=env)
+    proc = popen_ckptctl("export", tmp_path / "src2", dst, "--overwrite", env={"CKPTCTL_STOP_AT": "stage-created"})
     wait_stopped(proc.pid)
-    filler = small_fs / "filler"
-    with open(filler, "wb") as f:
-        try:
-            while True:
-                f.write(b"\0" * 65536)
-        except OSError:
-            pass
-    os.truncate(filler, max(0, filler.stat().st_size - 100_000))  # leave room for less than the data
+    fill_filesystem(small_fs / "filler", leave=100_000)  # room for less than the data
     proc.send_signal(signal.SIGCONT)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 3, err
-    assert b"no space left" in err and b"phase: write" in err, err
-    assert same(load_dir(dst), old) and staging_dirs(small_fs) == []
+    assert "no space left" in err and "phase: write" in err, err
+    assert same(load_glob(dst), old) and staging_dirs(small_fs) == []
 
 
 def test_rlimit_fsize_gives_clean_error(tmp_path):
     src, dst, old, new = _setup(tmp_path)
-    code = ("import resource,sys,runpy; resource.setrlimit(resource.RLIMIT_FSIZE,(20000,20000)); "
-            "sys.argv=['ckptctl','export',sys.argv[1],sys.argv[2],'--overwrite']; runpy.run_module('ckptctl', run_name='__main__')")
-    p = subprocess.run([sys.executable, "-c", code, str(src), str(dst)], capture_output=True, text=True)
+    p = run_ckptctl("export", src, dst, "--overwrite",
+                    preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (20_000, 20_000)))
     assert p.returncode == 3, p.stderr
     assert "error:" in p.stderr and "Traceback" not in p.stderr
     assert _is_old_or_new(dst, old, new) == "old" and staging_dirs(tmp_path) == []
@@ -184,8 +167,7 @@ def test_read_only_destination_filesystem(tmp_path, small_fs):
 
 
 def _start_paused_writer(src: Path, dst: Path, tmp_path: Path) -> subprocess.Popen:
-    proc = subprocess.Popen([sys.executable, "-m", "ckptctl", "export", str(src), str(dst), "--overwrite",
-                             "--dtype", "bf16"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc = popen_ckptctl("export", src, dst, "--overwrite", "--dtype", "bf16")
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         dirs = staging_dirs(dst.parent)
@@ -210,7 +192,7 @@ def test_second_writer_is_refused_and_first_completes(tmp_path):
     finally:
         first.send_signal(signal.SIGCONT)
     assert first.wait(timeout=120) == 0
-    assert same(load_dir(dst), {k: v.bfloat16() for k, v in big.items()})
+    assert same(load_glob(dst), {k: v.bfloat16() for k, v in big.items()})
     assert staging_dirs(tmp_path) == []
 
 
@@ -219,14 +201,14 @@ def test_ctrl_c_cleans_up_and_exits_130(tmp_path):
     write_single(src, state(5, n=8, rows=1024, cols=1024))
     dst = tmp_path / "dst"
     write_single(dst, state(6, n=1))
-    old = load_dir(dst)
+    old = load_glob(dst)
     proc = _start_paused_writer(src, dst, tmp_path)
     proc.send_signal(signal.SIGINT)
     proc.send_signal(signal.SIGCONT)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 130, err
-    assert b"interrupted" in err and b"Traceback" not in err
-    assert same(load_dir(dst), old) and staging_dirs(tmp_path) == []
+    assert "interrupted" in err and "Traceback" not in err
+    assert same(load_glob(dst), old) and staging_dirs(tmp_path) == []
 
 
 def test_symlinked_destination_is_replaced_as_a_link(tmp_path):
@@ -236,5 +218,5 @@ def test_symlinked_destination_is_replaced_as_a_link(tmp_path):
     link.symlink_to(real)
     write_single(tmp_path / "src", state(2))
     run_ckptctl("export", str(tmp_path / "src"), str(link), "--overwrite", check=True)
-    assert not link.is_symlink() and same(load_dir(link), state(2))
-    assert same(load_dir(real), state(1))  # the link's target is untouched
+    assert not link.is_symlink() and same(load_glob(link), state(2))
+    assert same(load_glob(real), state(1))  # the link's target is untouched

@@ -14,7 +14,8 @@ import torch
 from ckptctl import ExportOptions, save_state_dict
 from ckptctl.errors import UsageError
 from ckptctl.write.options import ExportSettings, validate
-from tests.ckpt_helpers import load_dir, run_ckptctl, same, staging_dirs, state, write_single
+from tests.support import load_glob as load_dir
+from tests.support import run_ckptctl, same, staging_dirs, state, write_single
 
 
 def _half_done_two_rename(tmp_path: Path) -> tuple[Path, Path, dict, dict]:

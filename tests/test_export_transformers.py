@@ -6,17 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.ckpt_helpers import load_dir, load_hub, run_ckptctl, same
+from tests.support import load_hub, run_ckptctl, same
+from tests.support import load_glob as load_dir
+from tests.support import tiny_llama as _tiny_llama
 
 transformers = pytest.importorskip("transformers")
-
-
-def _tiny_llama(tie: bool):
-    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                                   tie_word_embeddings=tie)
-    torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(cfg).eval()
 
 
 def _logits(model):

@@ -7,7 +7,6 @@ Writers that are real processes (paused, killed, half-published) are in test_gc_
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import socket
@@ -21,6 +20,8 @@ from typer.testing import CliRunner
 
 from ckptctl import gc, staging
 from ckptctl.cli.gc_cmd import gc_tmp
+from tests.support import drop_dac_caps as _drop_dac_caps
+from tests.support import snapshot
 
 # ---------------------------------------------------------------------------------------------
 # helpers (imported by test_gc_processes.py)
@@ -48,17 +49,6 @@ def gc_cli(*args: object, env: dict | None = None):
 def gc_json(*args: object) -> tuple[int, dict]:
     r = gc_cli(*args, "--json")
     return r.exit_code, json.loads(r.stdout)
-
-
-def _drop_dac_caps() -> None:
-    """preexec_fn: as root, lose CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH and CAP_FOWNER for good, so
-    file permissions apply to this (uid 0) process like to any owner."""
-    import ctypes
-
-    libc = ctypes.CDLL(None, use_errno=True)
-    for cap in (1, 2, 3):
-        if libc.prctl(24, cap, 0, 0, 0) != 0:  # PR_CAPBSET_DROP
-            raise OSError(ctypes.get_errno(), "PR_CAPBSET_DROP failed")
 
 
 def gc_proc(*args: object, wait: bool = True, no_dac: bool = False):
@@ -112,22 +102,6 @@ def backdate(path: Path, seconds: float) -> None:
     for p in paths:
         st = os.lstat(p)
         os.utime(p, (st.st_atime - seconds, st.st_mtime - seconds), follow_symlinks=False)
-
-
-def snapshot(root: Path) -> dict[str, str]:
-    """Every entry below root (links not followed): kind plus content hash / link target."""
-    out = {}
-    for dirpath, dirs, files in os.walk(root):
-        for n in dirs + files:
-            p = Path(dirpath) / n
-            rel = str(p.relative_to(root))
-            if p.is_symlink():
-                out[rel] = "link:" + os.readlink(p)
-            elif p.is_dir():
-                out[rel] = "dir"
-            else:
-                out[rel] = hashlib.sha256(p.read_bytes()).hexdigest()
-    return out
 
 
 def decisions(doc: dict) -> dict[str, str]:

@@ -13,10 +13,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from ckptctl import staging
-from tests.crash_harness import wait_stopped
+from tests.support import load_glob as _load
+from tests.support import same as _same
+from tests.support import wait_stopped
 from tests.test_gc import backdate, dead_pid, decisions, gc_json, gc_proc, make_dead, snapshot  # noqa: F401 (fixture)
 
 ENV_CLEAN = {k: v for k, v in os.environ.items() if not k.startswith("CKPTCTL_")}
@@ -42,17 +44,6 @@ w.write()
 def _tensors(seed: int) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     return {f"layer.{i}.weight": torch.randn(64, 64, generator=g) for i in range(8)}
-
-
-def _load(d: Path) -> dict[str, torch.Tensor]:
-    out: dict[str, torch.Tensor] = {}
-    for f in sorted(d.glob("*.safetensors")):
-        out.update(load_file(str(f)))
-    return out
-
-
-def _same(a, b) -> bool:
-    return set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
 
 
 def _export(src: Path, dst: Path, *extra: str, env: dict | None = None) -> subprocess.CompletedProcess:

@@ -17,8 +17,6 @@ import contextlib
 import json
 import os
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -26,10 +24,9 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from ckptctl import staging
-from tests.crash_harness import wait_stopped
+from tests.support import popen_ckptctl, run_ckptctl, staging_dirs, wait_stopped
 from tests.fusefs import MountRefused, mounted
 
-REPO = Path(__file__).resolve().parent.parent
 DEST = "ckpt"
 
 
@@ -79,7 +76,7 @@ def workspace(m, tmp_path: Path, *ns: int, first: bool = True) -> tuple[dict[int
     ws.mkdir()
     dest = ws / DEST
     if first:
-        p = ckptctl("export", src[ns[0]], dest)
+        p = run_ckptctl("export", src[ns[0]], dest)
         assert p.returncode == 0, p.stderr
     return src, ws, dest
 
@@ -88,29 +85,12 @@ def workspace(m, tmp_path: Path, *ns: int, first: bool = True) -> tuple[dict[int
 def paused_in_window(src: Path, dest: Path):
     """``export SRC DEST --overwrite`` stopped (SIGSTOP) between its two renames; continued when
     the block ends. Yields the process (``communicate()`` it afterwards)."""
-    w = start("export", src, dest, "--overwrite", env={"CKPTCTL_STOP_AT": "two-rename-between"})
+    w = popen_ckptctl("export", src, dest, "--overwrite", env={"CKPTCTL_STOP_AT": "two-rename-between"})
     try:
         wait_stopped(w.pid)
         yield w
     finally:
         os.kill(w.pid, signal.SIGCONT)
-
-
-def _env(extra: dict[str, str] | None = None) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("CKPTCTL_")}
-    env["PYTHONPATH"] = str(REPO)
-    env.update(extra or {})
-    return env
-
-
-def ckptctl(*args, env: dict[str, str] | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "ckptctl", *map(str, args)], capture_output=True, text=True,
-                          env=_env(env), timeout=timeout)
-
-
-def start(*args, env: dict[str, str] | None = None) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "ckptctl", *map(str, args)], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=_env(env))
 
 
 def which_version(d: Path) -> int | None:
@@ -127,9 +107,9 @@ def which_version(d: Path) -> int | None:
     return n
 
 
-def staging_dirs(ws: Path, holding: str | None = None) -> list[Path]:
-    """The staging directories in ``ws`` (those holding ``holding``, e.g. ``old``)."""
-    return sorted(p for p in ws.iterdir() if staging.parse_name(p.name) and (holding is None or (p / holding).exists()))
+def holding(ws: Path, name: str) -> list[Path]:
+    """The staging directories in ``ws`` that hold ``name`` (e.g. ``old``)."""
+    return [p for p in staging_dirs(ws) if (p / name).exists()]
 
 
 def assert_invariant(ws: Path, published: int, staged: int | None = None) -> int:
@@ -154,7 +134,7 @@ def assert_invariant(ws: Path, published: int, staged: int | None = None) -> int
 
 
 def gc_tmp(ws: Path, *extra: str) -> tuple[int, dict]:
-    p = ckptctl("gc-tmp", ws, "--min-age", "0", "--json", *extra)
+    p = run_ckptctl("gc-tmp", ws, "--min-age", "0", "--json", *extra)
     return p.returncode, json.loads(p.stdout)
 
 
@@ -199,19 +179,19 @@ def test_stale_old_of_a_completed_publish_is_never_rolled_back(nfs, tmp_path, re
     src, ws, dest = workspace(nfs, tmp_path, 1, 2, 3, 4)
     reader = os.open(dest / "model.safetensors", os.O_RDONLY)  # a reader still has v1's shard open
     try:
-        p = ckptctl("export", src[2], dest, "--overwrite", "--json")
+        p = run_ckptctl("export", src[2], dest, "--overwrite", "--json")
         assert p.returncode == 0, p.stderr
         assert json.loads(p.stdout)["publish"] == "two-rename" and nfs.faults("rename-flags-refused")
         assert nfs.faults("silly-rename")
-        [stale] = staging_dirs(ws, staging.OLD)  # the writer's cleanup could not remove old/ (.nfsXXXX inside)
+        [stale] = holding(ws, staging.OLD)  # the writer's cleanup could not remove old/ (.nfsXXXX inside)
         assert staging.DATA not in os.listdir(stale)
         assert staging.inspect(stale).state is staging.State.PUBLISHED_LEFTOVER
         assert_invariant(ws, published=2)
 
         # another writer dies between its two renames: the destination is missing
-        p = ckptctl("export", src[3], dest, "--overwrite", env={"CKPTCTL_KILL_AT": "two-rename-between"})
+        p = run_ckptctl("export", src[3], dest, "--overwrite", env={"CKPTCTL_KILL_AT": "two-rename-between"})
         assert p.returncode == -signal.SIGKILL, p.stderr
-        assert not os.path.lexists(dest) and len(staging_dirs(ws, staging.OLD)) == 2
+        assert not os.path.lexists(dest) and len(holding(ws, staging.OLD)) == 2
         assert_invariant(ws, published=2, staged=3)
         assert staging.inspect(stale).state is staging.State.PUBLISHED_LEFTOVER  # still garbage, never rolled
 
@@ -224,7 +204,7 @@ def test_stale_old_of_a_completed_publish_is_never_rolled_back(nfs, tmp_path, re
             assert rolled["recovery"] == "rolled-forward" and rolled["decision"] == "removed"
             assert assert_invariant(ws, published=3) == 3
         else:
-            p = ckptctl("export", src[4], dest, "--overwrite", "--json")
+            p = run_ckptctl("export", src[4], dest, "--overwrite", "--json")
             assert p.returncode == 0, p.stderr
             assert [r.split(": ")[1] for r in json.loads(p.stdout)["recovered"]] == ["rolled-forward"]
             assert assert_invariant(ws, published=4) == 4
@@ -243,7 +223,7 @@ def test_stale_old_of_a_completed_publish_is_never_rolled_back(nfs, tmp_path, re
 def test_lost_reply_on_the_first_rename_never_deletes_both_versions(nfs, tmp_path):
     src, ws, dest = workspace(nfs, tmp_path, 1, 2)
     nfs.lose_reply(src=DEST, dst=staging.OLD)  # dest -> staging/old is done, its reply lost (EIO)
-    p = ckptctl("export", src[2], dest, "--overwrite", "--json")
+    p = run_ckptctl("export", src[2], dest, "--overwrite", "--json")
     assert len(nfs.faults("lost-reply")) == 1
     assert p.returncode == 0, p.stderr  # the rename was done: the publish went on
     assert json.loads(p.stdout)["publish"] == "two-rename"
@@ -257,7 +237,7 @@ def test_a_failed_second_rename_after_a_lost_first_reply_puts_the_previous_versi
     published, and deletes nothing."""
     src, ws, dest = workspace(nfs, tmp_path, 1, 2)
     nfs.lose_reply(src=DEST, dst=staging.OLD)
-    p = ckptctl("export", src[2], dest, "--overwrite",
+    p = run_ckptctl("export", src[2], dest, "--overwrite",
                 env={"CKPTCTL_FAIL_AT": "two-rename-between:EIO"})
     assert len(nfs.faults("lost-reply")) == 1
     assert p.returncode == 3 and "nothing was published" in p.stderr and "phase: publish" in p.stderr, p.stderr
@@ -272,7 +252,7 @@ def test_when_the_previous_version_cannot_be_put_back_the_staging_directory_stay
     src, ws, dest = workspace(nfs, tmp_path, 1, 2)
     nfs.lose_reply(src=DEST, dst=staging.OLD)
     nfs.fail_rename(src=staging.OLD, dst=DEST)
-    p = ckptctl("export", src[2], dest, "--overwrite", env={"CKPTCTL_FAIL_AT": "two-rename-between:EIO"})
+    p = run_ckptctl("export", src[2], dest, "--overwrite", env={"CKPTCTL_FAIL_AT": "two-rename-between:EIO"})
     assert [len(nfs.faults(k)) for k in ("lost-reply", "rename-failed")] == [1, 1]
     assert p.returncode == 3 and "nothing was deleted" in p.stderr and "gc-tmp" in p.stderr, p.stderr
     [d] = staging_dirs(ws)
@@ -295,7 +275,7 @@ def test_a_directory_appearing_in_the_window_is_a_conflict_that_deletes_nothing(
         (dest / "theirs.txt").write_text("not ckptctl's")
     out, err = w.communicate(timeout=120)
     assert w.returncode == 3, err
-    [d] = staging_dirs(ws, staging.OLD)
+    [d] = holding(ws, staging.OLD)
     assert "nothing was deleted" in err and str(d / staging.OLD) in err
     assert which_version(d / staging.OLD) == 1 and which_version(d / staging.DATA) == 2
     assert (dest / "theirs.txt").read_text() == "not ckptctl's" and os.listdir(dest) == ["theirs.txt"]
@@ -304,7 +284,7 @@ def test_a_directory_appearing_in_the_window_is_a_conflict_that_deletes_nothing(
     rc, doc = gc_tmp(ws)  # kept, and reported as needing a human
     [c] = doc["candidates"]
     assert rc == 3 and c["decision"] == "kept" and c["error"].startswith("needs a human")
-    p = ckptctl("export", src[3], dest, "--overwrite")  # the next run refuses until it is resolved
+    p = run_ckptctl("export", src[3], dest, "--overwrite")  # the next run refuses until it is resolved
     assert p.returncode == 3 and "collided" in p.stderr, p.stderr
     assert which_version(d / staging.OLD) == 1 and which_version(d / staging.DATA) == 2
 
@@ -324,10 +304,10 @@ def test_an_export_leaves_no_staging_directory_and_gc_removes_stubs(mount, tmp_p
     m = mount(refuse_rename_flags=True, silly=silly, cache=60)
     src, ws, dest = workspace(m, tmp_path, 1, 2, first=False)
     for n, extra in ((1, ()), (2, ("--overwrite",))):
-        p = ckptctl("export", src[n], dest, *extra)
+        p = run_ckptctl("export", src[n], dest, *extra)
         assert p.returncode == 0, p.stderr
         assert os.listdir(ws) == [DEST], f"the export left {os.listdir(ws)}"
-        p = ckptctl("gc-tmp", ws, "--check")
+        p = run_ckptctl("gc-tmp", ws, "--check")
         assert p.returncode == 0, p.stdout + p.stderr
     assert which_version(dest) == 2
     # stubs a killed writer leaves: an empty directory, one with an empty lock, one with both
@@ -351,9 +331,9 @@ def test_resave_during_another_writers_window_refuses_as_a_second_writer(nfs, tm
     src, ws, dest = workspace(nfs, tmp_path, 1, 2)
     with paused_in_window(src[2], dest) as w:
         assert not os.path.lexists(dest)
-        p = ckptctl("resave", dest, "--repair")
+        p = run_ckptctl("resave", dest, "--repair")
         assert p.returncode == 3 and "another writer is already writing" in p.stderr, p.stderr
-        p = ckptctl("export", src[1], dest, "--overwrite")
+        p = run_ckptctl("export", src[1], dest, "--overwrite")
         assert p.returncode == 3 and "another writer is already writing" in p.stderr, p.stderr
     out, err = w.communicate(timeout=120)
     assert w.returncode == 0, err
@@ -368,7 +348,7 @@ def test_lost_reply_on_the_publishing_rename_reports_success(mount, tmp_path, ov
     m = mount(refuse_rename_flags=not flags, silly="nfs", cache=60)
     src, ws, dest = workspace(m, tmp_path, 1, 2, first=overwrite)
     m.lose_reply(src=staging.DATA, dst=DEST)
-    p = ckptctl("export", src[2], dest, *(["--overwrite"] if overwrite else []), "--json")
+    p = run_ckptctl("export", src[2], dest, *(["--overwrite"] if overwrite else []), "--json")
     assert len(m.faults("lost-reply")) == 1
     assert bool(m.faults("rename-flags-refused")) is not flags
     assert p.returncode == 0, p.stderr
@@ -385,6 +365,6 @@ def test_lost_reply_on_the_publishing_rename_reports_success(mount, tmp_path, ov
 def test_overwrite_is_refused_on_object_store_mounts(mount, tmp_path, fstype):
     m = mount(refuse_rename_flags=True, silly="none", subtype=fstype)
     src, ws, dest = workspace(m, tmp_path, 1, 2)  # a new directory: nothing to replace
-    p = ckptctl("export", src[2], dest, "--overwrite")
+    p = run_ckptctl("export", src[2], dest, "--overwrite")
     assert p.returncode == 3 and f"fuse.{fstype}" in p.stderr and "cannot be atomic" in p.stderr, p.stderr
     assert which_version(dest) == 1 and os.listdir(ws) == [DEST]

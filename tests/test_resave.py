@@ -13,7 +13,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from ckptctl import save_state_dict
-from tests.ckpt_helpers import load_dir, load_hub, run_ckptctl, same, staging_dirs, state
+from tests.support import load_hub, run_ckptctl, same, staging_dirs, state
+from tests.support import load_glob as load_dir
 
 
 def _ckpt(d: Path, sd=None, shard="20KB", config=True) -> dict:

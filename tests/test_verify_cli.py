@@ -75,6 +75,35 @@ def test_dcp_directories_may_import_torch(tmp_path: Path) -> None:
     assert "TORCH-IMPORTED" in proc.stderr
 
 
+def test_dcp_result_counts_the_tensors_of_the_metadata(tmp_path: Path) -> None:
+    """The tensor count of a DCP directory is the metadata's (it was reset to 0 once)."""
+    from ckptctl.verify import verify_path
+
+    corpus.make_clean_dcp(tmp_path / "dcp")
+    res = verify_path(tmp_path / "dcp")
+    assert res.kind == "dcp" and res.tensors == len(corpus.torch_state()) > 0
+    assert not [f for f in res.findings if f.severity != "info"], res.findings
+
+
+def test_oversized_dcp_metadata_is_refused_without_reading_it(tmp_path: Path) -> None:
+    """A 1 GiB .metadata (sparse: no disk used) is refused from its size; nothing near it is read."""
+    import tracemalloc
+
+    from ckptctl.format.dcp_metadata import MAX_METADATA_BYTES
+    from ckptctl.verify import verify_path
+
+    corpus.make_clean_dcp(tmp_path / "dcp")
+    os.truncate(tmp_path / "dcp" / ".metadata", MAX_METADATA_BYTES + 1)
+    tracemalloc.start()
+    try:
+        res = verify_path(tmp_path / "dcp")
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    bad = [f for f in res.findings if f.code == "dcp.bad_metadata"]
+    assert bad and "too large" in bad[0].message and peak < 64 << 20
+
+
 def test_malicious_pickles_are_reported_and_never_executed(tmp_path: Path) -> None:
     import torch
 
@@ -103,7 +132,8 @@ def test_malicious_pickles_are_reported_and_never_executed(tmp_path: Path) -> No
 def test_paths_that_escape_are_never_opened(tmp_path: Path) -> None:
     """An audit hook sees every open() of the process: the outside files are never among them."""
     cases = {}
-    for make in (corpus.make_index_parent_path, corpus.make_index_absolute_path, corpus.make_symlink_escape):
+    for make in (corpus.make_index_parent_path, corpus.make_index_absolute_path, corpus.make_symlink_escape,
+                 corpus.make_config_symlink_escape):
         d = tmp_path / make.__name__
         cases[d] = make(d)
     outside = [p for d in cases for p in (d.parent / (d.name + ".outside")).iterdir()]
@@ -146,8 +176,8 @@ def test_findings_table_on_stdout_verdict_on_stderr(tmp_path: Path) -> None:
     corpus.make_shard_missing(tmp_path / "b")
     res = invoke(tmp_path / "b")
     assert res.exit_code == 1
-    assert "index.shard_missing" in res.stdout and "model-00002-of-00003.safetensors" in res.stdout
-    assert "verify: FAIL" in res.stderr and "index.shard_missing" not in res.stderr
+    assert "layout.shard_missing" in res.stdout and "model-00002-of-00003.safetensors" in res.stdout
+    assert "verify: FAIL" in res.stderr and "layout.shard_missing" not in res.stderr
     quiet = invoke(tmp_path / "b", "-q")
     assert quiet.exit_code == 1 and quiet.stderr == ""
 
@@ -183,8 +213,8 @@ def test_io_error_exits_three_even_with_other_findings(tmp_path: Path) -> None:
     assert res.exit_code == 3
     doc = json.loads(res.stdout)
     assert doc["ok"] is False
-    io = [f for r in doc["results"] for f in r["findings"] if f["code"] == "io.error"]
-    assert io and "Input/output error" in io[0]["message"]
+    io = [f for r in doc["results"] for f in r["findings"] if "Input/output error" in f["message"]]
+    assert io and {f["code"] for f in io} == {"io.error"} and io[0]["path"] == str(tmp_path / "mem.safetensors")
     assert "I/O ERROR" in res.stderr
 
 

@@ -7,8 +7,10 @@ from pathlib import Path
 import pytest
 
 import corpus
+from ckptctl.format.tensor import TensorSpec
 from ckptctl.verify import VerifyOptions, verify_path
-from ckptctl.verify_config import TensorMeta, check_adapter, check_config, peft_rank, peft_target_match
+from ckptctl.verify.model import check_config
+from ckptctl.verify.peft import check_adapter, peft_rank, peft_target_match
 
 Q = "model.layers.0.self_attn.q_proj"
 
@@ -65,8 +67,8 @@ def test_dora_modules_to_save_and_embedding_lora_are_understood() -> None:
         "base_model.model.model.embed_tokens.lora_embedding_B": (16, 4),
         "base_model.model.score.weight": (2, 16),
     }.items():
-        t[name] = TensorMeta(name, "F32", shape, "adapter_model.safetensors")
-    base = {n: TensorMeta(n, "F32", s, "model.safetensors") for n, s in {
+        t[name] = TensorSpec(name, "F32", shape)
+    base = {n: TensorSpec(n, "F32", s) for n, s in {
         "model.layers.0.self_attn.q_proj.weight": (16, 16), "model.embed_tokens.weight": (64, 16)}.items()}
     cfg = {"peft_type": "LORA", "r": 4, "lora_alpha": 8, "base_model_name_or_path": "x", "use_dora": True,
            "target_modules": ["q_proj", "embed_tokens"], "modules_to_save": ["score"]}
@@ -75,8 +77,8 @@ def test_dora_modules_to_save_and_embedding_lora_are_understood() -> None:
     assert {f.code for f in bad} == {"adapter.unexpected_key"}
 
 
-def _meta(shapes: dict[str, tuple[int, ...]], dtype: str = "BF16") -> dict[str, TensorMeta]:
-    return {n: TensorMeta(n, dtype, s, "model.safetensors") for n, s in shapes.items()}
+def _meta(shapes: dict[str, tuple[int, ...]], dtype: str = "BF16") -> dict[str, TensorSpec]:
+    return {n: TensorSpec(n, dtype, s) for n, s in shapes.items()}
 
 
 def test_multimodal_text_config_and_prefix() -> None:

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from ckptctl.format.header import read_header
-from ckptctl.verify_deep import scan_file
+from ckptctl.verify.deep import scan_file
 
 torch = pytest.importorskip("torch")
 

@@ -130,7 +130,7 @@ def test_real_sharded_checkpoint_with_a_deleted_shard(saved: dict[str, Path], tm
     victim = sorted(d.glob("model-*.safetensors"))[1]
     victim.unlink()
     codes = {f.code for f in verify_path(d).findings}
-    assert "index.shard_missing" in codes and "config.not_checked" in codes
+    assert "layout.shard_missing" in codes and "config.not_checked" in codes
 
 
 def test_huggingface_hub_save_torch_state_dict_passes_clean(tmp_path: Path) -> None:
@@ -174,3 +174,57 @@ def test_bf16_nan_written_by_torch_is_found(saved: dict[str, Path], tmp_path: Pa
     assert got[("deep.inf", "b.weight")] == 1 and ("deep.all_zero", "z.weight") in got
     assert ("deep.nan", "b.weight") not in got
     assert os.path.getsize(tmp_path / "x.safetensors") == res.bytes_read
+
+
+@pytest.fixture(scope="module")
+def multi(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Multi-component roots as their libraries save them: a diffusers pipeline (UNet + scheduler)
+    and a sentence-transformers model (BERT, pooling, dense)."""
+    diffusers = pytest.importorskip("diffusers")
+    st = pytest.importorskip("sentence_transformers")
+    from sentence_transformers.sentence_transformer import modules as st_models
+    root = tmp_path_factory.mktemp("multi")
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        unet = diffusers.UNet2DModel(sample_size=8, in_channels=3, out_channels=3, layers_per_block=1,
+                                     block_out_channels=(8, 16), down_block_types=("DownBlock2D", "DownBlock2D"),
+                                     up_block_types=("UpBlock2D", "UpBlock2D"), norm_num_groups=4)
+        diffusers.DDPMPipeline(unet=unet, scheduler=diffusers.DDPMScheduler(num_train_timesteps=10)).save_pretrained(
+            root / "pipe")
+        bert = root / "bert"
+        transformers.BertModel(transformers.BertConfig(vocab_size=32, hidden_size=16, num_hidden_layers=1,
+                                                       num_attention_heads=2, intermediate_size=32)).save_pretrained(bert)
+        (bert / "vocab.txt").write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+                                                  + [f"t{i}" for i in range(27)]) + "\n")
+        transformers.BertTokenizerFast(vocab_file=str(bert / "vocab.txt")).save_pretrained(bert)
+        model = st.SentenceTransformer(modules=[st_models.Transformer(str(bert)), st_models.Pooling(16),
+                                                st_models.Dense(16, 8)])
+        model.save(str(root / "st"))
+    return {"pipe": root / "pipe", "st": root / "st"}
+
+
+def test_multi_component_roots_pass_clean_component_by_component(multi: dict[str, Path]) -> None:
+    """Each component folder is verified (read, hashed); folders without weights (scheduler,
+    pooling) are fine; BERT's names are not taken for Falcon's (config.not_checked, a note)."""
+    for name, kind, weights in (("pipe", "diffusers-pipeline", ["unet/diffusion_pytorch_model.safetensors"]),
+                                ("st", "sentence-transformers", ["model.safetensors", "2_Dense/model.safetensors"])):
+        res = verify_path(multi[name], options=VerifyOptions(deep=True))
+        assert not _bad(res), (name, _bad(res))
+        assert res.kind == kind and res.tensors > 0
+        assert sorted(f.name for f in res.files if f.role == "weights") == sorted(weights)
+        assert all(f.sha256 for f in res.files if f.role == "weights")
+        assert res.bytes_read == sum((multi[name] / w).stat().st_size for w in weights)
+
+
+def test_a_broken_component_is_found(multi: dict[str, Path], tmp_path: Path) -> None:
+    import shutil
+
+    d = shutil.copytree(multi["pipe"], tmp_path / "pipe")
+    (d / "unet" / "diffusion_pytorch_model.safetensors").unlink()
+    codes = {(f.code, f.path) for f in verify_path(d).findings}
+    assert ("dir.no_weights", str(d / "unet")) in codes
+    s = shutil.copytree(multi["st"], tmp_path / "st")
+    p = s / "2_Dense" / "model.safetensors"
+    p.write_bytes(p.read_bytes()[:-8])
+    assert ("header.truncated", str(p)) in {(f.code, f.path) for f in verify_path(s).findings}

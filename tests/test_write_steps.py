@@ -22,7 +22,7 @@ from ckptctl.write.job import write_checkpoint
 from ckptctl.write.options import ExportOptions
 from ckptctl.write.shards import TensorWriter, create_shard, write_into
 from ckptctl.write.superseded import superseded
-from tests.ckpt_helpers import state, write_sharded
+from tests.support import state, write_sharded
 
 
 # --- superseded ----------------------------------------------------------------------------------

@@ -6,7 +6,7 @@ from __future__ import annotations
 import importlib
 import pkgutil
 
-from harness import Case
+from bench.harness import Case
 
 
 def discover() -> dict[str, Case]:

@@ -8,8 +8,8 @@ import sys
 from functools import partial
 from pathlib import Path
 
-from gen import WORK, Spec, ensure
-from harness import CKPTCTL, Case, Command, clear
+from bench.gen import WORK, Spec, ensure
+from bench.harness import CKPTCTL, Case, Command, clear
 
 SPEC = Spec(size=2 * 10**9, dtype="bf16", shards=4)
 MAKE_DCP = ("import sys, glob, warnings; warnings.simplefilter('ignore'); "

@@ -6,9 +6,9 @@ from __future__ import annotations
 import sys
 from functools import partial
 
-from cases.physical import reference_commands
-from gen import WORK, Spec, ensure
-from harness import CKPTCTL, Case, Command, clear
+from bench.cases.physical import reference_commands
+from bench.gen import WORK, Spec, ensure
+from bench.harness import CKPTCTL, Case, Command, clear
 
 SPEC = Spec(size=2 * 10**9, dtype="bf16", shards=4)
 BIN = Spec(size=10**9, dtype="bf16", bin=True)

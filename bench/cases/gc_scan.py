@@ -5,8 +5,8 @@ Commands: ``find`` walking the same tree (the floor for looking at every entry),
 --dry-run`` (scan and judge every candidate: owner record, lock probe, pid check, tree size), and
 ``gc-tmp`` removing the 50 leftovers (recreated, untimed, before each run).
 
-    python bench/run.py --case gc-scan-10k
-    python bench/cases/gc_scan.py            # just build the tree and time one in-process scan
+    python -m bench.run --case gc-scan-10k
+    python -m bench.cases.gc_scan            # just build the tree and time one in-process scan
 """
 
 from __future__ import annotations
@@ -17,13 +17,9 @@ import shutil
 import subprocess
 import sys
 import time
-from pathlib import Path
 
-if __name__ == "__main__":  # standalone: bench/ importable, and not bench/cases (its inspect.py
-    sys.path[0] = str(Path(__file__).resolve().parents[1])  # would shadow the stdlib's)
-
-from gen import WORK
-from harness import Case, Command
+from bench.gen import WORK
+from bench.harness import CKPTCTL, Case, Command
 
 TREE = WORK / "gc-tree-10k"
 RUNS, STEPS = 25, 49
@@ -100,21 +96,7 @@ def prepare() -> None:
     STAMP.write_text(json.dumps({"version": VERSION, "entries": ENTRIES}))
 
 
-def _gc_argv() -> list[str]:
-    """``python -m ckptctl gc-tmp`` once the command is registered; until then the same command
-    function on a one-command Typer app (identical code path)."""
-    try:
-        from ckptctl.cli import app
-
-        if any(c.name == "gc-tmp" for c in app.registered_commands):
-            return [sys.executable, "-m", "ckptctl", "gc-tmp"]
-    except ImportError:
-        pass
-    return [sys.executable, "-c", "import typer; from ckptctl.cli.gc_cmd import gc_tmp; app = typer.Typer(); "
-                                  "app.command('gc-tmp')(gc_tmp); app()"]
-
-
-_GC = _gc_argv()
+_GC = [*CKPTCTL, "gc-tmp"]
 _ARGS = [str(TREE), "--preset", "incomplete", "--json"]
 CASES = [
     Case("gc-scan-10k", f"gc-tmp over {ENTRIES:,} entries ({LEAKS} dead staging dirs + {LEAKS} stale downloads)",

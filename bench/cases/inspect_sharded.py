@@ -7,8 +7,8 @@ import shlex
 import sys
 from functools import partial
 
-from gen import WORK, Spec, ensure
-from harness import CKPTCTL, Case, Command
+from bench.gen import WORK, Spec, ensure
+from bench.harness import CKPTCTL, Case, Command
 
 SPEC = Spec(tiny_shards=1000, layers=1000)  # 9,003 tensors, about 9 per shard, 82 MB in all
 HF_READ = "import sys; from huggingface_hub import get_local_safetensors_metadata as g; g(sys.argv[1])"

@@ -9,8 +9,8 @@ import shlex
 from functools import partial
 from pathlib import Path
 
-from gen import WORK, Spec, ensure
-from harness import Case, Command, clear
+from bench.gen import WORK, Spec, ensure
+from bench.harness import Case, Command, clear
 
 SPEC = Spec(size=2 * 10**9, dtype="bf16", shards=4)
 

@@ -11,9 +11,9 @@ import sys
 from functools import partial
 from pathlib import Path
 
-from cases.physical import reference_commands
-from gen import WORK, Spec, ensure
-from harness import CKPTCTL, Case, Command, clear
+from bench.cases.physical import reference_commands
+from bench.gen import WORK, Spec, ensure
+from bench.harness import CKPTCTL, Case, Command, clear
 
 SPEC = Spec(size=2 * 10**9, dtype="bf16", shards=4)
 TINY = Spec(tiny_shards=1000, layers=1000)

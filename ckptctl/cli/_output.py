@@ -24,6 +24,13 @@ from ckptctl.errors import CkptctlError, Interrupted
 SCHEMA_VERSION = 1
 
 
+def human_size(n: int) -> str:
+    """A byte count for people: decimal units, as the sizes on the command line (1.23 GB)."""
+    from rich import filesize
+
+    return filesize.decimal(n, precision=2)
+
+
 _PIPE_WIDTH = 100_000
 
 

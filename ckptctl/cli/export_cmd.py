@@ -10,8 +10,7 @@ from rich.table import Table
 
 from ckptctl.cli._options import (DryRunOpt, DtypeOpt, JsonOpt, LabelOpt, ManifestOpt, NoFsyncOpt, QuietOpt,
                                   VerboseOpt)
-from ckptctl.cli._output import Output, ProgressReporter
-from ckptctl.sizes import format_size
+from ckptctl.cli._output import Output, ProgressReporter, human_size
 
 def export(
     src: Annotated[str, typer.Argument(metavar="SRC", help="Source: safetensors file/dir, .bin/.pt, PEFT adapter dir, DCP dir, or a cached repo id.")],
@@ -82,15 +81,15 @@ def render_result(out: Output, result) -> None:
     for col in ("file", "size", "tensors"):
         table.add_column(col, justify="left" if col == "file" else "right")
     for f in result.files:
-        table.add_row(f["name"], format_size(f["size"]), f"{f['tensors']:,}")
+        table.add_row(f["name"], human_size(f["size"]), f"{f['tensors']:,}")
     if result.index:
         table.add_row(result.index, "", "")
     for name in result.extras:
         table.add_row(name, "", "")
     out.print(table)
-    space = f" ({format_size(result.space_available)} free)" if result.space_available is not None else ""
+    space = f" ({human_size(result.space_available)} free)" if result.space_available is not None else ""
     lines = [f"{result.tensors:,} tensors, {result.parameters:,} parameters, "
-             f"{format_size(result.bytes_to_write)} to write{space}"]
+             f"{human_size(result.bytes_to_write)} to write{space}"]
     if result.converted:
         lines.append(f"{result.converted:,} tensors converted")
     if result.aliases:

@@ -5,11 +5,10 @@ from __future__ import annotations
 from typing import Annotated, List, Optional
 
 import typer
-from rich import filesize
 from rich.table import Table
 
 from ckptctl.cli._options import DryRunOpt, JsonOpt, QuietOpt, VerboseOpt
-from ckptctl.cli._output import Output
+from ckptctl.cli._output import Output, human_size
 from ckptctl.errors import EXIT_FINDINGS, EXIT_OPERATIONAL, Interrupted, UsageError
 from ckptctl.format.names import PRESETS
 
@@ -74,10 +73,6 @@ def _duration(parse, flag: str, text: str) -> float:
         raise UsageError(f"{flag}: {exc}", f"use e.g. {flag} 30m, 6h or 2d") from None
 
 
-def _size(n: int) -> str:
-    return filesize.decimal(n, precision=2)
-
-
 def _owner_cell(c) -> str:
     from ckptctl.gc import Kind
 
@@ -107,14 +102,14 @@ def _render(out: Output, result) -> None:
         decision = labels.get(c.decision, c.decision.value)
         if c.recovery and c.decision == Decision.REMOVED:
             decision += f" ({c.recovery})"
-        table.add_row(str(c.path), _owner_cell(c), format_age(c.age), _size(c.size), decision, c.reason)
+        table.add_row(str(c.path), _owner_cell(c), format_age(c.age), human_size(c.size), decision, c.reason)
     out.print(table)
     kept = result.count(Decision.KEPT)
     if result.options.dry_run:
-        line = (f"would remove {result.count(Decision.WOULD_REMOVE)}, freeing {_size(result.bytes_to_free)}; "
+        line = (f"would remove {result.count(Decision.WOULD_REMOVE)}, freeing {human_size(result.bytes_to_free)}; "
                 f"keep {kept}")
     else:
-        line = f"removed {len(result.removed)}, freed {_size(result.bytes_freed)}; kept {kept}"
+        line = f"removed {len(result.removed)}, freed {human_size(result.bytes_freed)}; kept {kept}"
         deferred = result.count(Decision.DEFERRED)
         if deferred:
             line += f"; deferred {deferred} (files still open elsewhere)"

@@ -8,8 +8,7 @@ import typer
 from rich.table import Table
 
 from ckptctl.cli._options import JsonOpt, QuietOpt, VerboseOpt
-from ckptctl.cli._output import Output
-from ckptctl.sizes import format_size
+from ckptctl.cli._output import Output, human_size
 
 
 def inspect(
@@ -50,7 +49,7 @@ def _render(out: Output, res, *, show_tensors: bool) -> None:
     summary.add_row("format", res.format)
     summary.add_row("tensors", f"{len(res.tensors):,}")
     summary.add_row("parameters", f"{res.parameters:,}")
-    summary.add_row("tensor bytes", f"{res.total_bytes:,} ({format_size(res.total_bytes)})")
+    summary.add_row("tensor bytes", f"{res.total_bytes:,} ({human_size(res.total_bytes)})")
     for key, value in res.config.items():
         summary.add_row(key, str(value))
     out.print(summary)
@@ -59,7 +58,7 @@ def _render(out: Output, res, *, show_tensors: bool) -> None:
     for col in ("dtype", "tensors", "parameters", "bytes"):
         dtypes.add_column(col, justify="left" if col == "dtype" else "right")
     for name, d in res.dtypes.items():
-        dtypes.add_row(name, f"{d['tensors']:,}", f"{d['parameters']:,}", format_size(d["bytes"]))
+        dtypes.add_row(name, f"{d['tensors']:,}", f"{d['parameters']:,}", human_size(d["bytes"]))
     out.print(dtypes)
 
     if res.components:
@@ -76,7 +75,7 @@ def _render(out: Output, res, *, show_tensors: bool) -> None:
     shard_rows = {s["name"]: s for s in res.shards()}
     for f in res.files:
         s = shard_rows.get(f["name"])
-        files.add_row(f["name"], f["role"], format_size(f["size"]) if f["size"] is not None else "?",
+        files.add_row(f["name"], f["role"], human_size(f["size"]) if f["size"] is not None else "?",
                       f"{s['tensors']:,}" if s else "", f"{s['parameters']:,}" if s else "")
     out.print(files)
 

@@ -4,15 +4,17 @@ from __future__ import annotations
 
 import os
 from enum import Enum
-from typing import Annotated, Any, Optional
+from typing import TYPE_CHECKING, Annotated, Any, Optional
 
 import typer
 from rich.table import Table
 
 from ckptctl.cli._options import JsonOpt, QuietOpt, VerboseOpt
-from ckptctl.cli._output import Output
+from ckptctl.cli._output import Output, human_size
 from ckptctl.errors import EXIT_FINDINGS, EXIT_OK, EXIT_OPERATIONAL, UsageError
-from ckptctl.sizes import format_size
+
+if TYPE_CHECKING:
+    from ckptctl.verify import Report
 
 MAX_ROWS_PER_CODE = 20  # per (code, file) in the table; --json always has every finding
 
@@ -112,7 +114,7 @@ class _Progress:
             elif event == "done" and path in self.tasks:
                 self.bar.remove_task(self.tasks.pop(path))
         elif event == "file":
-            out.info(f"reading {path} ({format_size(amount)})")
+            out.info(f"reading {path} ({human_size(amount)})")
 
     def close(self) -> None:
         if self.bar is not None:
@@ -130,7 +132,7 @@ def _shown_file(path: str, root: str) -> str:
     return path
 
 
-def _render(out: Output, report: Any, level: str) -> None:
+def _render(out: Output, report: Report, level: str) -> None:
     show_info = out.verbosity >= 1
     if len(report.results) > 1:
         summary = Table(title="checkpoints", title_justify="left")
@@ -162,7 +164,7 @@ def _render(out: Output, report: Any, level: str) -> None:
         out.print(table)
 
 
-def _verdict(out: Output, report: Any, level: str, code: int) -> None:
+def _verdict(out: Output, report: Report, level: str, code: int) -> None:
     if out.verbosity < 0:
         return
     c = report.counts()

@@ -18,7 +18,7 @@ from typing import Any, Iterable
 from ckptctl.errors import InputError, from_oserror
 from ckptctl.findings import ERROR, WARNING, Finding, has_errors
 from ckptctl.format import dtypes as dt
-from ckptctl.format.tensor import TensorSpec
+from ckptctl.format.tensor import SpecFields, TensorSpec
 
 MAX_HEADER_SIZE = 100_000_000  # safetensors' MAX_HEADER_SIZE
 HUB_MAX_HEADER_SIZE = 25_000_000  # huggingface_hub refuses larger headers in its metadata API
@@ -28,7 +28,7 @@ METADATA_KEY = "__metadata__"
 
 
 @dataclass(frozen=True)
-class TensorInfo:
+class TensorInfo(SpecFields):
     """One tensor of a safetensors file: its spec and where its bytes sit. ``begin``/``end`` are
     relative to the data section."""
 
@@ -37,24 +37,8 @@ class TensorInfo:
     end: int
 
     @property
-    def name(self) -> str:
-        return self.spec.name
-
-    @property
-    def dtype(self) -> str:
-        return self.spec.dtype  # type: ignore[return-value]
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return self.spec.shape
-
-    @property
     def nbytes(self) -> int:
         return self.end - self.begin
-
-    @property
-    def numel(self) -> int:
-        return dt.numel(self.spec.shape)
 
 
 @dataclass

@@ -1,10 +1,11 @@
 """torch DCP checkpoints (``.metadata`` + ``*.distcp``) as a source.
 
 ``.metadata`` is a pickle; torch's own reader unpickles it without restrictions, so ckptctl reads
-it with verify's allow-list unpickler (DCP's metadata classes, torch.Size, dtypes, layouts) and
-hands that object to torch's FileSystemReader. Every referenced ``.distcp`` byte range is checked to
-exist before anything is read. Tensors are then loaded one at a time with ``dcp.load`` (chunks
-from several ranks assembled by torch), so peak memory is bounded by the largest tensor.
+it with the allow-list reader of :mod:`ckptctl.format.dcp_metadata` (DCP's metadata classes,
+torch.Size, dtypes, layouts) and hands that object to torch's FileSystemReader. Every referenced
+``.distcp`` byte range is checked to exist inside the checkpoint before anything is read. Tensors
+are then loaded one at a time with ``dcp.load`` (chunks from several ranks assembled by torch), so
+peak memory is bounded by the largest tensor.
 """
 
 from __future__ import annotations
@@ -14,62 +15,47 @@ from typing import Any, Iterator
 
 from ckptctl.errors import InputError, from_oserror
 from ckptctl.format import dtypes as dt
+from ckptctl.format import names as N
+from ckptctl.format.dcp_metadata import read_dcp_metadata as read_allowed
+from ckptctl.format.dcp_metadata import storage_needs
 from ckptctl.sources.base import CHUNK_BYTES, Source, SourceTensor
-
-MAX_METADATA_BYTES = 1 << 30
 
 
 def read_dcp_metadata(root: Path) -> Any:
-    """The checkpoint's Metadata object, unpickled with verify's allow-list (DCP's own classes,
-    torch.Size, dtypes, layouts). Raises InputError."""
-    from ckptctl.verify_pickle import read_dcp_metadata as read_allowed
-
-    path = root / ".metadata"
+    """The checkpoint's Metadata object, unpickled with the allow-list. Raises InputError."""
+    path = root / N.DCP_METADATA
     try:
-        size = path.stat().st_size
+        meta, findings = read_allowed(path, str(path))
     except FileNotFoundError:
         raise InputError(f"{root}: no .metadata file; the DCP save did not finish",
                          "save the checkpoint again (DCP writes .metadata last)") from None
     except OSError as exc:
         raise from_oserror(exc, "cannot read DCP metadata") from None
-    if size > MAX_METADATA_BYTES:
-        raise InputError(f"{path}: {size} bytes is too large for DCP metadata", "this is not a DCP checkpoint")
-    try:
-        meta, findings = read_allowed(str(path), str(path))
-    except OSError as exc:
-        raise from_oserror(exc, "cannot read DCP metadata") from None
     if meta is None:
         f = findings[0]
-        msg = f.message
-        if f.code == "dcp.unsafe_global":
-            msg = f"{path}: refused to unpickle: {f.message}"
+        msg = f"{path}: refused to unpickle: {f.message}" if f.code == "dcp.unsafe_global" else f.message
         raise InputError(msg, f.hint)
-    if not isinstance(meta.state_dict_metadata, dict):
-        raise InputError(f"{path}: not DCP Metadata", "this is not a DCP checkpoint")
     return meta
 
 
 def check_storage(root: Path, meta: Any) -> None:
     """Every byte range the metadata names must exist inside ``root``."""
-    storage = meta.storage_data
-    if not isinstance(storage, dict):
-        raise InputError(f"{root}: DCP metadata has no storage map", "save the checkpoint again")
-    sizes: dict[str, int] = {}
-    for key, info in storage.items():
-        rel = getattr(info, "relative_path", None)
-        if not isinstance(rel, str) or not rel or "/" in rel or rel in (".", ".."):
-            raise InputError(f"{root}: DCP storage entry for {getattr(key, 'fqn', key)!r} names {rel!r}",
+    for need in storage_needs(meta):
+        rel = need.relative_path
+        why = N.member_problem(rel)
+        if why:
+            raise InputError(f"{root}: DCP storage entry for {need.fqn!r} names {rel!r} ({why})",
                              "the metadata is corrupt or points outside the checkpoint")
-        if rel not in sizes:
-            try:
-                sizes[rel] = (root / rel).stat().st_size
-            except FileNotFoundError:
-                raise InputError(f"{root}: {rel} is missing (needed by {getattr(key, 'fqn', key)!r})",
-                                 "copy the missing .distcp file or save the checkpoint again") from None
-        end = int(info.offset) + int(info.length)
-        if end > sizes[rel]:
-            raise InputError(f"{root}: {rel} is truncated: {getattr(key, 'fqn', key)!r} needs bytes up to {end}, "
-                             f"file has {sizes[rel]}", "copy the file again or save the checkpoint again")
+        try:
+            size = (root / rel).stat().st_size
+        except FileNotFoundError:
+            raise InputError(f"{root}: {rel} is missing (needed by {need.fqn!r})",
+                             "copy the missing .distcp file or save the checkpoint again") from None
+        except OSError as exc:
+            raise from_oserror(exc, "cannot read DCP storage") from None
+        if need.end > size:
+            raise InputError(f"{root}: {rel} is truncated: {need.fqn!r} needs bytes up to {need.end}, "
+                             f"file has {size}", "copy the file again or save the checkpoint again")
 
 
 def _reader_class():

@@ -1,4 +1,5 @@
-"""``verify --deep``: read every byte once, hash it, and decode floats for NaN/Inf/all-zero.
+"""``verify --deep``: read every byte once, hash it, and decode floats for NaN/Inf/all-zero; the
+sha256 of each file is compared with the manifest's.
 
 One file at a time, two threads: the reader fills a small ring of fixed-size buffers and feeds
 each to sha256 (hashlib releases the GIL), the decoder walks the tensors that the buffer covers
@@ -20,8 +21,9 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from ckptctl.findings import INFO, WARNING, Finding
+from ckptctl.findings import ERROR, INFO, WARNING, Finding
 from ckptctl.format.header import Header, TensorInfo
+from ckptctl.verify.context import Context
 
 CHUNK_BYTES = 8 * 1024 * 1024
 BUFFERS = 3
@@ -246,3 +248,44 @@ def _findings(display: str, plan: list[tuple[int, int, TensorInfo]], scanners: d
                            f"values of dtype {', '.join(sorted(skipped))} are hashed but not checked for NaN/zero",
                            None))
     return out
+
+
+def deep_step(ctx: Context) -> None:
+    """Every weights file that was read, every DCP file, every file the manifest lists: hashed,
+    floats decoded (safetensors), the digest compared with the manifest's."""
+    if not ctx.options.deep:
+        return
+    queue = dict(ctx.deep_queue)
+    manifest = ctx.manifest or {}
+    for name in manifest:
+        queue.setdefault(name, None)
+    progress = ctx.progress
+    for name, hdr in queue.items():
+        rec = ctx.record(name, "extra")
+        shown = ctx.disp(name)
+        if rec.sha256 is not None:  # a component's file the root's manifest lists: read once
+            _compare(ctx, name, rec.sha256, manifest)
+            continue
+        if progress:
+            progress("file", shown, rec.size or 0)
+        try:
+            dr = scan_file(str(ctx.root / name), shown, hdr, chunk_bytes=ctx.options.chunk_bytes,
+                           progress=(lambda n, s=shown: progress("bytes", s, n)) if progress else None)
+        except OSError as exc:
+            ctx.io(name, exc)
+            continue
+        finally:
+            if progress:
+                progress("done", shown, 0)
+        rec.sha256 = dr.sha256
+        ctx.result.bytes_read += dr.bytes_read
+        ctx.extend(dr.findings)
+        _compare(ctx, name, dr.sha256, manifest)
+
+
+def _compare(ctx: Context, name: str, sha256: str, manifest: dict[str, dict[str, Any]]) -> None:
+    want = manifest[name]["sha256"] if name in manifest else None
+    if want is not None and want != sha256:
+        ctx.add("manifest.hash_mismatch", ERROR, ctx.disp(name),
+                f"{name}: sha256 {sha256[:16]}... differs from the manifest's {str(want)[:16]}...",
+                "the file is corrupt: copy it again or re-export", name=name, sha256=sha256, expected=want)

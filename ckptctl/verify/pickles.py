@@ -1,14 +1,10 @@
-"""Static checks of pickle-based checkpoints for ``verify``: PyTorch ``.bin``/``.pt`` and torch DCP.
+"""Static checks of PyTorch pickles (``.bin``/``.pt``) for ``verify``; torch is not imported.
 
-Nothing in a checked pickle ever runs. For ``.bin``/``.pt`` files the pickle is walked by an
-unpickler whose ``find_class`` never imports anything: globals on the allow-list (the ones
-``torch.load(weights_only=True)`` accepts) become inert stand-ins that record tensor metadata, and
-every other global is recorded as unsafe and replaced by an inert stub, so a ``__reduce__``
-payload can neither import nor call its target. torch is not imported for that.
-
-A DCP ``.metadata`` file holds torch dataclasses, so it is read with a real (restricted)
-unpickler that resolves an explicit allow-list of torch classes and refuses everything else;
-torch is imported for DCP directories only.
+Nothing in a checked pickle ever runs. The pickle is walked by an unpickler whose ``find_class``
+never imports anything: globals on the allow-list (the ones ``torch.load(weights_only=True)``
+accepts) become inert stand-ins that record tensor metadata, and every other global is recorded
+as unsafe and replaced by an inert stub, so a ``__reduce__`` payload can neither import nor call
+its target. (DCP's ``.metadata`` needs torch's own classes: :mod:`ckptctl.format.dcp_metadata`.)
 """
 
 from __future__ import annotations
@@ -16,15 +12,15 @@ from __future__ import annotations
 import io
 import os
 import pickle
-import pickletools
 import struct
 import zipfile
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from ckptctl.format.header import sniff
 from ckptctl.findings import ERROR, INFO, WARNING, Finding
 from ckptctl.format import dtypes as dt
+from ckptctl.format.header import sniff
+from ckptctl.format.tensor import TensorSpec
 
 # torch storage class name -> safetensors dtype
 _STORAGE_DTYPES = {
@@ -42,8 +38,9 @@ _REBUILD_FUNCS = frozenset({
     "_rebuild_sparse_tensor", "_rebuild_nested_tensor", "_rebuild_device_tensor_from_numpy",
     "_rebuild_device_tensor_from_cpu_tensor", "_rebuild_wrapper_subclass",
 })
-_MAX_PICKLE = 1 << 30
-_DISCARD_SUFFIXES = ("lm_head.weight", "embed_out.weight", "output.weight", "decoder.weight")  # a data.pkl larger than this is not a state dict we can describe
+_MAX_PICKLE = 1 << 30  # a data.pkl larger than this is not a state dict we can describe
+# Of tied weights pickled twice, the output layer is the alias (transformers keeps the embedding).
+_DISCARD_SUFFIXES = ("lm_head.weight", "embed_out.weight", "output.weight", "decoder.weight")
 
 
 @dataclass
@@ -56,11 +53,17 @@ class StorageRef:
 
 @dataclass
 class TensorRef:
+    """What ``torch._utils._rebuild_tensor*`` was called with: a view into a storage. The tensor
+    gets its name (and so a :class:`TensorSpec`) from the state dict key it is stored under."""
+
     storage: StorageRef | None
     offset: int
     shape: tuple[int, ...]
     stride: tuple[int, ...]
     dtype: str | None
+
+    def spec(self, name: str) -> TensorSpec:
+        return TensorSpec(name, self.dtype, self.shape)
 
 
 class _Inert:
@@ -193,7 +196,7 @@ class _ScanUnpickler(pickle.Unpickler):
 class PickleScan:
     """What a static scan of one torch pickle found."""
 
-    tensors: dict[str, tuple[str | None, tuple[int, ...]]] | None = None  # None: not a flat state dict
+    tensors: dict[str, TensorSpec] | None = None  # None: not a flat state dict
     aliases: dict[str, str] = field(default_factory=dict)  # name -> the name it shares storage with
     unsafe: list[str] = field(default_factory=list)
     findings: list[Finding] = field(default_factory=list)
@@ -310,11 +313,11 @@ def _collect(obj: Any, display: str, res: PickleScan, add: Callable[..., None], 
         add("pickle.not_state_dict", INFO, f"{display}: holds a {type(obj).__name__}, not a state dict; "
             "tensor names are not checked", None)
         return
-    tensors: dict[str, tuple[str | None, tuple[int, ...]]] = {}
+    tensors: dict[str, TensorSpec] = {}
     other = [str(k) for k, v in obj.items() if not isinstance(v, TensorRef)]
     for k, v in obj.items():
         if isinstance(v, TensorRef):
-            tensors[str(k)] = (v.dtype, v.shape)
+            tensors[str(k)] = v.spec(str(k))
             if records is not None:
                 _check_storage(str(k), v, display, add, records, prefix)
     groups: dict[tuple[Any, ...], list[str]] = {}
@@ -354,10 +357,7 @@ def _check_storage(name: str, t: TensorRef, display: str, add: Callable[..., Non
             "the file is damaged: export or download it again", tensor=name,
             record_size=records[rec], expected=need_bytes)
         return
-    numel = 1
-    for s in t.shape:
-        numel *= s
-    if numel and t.stride and len(t.stride) == len(t.shape):
+    if dt.numel(t.shape) and t.stride and len(t.stride) == len(t.shape):
         last = t.offset + sum((s - 1) * abs(st_) for s, st_ in zip(t.shape, t.stride))
         d_t = dt.get(t.dtype) if t.dtype else None
         extent = (last + 1) * (d_t.itemsize if d_t else itemsize)
@@ -366,110 +366,3 @@ def _check_storage(name: str, t: TensorRef, display: str, add: Callable[..., Non
                 f"{display}: tensor {name!r} (shape {list(t.shape)}, offset {t.offset}) reaches past the end "
                 f"of its {records[rec]}-byte storage", "the file is damaged: export or download it again",
                 tensor=name)
-
-
-# --------------------------------------------------------------------------------------------
-# torch DCP
-
-_DCP_CLASSES = {
-    "torch.distributed.checkpoint.metadata": {
-        "Metadata", "MetadataIndex", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
-        "TensorProperties", "StorageMeta", "_MEM_FORMAT_ENCODING",
-    },
-    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
-    "torch.distributed.checkpoint._extension": {"ExtensionTransform"},
-    "pathlib": {"PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath", "Path"},
-    "collections": {"OrderedDict"},
-    "builtins": {"set", "frozenset"},
-}
-
-
-class _DcpUnpickler(pickle.Unpickler):
-    def __init__(self, data: bytes) -> None:
-        super().__init__(io.BytesIO(data))
-        self.refused: list[str] = []
-
-    def find_class(self, module: str, name: str) -> Any:
-        import torch
-
-        if module == "torch":
-            obj = getattr(torch, name, None)
-            if isinstance(obj, (torch.dtype, torch.layout, torch.memory_format)) or name == "Size":
-                return obj
-        if module == "torch.serialization" and name == "_get_layout":
-            return torch.serialization._get_layout
-        if name in _DCP_CLASSES.get(module, ()):
-            import importlib
-
-            return getattr(importlib.import_module(module), name)
-        self.refused.append(f"{module}.{name}")
-        raise pickle.UnpicklingError(f"global {module}.{name} is not allowed in DCP metadata")
-
-
-@dataclass
-class DcpScan:
-    findings: list[Finding] = field(default_factory=list)
-    referenced: dict[str, int] = field(default_factory=dict)  # relative path -> bytes needed
-    tensors: int = 0
-
-
-def read_dcp_metadata(path: str, display: str) -> tuple[Any | None, list[Finding]]:
-    """Unpickle a DCP ``.metadata`` file with only torch's checkpoint classes allowed."""
-    with open(path, "rb") as f:
-        data = f.read()
-    try:
-        # pickletools checks every length field against the bytes that are there; the C
-        # unpickler would first allocate what a hostile length field asks for.
-        for _ in pickletools.genops(data):
-            pass
-    except Exception as exc:  # noqa: BLE001 - genops raises ValueError and assorted errors on garbage
-        return None, [Finding("dcp.bad_metadata", ERROR, display,
-                              f"{display}: unreadable DCP metadata ({type(exc).__name__}: {str(exc)[:160]})",
-                              "the save did not finish or the file is damaged: save it again")]
-    up = _DcpUnpickler(data)
-    try:
-        md = up.load()
-    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, IndexError, KeyError, AttributeError,
-            struct.error, UnicodeDecodeError, RecursionError, OverflowError, ImportError) as exc:
-        if up.refused:
-            return None, [Finding("dcp.unsafe_global", ERROR, display,
-                                  f"{display}: DCP metadata references {up.refused[0]}, outside the allow-list "
-                                  "(nothing was run)", "re-save the checkpoint with torch.distributed.checkpoint",
-                                  None, {"globals": up.refused})]
-        return None, [Finding("dcp.bad_metadata", ERROR, display,
-                              f"{display}: unreadable DCP metadata ({type(exc).__name__}: {str(exc)[:160]})",
-                              "the save did not finish or the file is damaged: save it again")]
-    if not (hasattr(md, "state_dict_metadata") and hasattr(md, "storage_data")):
-        return None, [Finding("dcp.bad_metadata", ERROR, display,
-                              f"{display}: .metadata holds a {type(md).__name__}, not DCP Metadata",
-                              "save the checkpoint again with torch.distributed.checkpoint")]
-    return md, []
-
-
-def dcp_requirements(md: Any, display: str) -> DcpScan:
-    """Files and byte ranges the metadata needs, and chunks without a storage entry."""
-    from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
-
-    scan = DcpScan()
-    storage = md.storage_data if isinstance(md.storage_data, dict) else {}
-    for info in storage.values():
-        rel = getattr(info, "relative_path", None)
-        off = getattr(info, "offset", 0) or 0
-        length = getattr(info, "length", 0) or 0
-        if isinstance(rel, str):
-            scan.referenced[rel] = max(scan.referenced.get(rel, 0), int(off) + int(length))
-    missing: list[str] = []
-    for fqn, meta in (md.state_dict_metadata or {}).items():
-        if isinstance(meta, TensorStorageMetadata):
-            scan.tensors += 1
-            for chunk in meta.chunks:
-                if MetadataIndex(fqn, chunk.offsets) not in storage:
-                    missing.append(f"{fqn}@{list(chunk.offsets)}")
-        elif MetadataIndex(fqn) not in storage:
-            missing.append(fqn)
-    if missing:
-        scan.findings.append(Finding(
-            "dcp.chunk_missing", ERROR, display,
-            f"{display}: {len(missing)} tensor chunks or objects have no storage entry ({', '.join(missing[:5])})",
-            "the save did not finish on every rank: save it again", None, {"missing": missing[:100]}))
-    return scan

@@ -1,0 +1,157 @@
+"""The decoder-only architectures whose tensor shapes ``verify`` checks against config.json.
+
+Each :class:`Spec` names the embedding, the layer container, the output head and, per tensor of a
+layer, the shape the config's dimensions give it (:class:`Dims`, read through the one table of
+config field names, :mod:`ckptctl.config_fields`):
+
+* Llama-style names (Llama, Mistral, Mixtral, Qwen2/3, Gemma 1-3, Phi-3, most VLM text towers):
+  ``model.embed_tokens``, ``model.layers.{i}.self_attn.{q,k,v,o}_proj``, ``mlp.{gate,up,down}_proj``,
+  ``lm_head``;
+* GPT-2 (``transformer.wte/wpe``, ``h.{i}.attn.c_attn``; Conv1D weights are stored [in, out]);
+* GPT-NeoX (``gpt_neox.embed_in``, ``layers.{i}.attention.query_key_value``, ``embed_out``);
+* Falcon / Bloom (``transformer.word_embeddings``, ``h.{i}.self_attention.query_key_value``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from ckptctl.config_fields import ConfigFields, as_int
+
+
+@dataclass
+class Dims:
+    hidden: int | None = None
+    heads: int | None = None
+    kv: int | None = None
+    head_dim: int | None = None
+    inter: int | None = None
+    vocab: int | None = None
+    layers: int | None = None
+    max_pos: int | None = None
+
+
+@dataclass(frozen=True)
+class Rule:
+    suffix: str  # tensor name inside a layer, e.g. "self_attn.q_proj.weight"
+    shape: Callable[[Dims], tuple[int | None, ...] | None]
+    code: str
+    what: str  # which config fields decide the shape
+
+
+@dataclass(frozen=True)
+class Spec:
+    name: str
+    embed: str
+    layer: str  # "layers" or "h"
+    lm_head: str
+    rules: tuple[Rule, ...]
+    position: str | None = None
+    dims: Callable[[ConfigFields], Dims] | None = None
+
+
+def _mul(*xs: int | None) -> int | None:
+    out = 1
+    for x in xs:
+        if x is None:
+            return None
+        out *= x
+    return out
+
+
+def _llama_dims(c: ConfigFields) -> Dims:
+    d = Dims(hidden=as_int(c.get("hidden_size")), heads=as_int(c.get("num_attention_heads")),
+             inter=as_int(c.get("intermediate_size")), vocab=as_int(c.get("vocab_size")),
+             layers=as_int(c.get("num_hidden_layers")), max_pos=as_int(c.get("max_position_embeddings")))
+    d.kv = as_int(c.get("num_key_value_heads")) or d.heads
+    d.head_dim = as_int(c.get("head_dim"))
+    if d.head_dim is None and d.hidden and d.heads:
+        d.head_dim = d.hidden // d.heads
+    return d
+
+
+def _gpt2_dims(c: ConfigFields) -> Dims:
+    d = _llama_dims(c)
+    if d.inter is None and d.hidden:
+        d.inter = 4 * d.hidden
+    d.kv = d.heads
+    return d
+
+
+def _falcon_dims(c: ConfigFields) -> Dims:
+    d = _llama_dims(c)
+    if as_int(c.get("ffn_hidden_size")):
+        d.inter = as_int(c.get("ffn_hidden_size"))
+    elif d.inter is None and d.hidden:
+        d.inter = 4 * d.hidden
+    if d.hidden and d.heads:
+        d.head_dim = d.hidden // d.heads
+    if c.get("new_decoder_architecture"):
+        d.kv = as_int(c.get("num_kv_heads")) or d.heads
+    elif c.get("multi_query"):
+        d.kv = 1
+    else:
+        d.kv = d.heads
+    return d
+
+
+_ATT = "config.attention_shape"
+_KV = "config.kv_heads_mismatch"
+_MLP = "config.mlp_shape"
+_Q_WHAT = "num_attention_heads x head_dim by hidden_size"
+_KV_WHAT = "num_key_value_heads x head_dim by hidden_size"
+
+LLAMA = Spec("llama-style", "embed_tokens.weight", "layers", "lm_head.weight", (
+    Rule("self_attn.q_proj.weight", lambda d: (_mul(d.heads, d.head_dim), d.hidden), _ATT, _Q_WHAT),
+    Rule("self_attn.k_proj.weight", lambda d: (_mul(d.kv, d.head_dim), d.hidden), _KV, _KV_WHAT),
+    Rule("self_attn.v_proj.weight", lambda d: (_mul(d.kv, d.head_dim), d.hidden), _KV, _KV_WHAT),
+    Rule("self_attn.o_proj.weight", lambda d: (d.hidden, _mul(d.heads, d.head_dim)), _ATT,
+         "hidden_size by num_attention_heads x head_dim"),
+    Rule("self_attn.q_proj.bias", lambda d: (_mul(d.heads, d.head_dim),), _ATT, "num_attention_heads x head_dim"),
+    Rule("self_attn.k_proj.bias", lambda d: (_mul(d.kv, d.head_dim),), _KV, "num_key_value_heads x head_dim"),
+    Rule("self_attn.v_proj.bias", lambda d: (_mul(d.kv, d.head_dim),), _KV, "num_key_value_heads x head_dim"),
+    Rule("self_attn.qkv_proj.weight",
+         lambda d: (None if d.heads is None or d.kv is None or d.head_dim is None
+                    else (d.heads + 2 * d.kv) * d.head_dim, d.hidden), _ATT,
+         "(num_attention_heads + 2 x num_key_value_heads) x head_dim by hidden_size"),
+    Rule("mlp.gate_proj.weight", lambda d: (d.inter, d.hidden), _MLP, "intermediate_size by hidden_size"),
+    Rule("mlp.up_proj.weight", lambda d: (d.inter, d.hidden), _MLP, "intermediate_size by hidden_size"),
+    Rule("mlp.down_proj.weight", lambda d: (d.hidden, d.inter), _MLP, "hidden_size by intermediate_size"),
+    Rule("mlp.gate_up_proj.weight", lambda d: (_mul(2, d.inter), d.hidden), _MLP,
+         "2 x intermediate_size by hidden_size"),
+), dims=_llama_dims)
+
+GPT2 = Spec("gpt2", "wte.weight", "h", "lm_head.weight", (
+    Rule("attn.c_attn.weight", lambda d: (d.hidden, _mul(3, d.hidden)), _ATT, "n_embd by 3 x n_embd (Conv1D)"),
+    Rule("attn.c_proj.weight", lambda d: (d.hidden, d.hidden), _ATT, "n_embd by n_embd"),
+    Rule("mlp.c_fc.weight", lambda d: (d.hidden, d.inter), _MLP, "n_embd by n_inner (default 4 x n_embd)"),
+    Rule("mlp.c_proj.weight", lambda d: (d.inter, d.hidden), _MLP, "n_inner by n_embd"),
+), position="wpe.weight", dims=_gpt2_dims)
+
+NEOX = Spec("gpt-neox", "embed_in.weight", "layers", "embed_out.weight", (
+    Rule("attention.query_key_value.weight", lambda d: (_mul(3, d.heads, d.head_dim), d.hidden), _ATT,
+         "3 x num_attention_heads x head_dim by hidden_size"),
+    Rule("attention.dense.weight", lambda d: (d.hidden, _mul(d.heads, d.head_dim)), _ATT,
+         "hidden_size by num_attention_heads x head_dim"),
+    Rule("mlp.dense_h_to_4h.weight", lambda d: (d.inter, d.hidden), _MLP, "intermediate_size by hidden_size"),
+    Rule("mlp.dense_4h_to_h.weight", lambda d: (d.hidden, d.inter), _MLP, "hidden_size by intermediate_size"),
+), dims=_gpt2_dims)
+
+FALCON = Spec("falcon/bloom", "word_embeddings.weight", "h", "lm_head.weight", (
+    Rule("self_attention.query_key_value.weight",
+         lambda d: (None if d.heads is None or d.kv is None or d.head_dim is None
+                    else (d.heads + 2 * d.kv) * d.head_dim, d.hidden), _ATT,
+         "(num_attention_heads + 2 x kv heads) x head_dim by hidden_size (kv heads: num_kv_heads with "
+         "new_decoder_architecture, 1 with multi_query)"),
+    Rule("self_attention.dense.weight", lambda d: (d.hidden, _mul(d.heads, d.head_dim)), _ATT,
+         "hidden_size by hidden_size"),
+    Rule("mlp.dense_h_to_4h.weight", lambda d: (d.inter, d.hidden), _MLP, "ffn_hidden_size by hidden_size"),
+    Rule("mlp.dense_4h_to_h.weight", lambda d: (d.hidden, d.inter), _MLP, "hidden_size by ffn_hidden_size"),
+), dims=_falcon_dims)
+
+SPECS = (LLAMA, GPT2, NEOX, FALCON)
+
+# architectures whose name says the model generates text (its config wants a generation config and
+# a tokenizer, and an untied lm_head must be stored)
+GENERATIVE = ("ForCausalLM", "LMHeadModel", "ForConditionalGeneration")

@@ -1,0 +1,141 @@
+"""A sharded family's index against its shards: what the index maps where, shard numbering,
+``total_size``/``total_parameters`` and alias records.
+
+The index was read once by ``layout.scan`` (``Family.index_doc``; its own findings are in the
+layout's findings), and layout decided which of the shards it names are files of the checkpoint
+(the others are ``layout.shard_missing``). Only an index layout accepted is cross-checked; a broken
+one speaks through its own findings and the family is read by its file names.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from ckptctl import layout as L
+from ckptctl.config_fields import as_int
+from ckptctl.findings import ERROR, WARNING
+from ckptctl.format import names as N
+from ckptctl.format.index import Index
+from ckptctl.verify import weights as W
+from ckptctl.verify.context import Context, FamilyTensors, WeightsRead
+
+_REPAIR = "run `ckptctl resave --repair DIR` to rebuild the index from the shard headers"
+
+
+def family_tensors(ctx: Context, fam: L.Family) -> FamilyTensors:
+    """The tensors of a safetensors or pickle family, its index checked against its shards."""
+    return read_indexed(ctx, fam) if fam.index_doc is not None else W.read_family(ctx, fam)
+
+
+def read_indexed(ctx: Context, fam: L.Family) -> FamilyTensors:
+    assert fam.index is not None and fam.index_doc is not None
+    doc: Index = fam.index_doc
+    ctx.record(fam.index, "index")
+    shown = ctx.disp(fam.index)
+    if not doc.ok or not doc.weight_map:
+        if doc.ok:
+            ctx.add("index.empty", ERROR, shown, f"{shown}: weight_map is empty", _REPAIR)
+        return W.read_family(ctx, fam, complete=False)
+    ext = "." + (N.SAFETENSORS_EXT if fam.container == L.SAFETENSORS else N.BIN_EXT)
+    files = set(fam.files)  # layout: the named shards that are safe names and regular files
+    reads: dict[str, WeightsRead] = {}
+    for shard in doc.shards:
+        if N.member_problem(shard):
+            continue  # layout.shard_missing says why
+        if not shard.endswith(ext):
+            ctx.add("index.shard_extension", ERROR, shown,
+                    f"{shown} names shard {shard!r}, which is not a {ext} file; not opened", _REPAIR, name=shard)
+            continue
+        if shard in files and ctx.inside(shard) is not None:
+            reads[shard] = W.read_file(ctx, shard, fam.container)
+    table = W.merge(ctx, reads)
+    complete = set(doc.shards) <= set(reads) and all(r.names is not None for r in reads.values())
+    _cross_check(ctx, shown, doc.weight_map, reads)
+    if not any(N.member_problem(s) for s in doc.shards):
+        _numbering(ctx, shown, doc.shards, ext)
+    if fam.container == L.SAFETENSORS:
+        _totals(ctx, shown, doc.metadata, reads, doc.shards)
+    names = set().union(*(r.names or set() for r in reads.values()))
+    ctx.extend(W.alias_findings(doc.metadata, names, shown))
+    W.shard_sizes(ctx, reads)
+    return FamilyTensors(fam, table, complete)
+
+
+def _cross_check(ctx: Context, shown: str, wm: dict[str, str], reads: dict[str, WeightsRead]) -> None:
+    located: dict[str, list[str]] = {}
+    for shard, r in reads.items():
+        for t in r.names or ():
+            located.setdefault(t, []).append(shard)
+    readable = {s for s, r in reads.items() if r.names is not None}
+    for t, shard in sorted(wm.items()):
+        if shard not in readable:
+            continue  # a missing or unreadable shard is reported once, elsewhere
+        homes = located.get(t, [])
+        if shard in homes:
+            continue
+        if len(homes) == 1:
+            ctx.add("index.wrong_shard", ERROR, shown, f"{shown} maps {t!r} to {shard}, but it is stored in {homes[0]}",
+                    _REPAIR, tensor=t, indexed=shard, actual=homes[0])
+        elif not homes:
+            ctx.add("index.tensor_missing", ERROR, ctx.disp(shard),
+                    f"{shown} maps {t!r} to {shard}, which does not hold it",
+                    _REPAIR + " (if the tensor is really gone, re-export the checkpoint)", tensor=t, shard=shard)
+    for t, homes in sorted(located.items()):
+        if t not in wm:
+            ctx.add("index.tensor_not_indexed", ERROR, ctx.disp(homes[0]),
+                    f"{homes[0]} holds {t!r}, which {os.path.basename(shown)} does not list "
+                    "(transformers loads it anyway; huggingface_hub does not)", _REPAIR, tensor=t)
+
+
+def _numbering(ctx: Context, shown: str, shards: list[str], ext: str) -> None:
+    groups: dict[tuple[str, int], set[int]] = {}
+    odd: list[str] = []
+    for s in shards:
+        parsed = N.parse_shard_number(s)
+        if parsed and s.endswith(ext):
+            prefix, i, n, _ = parsed
+            groups.setdefault((prefix, n), set()).add(i)
+        else:
+            odd.append(s)
+    if odd and len(shards) > 1:
+        ctx.add("index.nonstandard_name", WARNING, shown,
+                f"{shown} names shards outside the PREFIX-00001-of-0000N pattern ({', '.join(odd[:3])})",
+                "ckptctl resave renames shards to the standard pattern", names=odd[:20])
+    if len(groups) > 1:
+        ctx.add("index.shard_numbering", ERROR, shown,
+                f"{shown} mixes shard families: {', '.join(f'{p}-*-of-{n:05d}' for p, n in sorted(groups))}",
+                _REPAIR, families=[f"{p}-of-{n}" for p, n in sorted(groups)])
+        return
+    for (prefix, n), got in groups.items():
+        missing = sorted(set(range(1, n + 1)) - got)
+        beyond = sorted(i for i in got if i < 1 or i > n)
+        if missing or beyond or len(got) + len(odd) != n:
+            ctx.add("index.shard_numbering", ERROR, shown,
+                    f"{shown} names {len(got)} shards of {prefix}-*-of-{n:05d}"
+                    + (f"; missing numbers {', '.join(map(str, missing[:10]))}" if missing else "")
+                    + (f"; numbers beyond {n}: {', '.join(map(str, beyond[:10]))}" if beyond else ""),
+                    "the index and the shard set disagree: restore the missing shards or re-export",
+                    missing=missing[:100], count=len(got), expected=n)
+
+
+def _totals(ctx: Context, shown: str, meta: dict[str, Any], reads: dict[str, WeightsRead], shards: list[str]) -> None:
+    complete = set(shards) <= set(reads) and all(r.header is not None and r.header.ok for r in reads.values())
+    headers = [r.header for r in reads.values() if r.header is not None]
+    if "total_size" not in meta:
+        ctx.add("index.total_size_missing", WARNING, shown, f"{shown}: metadata has no total_size", _REPAIR)
+    elif as_int(meta["total_size"]) is None:
+        ctx.add("index.total_size_mismatch", ERROR, shown, f"{shown}: total_size is {meta['total_size']!r}, "
+                "not an integer", _REPAIR)
+    elif complete and (actual := sum(h.data_bytes for h in headers)) != meta["total_size"]:
+        ctx.add("index.total_size_mismatch", ERROR, shown,
+                f"{shown}: total_size is {meta['total_size']:,} but the shards hold {actual:,} tensor bytes",
+                _REPAIR, stated=meta["total_size"], actual=actual)
+    params = as_int(meta.get("total_parameters"))
+    if params is not None and complete:
+        actual_p = sum(t.numel for h in headers for t in h.tensors.values())
+        if actual_p != params:
+            ctx.add("index.total_parameters_mismatch", WARNING, shown,
+                    f"{shown}: total_parameters is {params:,} but the shards hold {actual_p:,} values",
+                    "harmless for loading, but the Hub shows the wrong model size; " + _REPAIR,
+                    stated=params, actual=actual_p)

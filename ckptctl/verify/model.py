@@ -1,0 +1,320 @@
+"""config.json against the tensors: the model rules, and the step that runs them.
+
+The rules are pure functions over tensor specs (name, dtype, shape); no file access, no torch.
+The architecture is recognised from the tensor names (not from ``model_type``,
+:mod:`ckptctl.verify.architectures`) and the prefix in front of the embedding (``model.``,
+``model.language_model.``, none) is found, so bare base models and multimodal checkpoints work
+too. Shapes are checked only where a tensor exists; quantized and encoder-decoder checkpoints are
+skipped with an info finding. The step compares config.json with the family transformers would
+load (``model.safetensors`` first, then the index, then ``pytorch_model*.bin``).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+from typing import Any
+
+from ckptctl import layout as L
+from ckptctl.config_fields import ConfigFields
+from ckptctl.findings import ERROR, INFO, WARNING, Finding, PathFindings
+from ckptctl.format.tensor import TensorSpec
+from ckptctl.verify.architectures import GENERATIVE, SPECS, Dims, Spec
+from ckptctl.verify.context import Context
+from ckptctl.verify.weights import transformers_rank
+
+Tensors = Mapping[str, TensorSpec]
+
+FLOATS = frozenset({"F16", "BF16", "F32", "F64"})
+QUANT_DTYPES = frozenset({"F8_E5M2", "F8_E4M3", "F8_E8M0", "F8_E4M3FNUZ", "F8_E5M2FNUZ", "F4", "F6_E2M3",
+                          "F6_E3M2"})
+QUANT_SUFFIXES = (".qweight", ".qzeros", ".absmax", ".quant_map", ".quant_state", ".weight_scale",
+                  ".weight_scale_inv", ".weight_packed", ".SCB", ".weight_zero_point", ".input_scale",
+                  ".nested_absmax", ".g_idx")
+CONFIG_DTYPES = {"float32": "F32", "float": "F32", "float16": "F16", "half": "F16", "bfloat16": "BF16",
+                 "float64": "F64", "double": "F64"}
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model",
+                   "sentencepiece.bpe.model", "tokenizer_config.json")
+
+_FIX_CONFIG = "fix config.json (or re-export the checkpoint from the model that produced it)"
+
+
+def _detect(tensors: Tensors) -> tuple[Spec, str] | None:
+    """The layout and the prefix in front of its embedding (e.g. ``model.``)."""
+    best: tuple[int, Spec, str] | None = None
+    names = list(tensors)
+    for spec in SPECS:
+        roots: set[str] = set()
+        for n in names:
+            if n == spec.embed or n.endswith("." + spec.embed):
+                roots.add(n[: len(n) - len(spec.embed)])
+        first = spec.rules[0].suffix
+        pat = re.compile(rf"^(.*?){spec.layer}\.\d+\.{re.escape(first)}$")
+        for n in names:
+            m = pat.match(n)
+            if m:
+                roots.add(m.group(1))
+        for root in roots:
+            lp = root + spec.layer + "."
+            hits = sum(1 for n in names if n.startswith(lp))
+            has_embed = (root + spec.embed) in tensors
+            score = hits + (1 << 40 if has_embed else 0)
+            # an embedding name alone is no proof (BERT's embeddings.word_embeddings is not Falcon's)
+            if hits and (best is None or score > best[0]):
+                best = (score, spec, root)
+    return (best[1], best[2]) if best else None
+
+
+def _fmt(shape: tuple[int | None, ...]) -> str:
+    return "[" + ", ".join("?" if x is None else str(x) for x in shape) + "]"
+
+
+def _shape_ok(actual: tuple[int, ...], expected: tuple[int | None, ...] | None) -> bool:
+    if expected is None or len(actual) != len(expected):
+        return expected is None
+    return all(e is None or a == e for a, e in zip(actual, expected))
+
+
+def check_config(display: str, cfg: Any, tensors: Tensors, *, check_dtype: bool = True,
+                 tokenizer_size: int | None = None, tokenizer_display: str | None = None) -> list[Finding]:
+    """Findings about config.json (already parsed) against the checkpoint's tensors."""
+    ctx = PathFindings(display)
+    if not isinstance(cfg, dict):
+        ctx.add("config.bad_json", ERROR, f"{display}: top level is a JSON {type(cfg).__name__}, not an object",
+                _FIX_CONFIG)
+        return ctx.findings
+    c = ConfigFields(cfg)
+    for key in ("architectures", "model_type"):
+        if key not in cfg:
+            ctx.add("config.missing_field", WARNING, f"{display}: no {key!r} (transformers needs it to pick a class)",
+                    _FIX_CONFIG, field=key)
+    quantized = isinstance(cfg.get("quantization_config"), dict) or isinstance(cfg.get("compression_config"), dict)
+    _check_quantization(ctx, tensors, quantized)
+    if check_dtype and not quantized:
+        _check_dtype(ctx, c, tensors)
+    archs = cfg.get("architectures") if isinstance(cfg.get("architectures"), list) else []
+    if cfg.get("is_encoder_decoder"):
+        ctx.add("config.not_checked", INFO, f"{display}: encoder-decoder model; shape checks skipped")
+        return ctx.findings
+    found = _detect(tensors)
+    if found is None:
+        ctx.add("config.not_checked", INFO,
+                f"{display}: tensor names not recognised (model_type {cfg.get('model_type')!r}); shape checks "
+                "skipped", None)
+        return ctx.findings
+    spec, root = found
+    assert spec.dims is not None
+    dims = spec.dims(c)
+    generative = any(isinstance(a, str) and a.endswith(GENERATIVE) for a in archs) or not archs
+    _check_embeddings(ctx, spec, root, dims, tensors, c, generative, quantized)
+    _check_layers(ctx, spec, root, dims, tensors, quantized)
+    if tokenizer_size is not None and dims.vocab is not None and tokenizer_size > dims.vocab:
+        ctx.add("config.tokenizer_vocab", ERROR,
+                f"{tokenizer_display or 'tokenizer'} has token ids up to {tokenizer_size - 1}, but vocab_size is "
+                f"{dims.vocab}: those tokens index past the embedding",
+                "resize the embeddings (model.resize_token_embeddings) and re-export, or fix vocab_size",
+                tokenizer_size=tokenizer_size, vocab_size=dims.vocab)
+    return ctx.findings
+
+
+def _check_quantization(ctx: PathFindings, tensors: Tensors, quantized: bool) -> None:
+    signals = [t.name for t in tensors.values()
+               if (t.dtype in QUANT_DTYPES and t.name.endswith(".weight"))
+               or t.name.endswith(QUANT_SUFFIXES)
+               or (t.dtype in ("I8", "U8") and t.name.endswith(".weight") and len(t.shape) == 2)]
+    if signals and not quantized:
+        ctx.add("config.quantization_missing", WARNING,
+                f"{ctx.path}: {len(signals)} tensors look quantized ({signals[0]!r}, ...) but there is no "
+                "quantization_config", "copy the quantization_config of the quantized model into config.json",
+                tensor=signals[0], count=len(signals))
+    elif quantized and not signals:
+        ctx.add("config.quantization_unused", WARNING,
+                f"{ctx.path}: quantization_config is set but no tensor is quantized",
+                "remove quantization_config (the weights are plain floats) or export the quantized weights")
+
+
+def _check_dtype(ctx: PathFindings, c: ConfigFields, tensors: Tensors) -> None:
+    raw = c.get("dtype")
+    if not isinstance(raw, str) or raw == "auto":
+        return
+    want = CONFIG_DTYPES.get(raw.removeprefix("torch."))
+    if want is None:
+        return
+    counts: dict[str, int] = {}
+    for t in tensors.values():
+        if t.dtype in FLOATS:
+            counts[t.dtype] = counts.get(t.dtype, 0) + t.numel
+    if not counts:
+        return
+    dominant = max(sorted(counts), key=lambda k: counts[k])
+    if dominant != want:
+        ctx.add("config.dtype_mismatch", WARNING,
+                f"{ctx.path}: dtype is {raw!r} but most parameters are {dominant} "
+                f"({counts[dominant]:,} of {sum(counts.values()):,})",
+                "set \"dtype\" in config.json to the tensors' dtype, or convert with `ckptctl resave --dtype`",
+                config=raw, tensors=dominant)
+
+
+def _check_embeddings(ctx: PathFindings, spec: Spec, root: str, d: Dims, tensors: Tensors, c: ConfigFields,
+                      generative: bool, quantized: bool) -> None:
+    layer_prefix = root + spec.layer + "."
+    embed = tensors.get(root + spec.embed)
+    heads = [t for n, t in tensors.items()
+             if (n == spec.lm_head or n.endswith("." + spec.lm_head)) and not n.startswith(layer_prefix)]
+    lm = heads[0] if heads else None
+    if not quantized:
+        for t, role in ((embed, "embedding"), (lm, "lm_head")):
+            if t is None or len(t.shape) != 2:
+                continue
+            if d.vocab is not None and t.shape[0] != d.vocab:
+                ctx.add("config.vocab_mismatch", ERROR,
+                        f"{role} {t.name!r} has {t.shape[0]} rows but vocab_size is {d.vocab}",
+                        "set vocab_size to the embedding rows, or resize the embeddings and re-export",
+                        tensor=t.name, rows=t.shape[0], vocab_size=d.vocab)
+            if d.hidden is not None and t.shape[1] != d.hidden:
+                ctx.add("config.hidden_mismatch", ERROR,
+                        f"{role} {t.name!r} has {t.shape[1]} columns but hidden_size is {d.hidden}",
+                        _FIX_CONFIG, tensor=t.name, columns=t.shape[1], hidden_size=d.hidden)
+        if spec.position:
+            pos = tensors.get(root + spec.position)
+            if pos is not None and len(pos.shape) == 2 and d.max_pos is not None and pos.shape[0] != d.max_pos:
+                ctx.add("config.position_mismatch", ERROR,
+                        f"position embedding {pos.name!r} has {pos.shape[0]} rows but the config allows "
+                        f"{d.max_pos} positions", _FIX_CONFIG, tensor=pos.name, rows=pos.shape[0],
+                        max_positions=d.max_pos)
+    bert_pos = next((t for n, t in tensors.items() if n.endswith("embeddings.position_embeddings.weight")), None)
+    if bert_pos is not None and d.max_pos is not None and bert_pos.shape and bert_pos.shape[0] != d.max_pos:
+        ctx.add("config.position_mismatch", ERROR,
+                f"position embedding {bert_pos.name!r} has {bert_pos.shape[0]} rows but max_position_embeddings "
+                f"is {d.max_pos}", _FIX_CONFIG, tensor=bert_pos.name)
+    tie = c.get("tie_word_embeddings")
+    if tie is False and lm is None and embed is not None and generative:
+        ctx.add("config.lm_head_missing", ERROR,
+                f"tie_word_embeddings is false but no {spec.lm_head!r} tensor exists: the output layer would be "
+                "randomly initialised", "set tie_word_embeddings to true if the head is tied, or export the "
+                "lm_head weights too", tensor=spec.lm_head)
+    elif tie is True and lm is not None and embed is not None:
+        ctx.add("config.lm_head_tied_present", WARNING,
+                f"tie_word_embeddings is true but {lm.name!r} is stored too; transformers ignores it, other "
+                "loaders (vLLM) may fail or use it", "set tie_word_embeddings to false if the head is trained "
+                "separately, or drop the tensor with `ckptctl resave`", tensor=lm.name)
+
+
+def _first(items: list[int], total: int, shown: int = 10) -> str:
+    """The first ``shown`` items, with ' ...' when there are more (``total`` of them)."""
+    return ", ".join(map(str, items[:shown])) + (" ..." if total > shown else "")
+
+
+def _check_layers(ctx: PathFindings, spec: Spec, root: str, d: Dims, tensors: Tensors,
+                  quantized: bool) -> None:
+    pat = re.compile(rf"^{re.escape(root)}{spec.layer}\.(\d+)\.(.+)$")
+    present: set[int] = set()
+    by_rule: dict[str, list[TensorSpec]] = {}
+    suffixes = {r.suffix for r in spec.rules}
+    for n, t in tensors.items():
+        m = pat.match(n)
+        if not m:
+            continue
+        present.add(int(m.group(1)))
+        if m.group(2) in suffixes:
+            by_rule.setdefault(m.group(2), []).append(t)
+    if d.layers is not None:
+        # never materialise range(num_hidden_layers): config.json is untrusted input
+        extra = sorted(i for i in present if i >= d.layers)
+        n_missing = max(0, d.layers - sum(1 for i in present if i < d.layers))
+        missing = []
+        i = 0
+        while len(missing) < min(n_missing, 200):
+            if i not in present:
+                missing.append(i)
+            i += 1
+        where = f"{root}{spec.layer}.N"
+        if missing:
+            ctx.add("config.layer_missing", ERROR,
+                    f"num_hidden_layers is {d.layers} but {n_missing} layers have no tensors under {where} "
+                    f"(missing: {_first(missing, n_missing)}); they "
+                    "would be randomly initialised", "restore the missing shard(s) or fix num_hidden_layers",
+                    missing=missing[:200])
+        if extra:
+            ctx.add("config.layer_extra", ERROR,
+                    f"num_hidden_layers is {d.layers} but tensors exist for layers "
+                    f"{_first(extra, len(extra))}; transformers "
+                    "silently ignores them", "fix num_hidden_layers, or drop the stale layers with ckptctl resave",
+                    extra=extra[:200])
+    if quantized:
+        ctx.add("config.not_checked", INFO, f"{ctx.path}: quantized checkpoint; projection shapes not checked")
+        return
+    for rule in spec.rules:
+        expected_shape = rule.shape(d)
+        bad = [t for t in by_rule.get(rule.suffix, []) if not _shape_ok(t.shape, expected_shape)]
+        if not bad or expected_shape is None:
+            continue
+        shapes = sorted({_fmt(t.shape) for t in bad})
+        ctx.add(rule.code, ERROR,
+                f"{len(bad)} tensors {root}{spec.layer}.N.{rule.suffix} have shape {', '.join(shapes)}; the config "
+                f"({rule.what}) says {_fmt(expected_shape)}", _FIX_CONFIG, tensor=bad[0].name,
+                expected=list(expected_shape), actual=[list(t.shape) for t in bad[:5]], count=len(bad))
+
+
+def tokenizer_size(doc: Any) -> int | None:
+    """Highest token id + 1 in a tokenizer.json document."""
+    if not isinstance(doc, dict):
+        return None
+    top = -1
+    model = doc.get("model")
+    if isinstance(model, dict):
+        vocab = model.get("vocab")
+        if isinstance(vocab, dict):
+            top = max((v for v in vocab.values() if isinstance(v, int)), default=-1)
+        elif isinstance(vocab, list):
+            top = len(vocab) - 1
+    for tok in doc.get("added_tokens") or []:
+        if isinstance(tok, dict) and isinstance(tok.get("id"), int):
+            top = max(top, tok["id"])
+    return top + 1 if top >= 0 else None
+
+
+def config_step(ctx: Context) -> None:
+    """config.json against the model family transformers would load, and the files a generative
+    model's users need beside it."""
+    models = [t for t in ctx.tables if t.family.kind in (L.SAFETENSORS, L.PYTORCH) and t.family.variant is None]
+    if not models:
+        return
+    if "config.json" not in ctx.names:
+        ctx.add("config.missing", INFO, ctx.disp(), f"{ctx.disp()} has no config.json; config checks skipped",
+                "copy config.json from the source model (transformers needs it)")
+        return
+    present, cfg = ctx.open_json("config.json", "config", "config.bad_json")
+    if not present:
+        return
+    shown = ctx.disp("config.json")
+    loaded = min(models, key=lambda t: transformers_rank(t.family))
+    tok, tok_shown = None, None
+    ok, doc = ctx.open_json("tokenizer.json", "config", "config.bad_json")
+    if ok:
+        tok, tok_shown = tokenizer_size(doc), ctx.disp("tokenizer.json")
+    if not loaded.complete:
+        ctx.add("config.not_checked", INFO, shown,
+                "config.json is not compared with the tensors: some weights files are missing or unreadable")
+    else:
+        ctx.extend(check_config(shown, cfg, loaded.tensors, tokenizer_size=tok, tokenizer_display=tok_shown))
+    if not isinstance(cfg, dict):
+        return
+    tw = cfg.get("transformers_weights")
+    if tw is not None:
+        target = ctx.resolve(tw, code="config.weights_file_outside", source=shown, what="transformers_weights")
+        if target is not None and not os.path.lexists(target):
+            ctx.add("config.weights_file_missing", ERROR, shown,
+                    f"config.json names transformers_weights {tw!r}, which does not exist",
+                    "fix transformers_weights or restore the file", name=tw)
+    archs = cfg.get("architectures") if isinstance(cfg.get("architectures"), list) else []
+    if any(isinstance(a, str) and a.endswith(GENERATIVE) for a in archs):
+        if "generation_config.json" not in ctx.names:
+            ctx.add("config.generation_config_missing", INFO, ctx.disp(),
+                    "no generation_config.json (transformers writes one for generative models)",
+                    "copy it from the source model if generation defaults matter")
+        if not any(n in ctx.names for n in TOKENIZER_FILES):
+            ctx.add("config.tokenizer_missing", INFO, ctx.disp(),
+                    "no tokenizer files; users of the uploaded model will need one",
+                    "save the tokenizer into the directory (tokenizer.save_pretrained)")

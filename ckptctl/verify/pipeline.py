@@ -1,0 +1,218 @@
+"""The verify pipeline: which steps run, in which order, over a checkpoint path.
+
+A directory: scan (screen, then ``layout.scan``), the layout's findings, the weights families
+(headers or pickles, index cross-checks, DCP), config.json, adapter_config.json, the component
+folders of a multi-component root (each like a directory), the manifest, and with ``deep`` every
+byte. A single weights file: its family alone, and ``deep``. Each step is
+a function of the :class:`~ckptctl.verify.context.Context`; a step that makes the rest impossible
+(the directory cannot be listed) sets ``ctx.stopped``.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import os
+from dataclasses import replace
+from pathlib import Path
+from typing import Callable
+
+from ckptctl import layout as L
+from ckptctl.errors import InputError, UsageError
+from ckptctl.findings import ERROR, SEVERITY_RANK
+from ckptctl.format import names as N
+from ckptctl.verify.context import Context, ProgressFn, VerifyOptions
+from ckptctl.verify.dcp import check_dcp
+from ckptctl.verify.deep import deep_step
+from ckptctl.verify.index import family_tensors
+from ckptctl.verify.manifest import manifest_step
+from ckptctl.verify.model import config_step
+from ckptctl.verify.peft import adapter_step
+from ckptctl.verify.report import PathResult, Report
+from ckptctl.verify.screen import scan_directory
+
+Step = Callable[[Context], None]
+
+# Layout findings verify reports at another severity, because verify judges upload readiness: an
+# upload pushes a leftover (and loaders that glob *.safetensors read a temp shard).
+UPLOAD_SEVERITY = {"layout.leftover": ERROR}
+MODEL_LIBRARIES = ("diffusers", "transformers")
+# verify's own rule beside layout's leftover table (names.LEFTOVERS): a lock file is no proof of
+# an interrupted write, but an upload would push it.
+LOCK_FILES = "*.lock"
+
+
+def layout_findings(ctx: Context) -> None:
+    """Layout's findings, passed through (the one severity override: :data:`UPLOAD_SEVERITY`),
+    lock files, and a directory without weights."""
+    assert ctx.layout is not None
+    for f in ctx.layout.findings:
+        ctx.result.findings.append(replace(f, severity=UPLOAD_SEVERITY[f.code]) if f.code in UPLOAD_SEVERITY else f)
+    for n in ctx.names:
+        if n not in ctx.hidden and fnmatch.fnmatchcase(n, LOCK_FILES):
+            ctx.add("dir.lock_file", ERROR, ctx.disp(n), f"{n} is a lock file; an upload would push it",
+                    "remove it once no process holds it")
+    if ctx.needs_weights and not ctx.layout.families and not any(c.has_weights for c in ctx.layout.components):
+        ctx.add("dir.no_weights", ERROR, ctx.disp(),
+                f"{ctx.disp()} holds no checkpoint weights (no safetensors, .bin, adapter or DCP files)",
+                "export the checkpoint again; an interrupted save may have removed the old files first")
+
+
+def _kind(families: list[L.Family]) -> str:
+    kinds = sorted({f.kind for f in families})
+    if not kinds:
+        return "none"
+    if len(kinds) > 1:
+        return "mixed"
+    if kinds[0] == L.SAFETENSORS:
+        return "safetensors-sharded" if any(f.index for f in families) else "safetensors"
+    return kinds[0]
+
+
+def weights_step(ctx: Context) -> None:
+    """Every family layout found: its tensors (and index), or its DCP files."""
+    assert ctx.layout is not None
+    for fam in ctx.layout.families:
+        if fam.container == L.DCP:
+            check_dcp(ctx, fam)
+        else:
+            ctx.tables.append(family_tensors(ctx, fam))
+    if not ctx.prefix:
+        ctx.result.kind = ctx.layout.kind if ctx.layout.components else _kind(ctx.layout.families)
+    ctx.result.tensors += sum(len(t.tensors) for t in ctx.tables)
+
+
+def components_step(ctx: Context) -> None:
+    """A multi-component root (diffusers pipeline, sentence-transformers model): every component
+    folder layout found is verified like a checkpoint directory, into the same result. The
+    transformers config rules run only on a component that transformers loads."""
+    assert ctx.layout is not None
+    for comp in ctx.layout.components:
+        if comp.path == "" or comp.layout is None:
+            continue  # the root module is the root's own families; a missing folder is a layout finding
+        sub = ctx.component(comp.path)
+        # A model component (diffusers or transformers, saved with its config.json) must hold
+        # weights; a scheduler, tokenizer or pooling module need not.
+        sub.needs_weights = comp.library in MODEL_LIBRARIES and "config.json" in comp.layout.extras
+        steps = COMPONENT_STEPS if comp.library == "transformers" else tuple(
+            s for s in COMPONENT_STEPS if s is not config_step)
+        _run(sub, steps)
+
+
+def scan_file(ctx: Context) -> None:
+    """A single weights file: layout's one family of it (nothing is opened here)."""
+    name = ctx.result.root
+    try:
+        os.stat(name)
+        ctx.layout = L.scan(name)
+    except OSError as exc:
+        ctx.stop(Path(name).name, exc)
+
+
+DIRECTORY_STEPS: tuple[Step, ...] = (scan_directory, layout_findings, weights_step, config_step, adapter_step,
+                                     components_step, manifest_step, deep_step)
+COMPONENT_STEPS: tuple[Step, ...] = (scan_directory, layout_findings, weights_step, config_step, adapter_step,
+                                     deep_step)
+FILE_STEPS: tuple[Step, ...] = (scan_file, weights_step, deep_step)
+
+
+def _run(ctx: Context, steps: tuple[Step, ...]) -> None:
+    for step in steps:
+        step(ctx)
+        if ctx.stopped:
+            return
+
+
+# --------------------------------------------------------------------------------------------
+# entry points
+
+
+def verify_paths(paths: list[str], *, recursive: bool = False, options: VerifyOptions | None = None,
+                 progress: ProgressFn | None = None) -> Report:
+    """Verify each path (a directory, a file, or a repo id in the local HF cache).
+
+    With ``recursive`` every path is a root and every checkpoint below it is verified. Raises
+    :class:`CkptctlError` (exit 2) for a missing path or a root without checkpoints; every problem
+    *in* a checkpoint is a finding.
+    """
+    from ckptctl.resolve import resolve_path
+
+    opts = options or VerifyOptions()
+    if not paths:
+        raise UsageError("no path given", "pass one or more checkpoint paths, or --recursive ROOT")
+    targets: list[tuple[str, Path]] = []
+    for text in paths:
+        p = resolve_path(text)
+        if recursive:
+            if not p.is_dir():
+                raise UsageError(f"--recursive needs a directory, {text} is not one", "drop --recursive to "
+                                 "verify a single file")
+            found = discover(p)
+            if not found:
+                raise InputError(f"no checkpoints below {text}", "a checkpoint is a folder holding *.safetensors, "
+                                 "pytorch_model*.bin, adapter_model.* or DCP files")
+            targets.extend((str(f), f) for f in found)
+        else:
+            _check_target(p)
+            targets.append((text, p))
+    base_root = _resolve_base(opts.base) if opts.base else None
+    results = [verify_path(p, display=text, options=opts, progress=progress, base_root=base_root)
+               for text, p in targets]
+    return Report(results, deep=opts.deep)
+
+
+def discover(root: Path) -> list[Path]:
+    """Every directory at or below ``root`` that holds checkpoint weights (symlinks not followed;
+    hidden and staging directories skipped)."""
+    out: list[Path] = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if not d.startswith(".") and not N.leftover_kind(d, is_dir=True))
+        if any(N.is_weights_like(n) and not N.leftover_kind(n, is_dir=False) for n in filenames):
+            out.append(Path(dirpath))
+    return sorted(out)
+
+
+def _marks_directory(name: str) -> bool:
+    """A file that stands for its directory: an index, DCP's .metadata, adapter_config.json."""
+    return bool(N.parse_index_name(name)) or name.endswith(N.INDEX_SUFFIXES) or name in (N.DCP_METADATA,
+                                                                                         N.ADAPTER_CONFIG)
+
+
+def _check_target(p: Path) -> None:
+    """Refuse, before any work, a file that is not a checkpoint file (usage error)."""
+    if p.is_dir() or _marks_directory(p.name) or not p.exists():
+        return
+    L.scan(p)  # a single file: layout refuses a name it does not know (nothing is opened)
+
+
+def _resolve_base(text: str) -> Path:
+    from ckptctl.resolve import resolve_path
+
+    try:
+        p = resolve_path(text)
+    except InputError as exc:
+        raise UsageError(f"--base: {exc.message}", exc.hint) from None
+    if not p.is_dir():
+        raise UsageError(f"--base must be a model directory, {text} is not one", "pass the base model's folder")
+    return p
+
+
+def verify_path(path: str | os.PathLike[str], *, display: str | None = None, options: VerifyOptions | None = None,
+                progress: ProgressFn | None = None, base_root: Path | None = None) -> PathResult:
+    """All checks of one checkpoint directory or file."""
+    opts = options or VerifyOptions()
+    p = Path(path)
+    shown = display or str(p)
+    if progress:
+        progress("path", shown, 0)
+    if not p.is_dir():
+        if _marks_directory(p.name):
+            p = p.parent
+        elif not (p.exists() or p.is_symlink()):
+            raise InputError(f"no such file or directory: {p}", "check the path")
+    res = PathResult(path=shown, root=str(p))
+    is_dir = p.is_dir()
+    ctx = Context(p if is_dir else p.parent, res, opts, progress, base_root)
+    _run(ctx, DIRECTORY_STEPS if is_dir else FILE_STEPS)
+    res.findings.sort(key=lambda f: (-SEVERITY_RANK[f.severity], f.path, f.code, f.tensor or ""))
+    return res
+

@@ -1,0 +1,152 @@
+"""Weights files: each header or pickle read once, the tensors of a family merged.
+
+Header findings come from :mod:`ckptctl.format.header` (every rule of the format), pickle findings
+from :mod:`ckptctl.verify.pickles`; this module adds what is about the tensors of a family: dtype
+notes, a tensor stored in two files, alias records that name nothing, shards over
+``--max-shard-size``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ckptctl import layout as L
+from ckptctl.errors import CkptctlError
+from ckptctl.findings import ERROR, INFO, WARNING, Finding
+from ckptctl.format import dtypes as dt
+from ckptctl.format.header import Header, read_header
+from ckptctl.format.tensor import TensorSpec
+from ckptctl.verify.context import Context, FamilyTensors, WeightsRead
+
+# Header findings after which the header holds no tensor list at all.
+_UNPARSED = frozenset({"header.lfs_pointer", "header.html_page", "header.too_small", "header.too_large",
+                       "header.length_exceeds_file", "header.not_utf8", "header.not_object",
+                       "header.duplicate_key", "header.bad_json", "header.not_a_file"})
+_RESERVED_META = frozenset({"format", "total_size", "total_parameters"})
+
+
+def transformers_rank(fam: L.Family) -> int:
+    """transformers' order of precedence among the families of one directory (lowest first):
+    ``model.safetensors``, a safetensors index, other safetensors, a pickle, a pickle index."""
+    if fam.container == L.SAFETENSORS:
+        return 0 if fam.files == ["model.safetensors"] and not fam.index else (1 if fam.index else 2)
+    return 3 if not fam.index else 4
+
+
+def _version(s: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in s.split("."))
+
+
+def dtype_notes(hdr: Header) -> list[Finding]:
+    out: list[Finding] = []
+    newer: dict[str, str] = {}
+    no_torch: list[str] = []
+    for t in hdr.tensors.values():
+        d = dt.get(t.dtype)
+        if d is None:
+            continue
+        if _version(d.since) > (0, 4):
+            newer[d.name] = d.since
+        if d.torch_name is None:
+            no_torch.append(t.name)
+    if newer:
+        need = max(newer.values(), key=_version)
+        out.append(Finding("header.dtype_min_version", INFO, hdr.path,
+                           f"{hdr.path}: dtypes {', '.join(sorted(newer))} need safetensors >= {need} to load",
+                           "make sure every consumer has that safetensors version", None,
+                           {"dtypes": dict(sorted(newer.items()))}))
+    if no_torch:
+        out.append(Finding("header.dtype_not_torch", WARNING, hdr.path,
+                           f"{hdr.path}: {len(no_torch)} tensors use a dtype torch cannot load (F6_*), e.g. "
+                           f"{no_torch[0]!r}", "convert them before loading with safetensors.torch", no_torch[0]))
+    return out
+
+
+def alias_findings(meta: dict[str, Any], names: set[str], display: str) -> list[Finding]:
+    """Alias records ``{removed: kept}`` (huggingface_hub / safetensors ``save_model``) must name a
+    tensor that is stored."""
+    out: list[Finding] = []
+    for k, v in meta.items():
+        if k in _RESERVED_META or not isinstance(k, str) or not isinstance(v, str) or k == v:
+            continue
+        if "." not in k or "." not in v or k.rsplit(".", 1)[1] != v.rsplit(".", 1)[1] or " " in v:
+            continue
+        if k not in names and v not in names:
+            out.append(Finding("metadata.alias_dangling", WARNING, display,
+                               f"{display}: metadata records {k!r} as an alias of {v!r}, which is not stored",
+                               "re-export the checkpoint: the alias map is stale", k, {"kept": v}))
+    return out
+
+
+def read_file(ctx: Context, name: str, container: str) -> WeightsRead:
+    """Read one weights file (header or pickle) once; its findings are reported the first time."""
+    if name in ctx.reads:
+        return ctx.reads[name]
+    out = ctx.reads[name] = WeightsRead(None, {})
+    ctx.record(name, "weights")
+    if ctx.regular_size(name, "replace it with the weights file") is None:
+        return out
+    path, shown = ctx.root / name, ctx.disp(name)
+    try:
+        if container == L.SAFETENSORS:
+            hdr = out.header = ctx.deep_queue[name] = read_header(path, display=shown)
+            ctx.extend(hdr.findings)
+            ctx.extend(dtype_notes(hdr))
+            if not any(f.code in _UNPARSED for f in hdr.findings):
+                out.names = set(hdr.tensors) | {f.tensor for f in hdr.findings if f.tensor}
+                out.tensors = {t.name: t.spec for t in hdr.tensors.values()}
+        else:
+            from ckptctl.verify.pickles import scan_torch_file
+
+            scan = scan_torch_file(str(path), shown)
+            ctx.deep_queue[name] = None
+            ctx.extend(scan.findings)
+            if scan.tensors is not None:
+                out.names = set(scan.tensors)
+                out.tensors = {k: s for k, s in scan.tensors.items() if k not in scan.aliases}
+    except (OSError, CkptctlError) as exc:
+        ctx.io(name, exc)
+    return out
+
+
+def merge(ctx: Context, reads: dict[str, WeightsRead]) -> dict[str, TensorSpec]:
+    """All tensors of a family; a name stored in two files is an error."""
+    table: dict[str, TensorSpec] = {}
+    where: dict[str, list[str]] = {}
+    for name, r in reads.items():
+        for t in sorted(r.names or ()):
+            where.setdefault(t, []).append(name)
+        for t, spec in r.tensors.items():
+            table.setdefault(t, spec)
+    for t, files in sorted(where.items()):
+        if len(files) > 1:
+            ctx.add("dir.duplicate_tensor", ERROR, ctx.disp(),
+                    f"tensor {t!r} is stored in {len(files)} files ({', '.join(files)}); which copy a loader "
+                    "uses depends on the loader", "run `ckptctl resave --repair` to keep one copy",
+                    tensor=t, files=files)
+    return table
+
+
+def shard_sizes(ctx: Context, reads: dict[str, WeightsRead]) -> None:
+    limit = ctx.options.max_shard_size
+    if not limit:
+        return
+    for name, r in reads.items():
+        if r.header is None or len(r.header.tensors) < 2:
+            continue
+        if r.header.data_bytes > limit:
+            ctx.add("dir.shard_too_large", WARNING, ctx.disp(name),
+                    f"{name} holds {r.header.data_bytes:,} tensor bytes, over --max-shard-size {limit:,}",
+                    "re-shard with `ckptctl resave --max-shard-size`", size=r.header.data_bytes, limit=limit)
+
+
+def read_family(ctx: Context, fam: L.Family, *, complete: bool = True) -> FamilyTensors:
+    """A family without a usable index: every file layout grouped into it."""
+    reads = {n: read_file(ctx, n, fam.container) for n in fam.files}
+    table = merge(ctx, reads)
+    if len(fam.files) == 1:
+        hdr = reads[fam.files[0]].header
+        if hdr is not None and hdr.metadata:
+            ctx.extend(alias_findings(hdr.metadata, set(hdr.tensors), hdr.path))
+    shard_sizes(ctx, reads)
+    return FamilyTensors(fam, table, complete and all(r.names is not None for r in reads.values()))
