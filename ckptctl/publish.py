@@ -279,7 +279,7 @@ def _appeared(dest: Path) -> LockHeldError:
 # deletes the originals: a reader or a crash sees a mix. Object-store FUSE mounts.
 NON_ATOMIC_RENAME = frozenset({
     "fuse.gcsfuse", "fuse.s3fs", "fuse.goofys", "fuse.geesefs", "fuse.rclone", "fuse.mountpoint-s3",
-    "fuse.blobfuse", "fuse.blobfuse2", "fuse.ossfs", "fuse.cosfs", "fuse.obsfs", "fuse.s3ql",
+    "fuse.blobfuse", "fuse.blobfuse2", "fuse.ossfs", "fuse.cosfs", "fuse.obsfs",
 })
 
 

@@ -110,5 +110,8 @@ def run_nfs_trial(prep: Prepared, fault: Fault, mnt: Path, runner: Any, *, recov
     work = mnt / "t"
     checked = InvariantRunner(runner, prep, work / "ws")
     out = run_trial(prep, fault, work, checked, recovery=recovery, poll=poll)
-    out.violations += checked.violations
+    # the poller allows an absent destination only where the fallback is injected (EINVAL); here
+    # the mount itself refuses the exchange, so the two-rename's window is the same legitimate gap
+    # (the invariant above checks that it stays recoverable)
+    out.violations = [v for v in out.violations if v != "poller: destination absent"] + checked.violations
     return out, checked.checks
