@@ -8,12 +8,22 @@
 - destination present (and ``--overwrite``): ``renameat2(RENAME_EXCHANGE)``, after which
   ``data/`` holds the old version and is removed with the staging directory;
 - exchange unsupported (EINVAL/ENOSYS, e.g. NFS): a journaled two-rename. ``ready`` is written
-  and fsynced first, then ``dest -> <staging>/old``, then ``<staging>/data -> dest``. A crash in
-  between leaves a staging directory whose state (:func:`ckptctl.staging.inspect`) is
-  half-published: :func:`ckptctl.staging.recover` rolls it forward (``ready`` present and
-  ``data/`` complete) or back (``old/`` renamed onto the destination), so the destination is never
-  lost. The next run on the same destination (``recover_destination``) and ``gc-tmp`` call it; the
-  writer's own cleanup never removes such a directory.
+  and fsynced first, with the staging directory; it holds the journal (the identity of the
+  destination's directory and of ``data/``). Then ``dest -> <staging>/old``, then
+  ``<staging>/data -> dest``. A crash in between leaves a staging directory whose state
+  (:func:`ckptctl.staging.inspect`) is half-published: :func:`ckptctl.staging.recover` rolls it
+  forward (``ready`` present and ``data/`` complete) or back (``old/`` renamed onto the
+  destination), so the destination is never lost. The next run on the same destination
+  (``recover_destination``) and ``gc-tmp`` call it; the writer's own cleanup never removes such a
+  directory, nor one in CONFLICT, and never ``old/``.
+
+A rename that fails is checked against the directories themselves before anything else is
+decided (``staging.rename``): on NFS a rename can be done although its reply was lost (EIO), and
+the kernel's name cache still shows the old names. Such a rename counts as done.
+
+Filesystems whose directory rename is a copy and a delete (object-store FUSE mounts: gcsfuse,
+s3fs, ...) cannot replace a destination atomically: ``--overwrite`` is refused there
+(:func:`check_destination`).
 
 Every file, the staging directory and the parent are fsynced (unless ``fsync=False``); an fsync
 error aborts the publish and is never retried (fsyncgate).
@@ -31,8 +41,7 @@ from typing import Any
 from ckptctl import _faults, staging
 from ckptctl.errors import CkptctlError, LockHeldError, OperationalError, UsageError, from_oserror
 from ckptctl.format.names import parse_staging_name, staging_name
-# recover_destination lives in the staging package; writer.py and resave.py import it from here
-from ckptctl.staging import fsync_path, recover_destination  # noqa: F401
+from ckptctl.staging import fsync_path
 
 AT_FDCWD = -100
 RENAME_NOREPLACE = 1
@@ -67,6 +76,7 @@ class Stage:
         self.dir: Path | None = None
         self.lock: staging.StagingLock | None = None
         self.published = False
+        self.kept = False  # a failed publish left the staging directory for recovery (said so)
 
     @property
     def data(self) -> Path:
@@ -98,16 +108,7 @@ class Stage:
         return self.data
 
     def _write_small(self, path: Path, data: bytes) -> None:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
-        try:
-            view = memoryview(data)
-            while view:
-                n = os.write(fd, view)
-                view = view[n:]
-            if self.fsync:
-                os.fsync(fd)
-        finally:
-            os.close(fd)
+        staging.write_small(path, data, fsync=self.fsync)
 
     def write_file(self, name: str, data: bytes) -> None:
         """Write a small file into data/ (index, manifest, config)."""
@@ -127,18 +128,12 @@ class Stage:
             except OSError:
                 continue  # only a dead writer's entries are examined (and can fail)
             if st.live.alive:
-                owner = st.owner or {}
-                raise LockHeldError(
-                    f"another writer is already writing {self.dest} (pid {owner.get('pid', '?')} on "
-                    f"{owner.get('host', '?')}, staging {other.name}"
-                    + (f"; {st.live.reason})" if st.live.error else ")"),
-                    "wait for it to finish; if it is dead, `ckptctl gc-tmp` will clean it up",
-                    phase="stage",
-                )
+                raise staging.competitor_error(self.dest, st)
 
     # ------------------------------------------------------------------------------------
     def seal(self) -> None:
-        """fsync data/ (and its subdirectories) and mark the staging directory ready."""
+        """fsync data/ (and its subdirectories) and mark the staging directory ready: ``ready``
+        holds the publish journal (what the destination and ``data/`` are now)."""
         assert self.dir is not None
         try:
             if self.fsync:
@@ -147,7 +142,8 @@ class Stage:
                         fsync_path(Path(root) / d, directory=True)
                 _faults.point("fsync-dir")
                 fsync_path(self.data, directory=True)
-            self._write_small(self.dir / staging.READY, b"ready\n")
+            record = staging.journal_record(self.dest, self.data)
+            self._write_small(self.dir / staging.READY, json.dumps(record, indent=2).encode() + b"\n")
             if self.fsync:
                 fsync_path(self.dir, directory=True)
         except OSError as exc:
@@ -172,16 +168,13 @@ class Stage:
                     _renameat2(data, dest, RENAME_NOREPLACE)
                 except OSError as exc:
                     if exc.errno in (errno.EEXIST, errno.ENOTEMPTY):
-                        raise LockHeldError(f"{dest} appeared while we were writing it; it was left as it is",
-                                            "another process created it: check it, then run again (with "
-                                            "--overwrite to replace it)", phase="publish") from None
-                    if exc.errno not in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP):
+                        raise _appeared(dest) from None
+                    if exc.errno in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP):
+                        if os.path.lexists(dest):  # no NOREPLACE here: check, then rename (a small race)
+                            raise _appeared(dest) from None
+                        staging.rename(data, dest)
+                    elif not staging.moved(data, dest):  # else: done, its reply lost
                         raise
-                    if os.path.lexists(dest):  # no NOREPLACE here: check, then rename (a small race)
-                        raise LockHeldError(f"{dest} appeared while we were writing it; it was left as it is",
-                                            "another process created it: check it, then run again (with "
-                                            "--overwrite to replace it)", phase="publish") from None
-                    os.rename(data, dest)
             else:
                 how = "exchange"
                 try:
@@ -191,10 +184,7 @@ class Stage:
                     if exc.errno not in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP):
                         raise
                     how = "two-rename"
-                    old = self.dir / staging.OLD
-                    os.rename(dest, old)
-                    _faults.point("two-rename-between")
-                    os.rename(data, dest)
+                    self._two_rename()
             self.published = True
         except CkptctlError:
             raise
@@ -214,20 +204,51 @@ class Stage:
                 "the previous version", phase="publish") from None
         return how
 
-    def _undo_half_publish(self) -> None:
-        """After a failed exchange-less publish, put the old version back (whether or not data/
-        was sealed: the rename onto the destination is what failed)."""
+    def _two_rename(self) -> None:
+        """The exchange-less publish (journaled in ``ready`` by :meth:`seal`): ``dest -> old/``,
+        ``data/ -> dest``. Each rename that reports an error but was done (a lost reply) counts
+        as done."""
         assert self.dir is not None
-        if staging.phase(self.dir).half_published:
-            staging.roll(self.dir, self.dest, forward=False, fsync=self.fsync)
+        staging.rename(self.dest, self.dir / staging.OLD)
+        _faults.point("two-rename-between")
+        staging.rename(self.data, self.dest)
+
+    def _undo_half_publish(self) -> None:
+        """After a failed (or interrupted) exchange-less publish, put the previous version back, as
+        the directories themselves show it (``staging.phase``). Raises :class:`OperationalError`
+        when that cannot be done: the staging directory then stays, ``old/`` and ``data/`` intact,
+        for the next run or gc-tmp (it is refused removal), and :meth:`abort` does not try again."""
+        assert self.dir is not None
+        try:
+            state = staging.phase(self.dir)
+        except OSError as exc:
+            raise self._left_for_recovery(exc, f"{self.dir} cannot be read to tell how far it got") from None
+        if state is staging.State.CONFLICT:
+            self.kept = True
+            raise OperationalError(*staging.conflict_message(self.dest, self.dir), phase="publish")
+        if state.half_published:
+            try:
+                staging.roll(self.dir, self.dest, forward=False, fsync=self.fsync)
+            except OSError as exc:
+                raise self._left_for_recovery(exc, f"the previous version could not be put back from "
+                                                   f"{self.dir / staging.OLD}") from None
+
+    def _left_for_recovery(self, exc: OSError, what: str) -> OperationalError:
+        self.kept = True
+        cause = exc.strerror or str(exc)
+        return OperationalError(
+            f"publishing {self.dest} failed half-way, and {what} ({cause}); nothing was deleted",
+            f"run `ckptctl gc-tmp {self.parent} --min-age 0` (or this command again) once the storage "
+            "answers: it finishes the publish from the staging directory", phase="publish")
 
     def finish(self) -> None:
-        """Remove the staging directory (with the old version) and drop the lock. A half-done
-        publish that could not be undone stays for the next run (or gc-tmp) to roll."""
+        """Remove the staging directory (with the old version) and drop the lock (closed before
+        the lock file is unlinked). A half-done publish that could not be undone, or one in
+        conflict, stays for the next run (or gc-tmp, or a human)."""
         if self.dir is None:
             return
         try:
-            staging.remove_staging(self.dir)
+            staging.remove_staging(self.dir, lock=self.lock)
         except OSError:
             pass  # leftovers are the next run's or gc-tmp's job
         finally:
@@ -236,15 +257,48 @@ class Stage:
             self.dir = None
 
     def abort(self) -> None:
-        """Before publish: remove everything we staged. Never touches the destination."""
+        """Before publish: remove everything we staged. Never touches the destination, never
+        removes ``old/``."""
         if self.dir is None:
             return
-        if not self.published:
+        if not self.published and not self.kept:
             try:
                 self._undo_half_publish()
-            except OSError:
-                pass
+            except CkptctlError:
+                pass  # the staging directory stays (its removal is refused): recovery's job
         self.finish()
+
+
+def _appeared(dest: Path) -> LockHeldError:
+    return LockHeldError(f"{dest} appeared while we were writing it; it was left as it is",
+                         "another process created it: check it, then run again (with --overwrite to replace it)",
+                         phase="publish")
+
+
+# Filesystem types (``/proc/self/mountinfo``) whose directory rename copies every object and then
+# deletes the originals: a reader or a crash sees a mix. Object-store FUSE mounts.
+NON_ATOMIC_RENAME = frozenset({
+    "fuse.gcsfuse", "fuse.s3fs", "fuse.goofys", "fuse.geesefs", "fuse.rclone", "fuse.mountpoint-s3",
+    "fuse.blobfuse", "fuse.blobfuse2", "fuse.ossfs", "fuse.cosfs", "fuse.obsfs",
+})
+
+
+def filesystem_type(path: Path) -> str | None:
+    """The type ``/proc/self/mountinfo`` gives the filesystem holding ``path`` (matched by device
+    number), or None when it cannot be told."""
+    try:
+        dev = os.stat(path).st_dev
+        with open("/proc/self/mountinfo", encoding="utf-8", errors="replace") as f:
+            lines = f.readlines()
+    except OSError:
+        return None
+    want = f"{os.major(dev)}:{os.minor(dev)}"
+    for line in lines:
+        left, sep, right = line.partition(" - ")
+        fields = left.split()
+        if sep and len(fields) > 2 and fields[2] == want and right.split():
+            return right.split()[0]
+    return None
 
 
 def check_destination(dest: Path, *, overwrite: bool) -> bool:
@@ -263,6 +317,13 @@ def check_destination(dest: Path, *, overwrite: bool) -> bool:
                                        "write to a directory inside it instead", phase="plan")
         except OSError as exc:
             raise from_oserror(exc, "cannot examine the destination", phase="plan") from None
+        fstype = filesystem_type(dest.parent)
+        if fstype in NON_ATOMIC_RENAME:
+            raise OperationalError(
+                f"{dest.parent} is on {fstype}, an object-store mount whose directory rename copies and deletes "
+                f"every file: replacing {dest} cannot be atomic (a reader or a crash would see a mix)",
+                "write the new version to a new directory (without --overwrite) and point readers at it, or write "
+                "it on a POSIX filesystem and upload it (see docs/RELIABILITY.md)", phase="plan")
         return True
     return False
 

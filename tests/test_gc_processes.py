@@ -18,6 +18,7 @@ from safetensors.torch import save_file
 from ckptctl import staging
 from tests.support import load_glob as _load
 from tests.support import same as _same
+from tests.support import wait_stopped
 from tests.test_gc import backdate, dead_pid, decisions, gc_json, gc_proc, make_dead, snapshot  # noqa: F401 (fixture)
 
 ENV_CLEAN = {k: v for k, v in os.environ.items() if not k.startswith("CKPTCTL_")}
@@ -231,3 +232,32 @@ def test_two_overlapping_gc_runs_remove_each_directory_once(tmp_path, dead_pid):
     for doc in docs:
         for c in doc["candidates"]:
             assert c["decision"] in ("removed", "vanished", "kept"), c
+
+
+def test_a_directory_appearing_in_the_two_rename_window_is_kept_and_reported(ckpts):
+    """Between the writer's two renames someone creates the destination: the second rename fails
+    (ENOTEMPTY), the writer deletes neither version, and gc-tmp keeps the directory and reports it
+    (exit 3) until the intruder is moved aside; then it rolls the new version forward."""
+    root, src, old, new = ckpts
+    env = {**ENV_CLEAN, "CKPTCTL_FAIL_AT": "exchange:EINVAL", "CKPTCTL_STOP_AT": "two-rename-between"}
+    w = subprocess.Popen([sys.executable, "-m", "ckptctl", "export", str(src), str(root / "dst"), "--overwrite",
+                          "--max-shard-size", "20KB"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         env=env)
+    try:
+        wait_stopped(w.pid)
+        (root / "dst").mkdir()
+        (root / "dst" / "notes.txt").write_text("someone else's")
+    finally:
+        os.kill(w.pid, signal.SIGCONT)
+    _, err = w.communicate(timeout=120)
+    assert w.returncode == 3 and "nothing was deleted" in err, err
+    [d] = _staging(root)
+    assert _same(_load(d / staging.OLD), old) and _same(_load(d / staging.DATA), new)
+    rc, doc = gc_json(root, "--min-age", "0")
+    [c] = doc["candidates"]
+    assert rc == 3 and c["decision"] == "kept" and c["error"].startswith("needs a human") and d.exists()
+    assert os.listdir(root / "dst") == ["notes.txt"]
+    os.rename(root / "dst", root / "notes")
+    rc, doc = gc_json(root, "--min-age", "0")
+    assert rc == 0 and decisions(doc) == {d.name: "removed"} and doc["candidates"][0]["recovery"] == "rolled-forward"
+    assert _same(_load(root / "dst"), new) and (root / "dst" / "README.md").read_text() == "mine"

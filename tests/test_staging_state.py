@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from ckptctl import staging
+from ckptctl.errors import LockHeldError, OperationalError
 from ckptctl.publish import Stage
 from ckptctl.staging import State
 from tests.test_gc import dead_pid  # noqa: F401 (fixture)
@@ -193,11 +194,23 @@ def test_half_published_forward_back_and_leftover(tmp_path, dead):
     assert st.state is State.HALF_PUBLISHED_FORWARD and st.state.recovery == "roll-forward"
     back = make(tmp_path / "b", owner=dead, ready=False, old=True)
     assert staging.inspect(back).state is State.HALF_PUBLISHED_BACK
+    # old/ without data/: data/ became the destination, the publish completed. old/ is garbage even
+    # when the destination is missing now (another writer is between its two renames): rolling it
+    # back used to put a version two publishes old in place and let the real one be deleted.
     nodata = make(tmp_path / "n", owner=dead, ready=True, old=True, data=False)
-    assert staging.inspect(nodata).state is State.HALF_PUBLISHED_BACK
+    assert staging.inspect(nodata).state is State.PUBLISHED_LEFTOVER
+    unsealed = make(tmp_path / "u", owner=dead, ready=False, old=True, data=False)
+    assert staging.inspect(unsealed).state is State.PUBLISHED_LEFTOVER
     left = make(tmp_path / "l", owner=dead, ready=True, old=True, data=False)
     (tmp_path / "l" / "ckpt").mkdir()  # the second rename happened
     assert staging.inspect(left).state is State.PUBLISHED_LEFTOVER and staging.inspect(left).state.recovery is None
+    # old/ and data/ both there and something at the destination: it appeared between the renames
+    conflict = make(tmp_path / "c", owner=dead, ready=True, old=True)
+    (tmp_path / "c" / "ckpt").mkdir()
+    st = staging.inspect(conflict)
+    assert st.state is State.CONFLICT and st.state.protected and st.state.recovery is None
+    for s in State:
+        assert s.protected == (s in (State.HALF_PUBLISHED_FORWARD, State.HALF_PUBLISHED_BACK, State.CONFLICT))
 
 
 def test_data_behind_a_link_is_never_rolled_forward(tmp_path, dead):
@@ -302,7 +315,10 @@ def test_writer_cleanup_never_removes_the_only_copy_of_the_destination(tmp_path)
     stage.finish()
     assert (d / staging.OLD / "model.safetensors").read_bytes() == b"old version"
     st = staging.inspect(d)  # this process is the writer and still runs: nobody may touch it yet
-    assert st.state is State.WRITING and staging.recover_destination(dest) == [] and not dest.exists()
+    assert st.state is State.WRITING
+    with pytest.raises(LockHeldError) as err:  # a second writer now is refused, not told "no destination"
+        staging.recover_destination(dest)
+    assert err.value.exit_code == 3 and d.name in err.value.message and not dest.exists()
     with staging.acquire(d):
         assert staging.phase(d) is State.HALF_PUBLISHED_BACK
         assert staging.recover(staging.inspect(d, locked=True)) is None  # alive (our pid): never acted on
@@ -331,3 +347,95 @@ def test_a_killed_writer_in_the_two_rename_window_is_rolled_forward_by_the_next_
     assert staging.recover_destination(dest) == [f"{d.name}: rolled-forward"]
     assert not d.exists() and os.listdir(dest.parent) == ["ckpt"]
     np.testing.assert_array_equal(load_file(str(dest / "model.safetensors"))["w"], np.arange(16, dtype=np.float32))
+
+
+# ---------------------------------------------------------------------------------------------
+# the journal, identities, conflicts (issue 18)
+
+
+def _journaled(parent: Path, dead: dict) -> tuple[Path, Path]:
+    """A dead writer's staging directory between its two renames, as ``Stage`` leaves it: sealed
+    (``ready`` holding the journal of the real directories), then ``dest -> old/``. Returns
+    (dir, dest)."""
+    dest = parent / "ckpt"
+    dest.mkdir(parents=True)
+    (dest / "model.safetensors").write_bytes(b"old version")
+    d = make(parent, owner=dead)
+    staging.write_small(d / staging.READY, json.dumps(staging.journal_record(dest, d / staging.DATA)).encode(),
+                        fsync=False)
+    os.rename(dest, d / staging.OLD)
+    return d, dest
+
+
+def test_journal_records_what_old_and_data_are(tmp_path, dead):
+    d, dest = _journaled(tmp_path, dead)
+    j = staging.read_journal(d)
+    assert j["dest"] == "ckpt" and j["tool"] == "ckptctl"
+    assert j["previous"]["ino"] == os.lstat(d / staging.OLD).st_ino
+    assert j["new"]["ino"] == os.lstat(d / staging.DATA).st_ino
+    assert staging.inspect(d).state is State.HALF_PUBLISHED_FORWARD
+    (d / staging.READY).write_text("ready\n")  # an older ckptctl's seal: no journal, the same rules minus identity
+    assert staging.read_journal(d) is None and staging.inspect(d).state is State.HALF_PUBLISHED_FORWARD
+
+
+def test_an_old_dir_that_is_not_the_journaled_destination_is_a_conflict_never_acted_on(tmp_path, dead):
+    d, dest = _journaled(tmp_path, dead)
+    os.rename(d / staging.OLD, tmp_path / "moved-away")
+    (d / staging.OLD).mkdir()  # some other directory now sits at old/
+    (d / staging.OLD / "model.safetensors").write_bytes(b"who knows")
+    st = staging.inspect(d)
+    assert st.state is State.CONFLICT and st.state.protected
+    with pytest.raises(OSError) as err:
+        staging.remove_staging(d)
+    assert err.value.errno == errno.EEXIST
+    with pytest.raises(OperationalError) as err:
+        staging.recover_destination(dest)
+    assert err.value.exit_code == 3 and "nothing was deleted" in err.value.message
+    assert (d / staging.OLD / "model.safetensors").read_bytes() == b"who knows" and not dest.exists()
+    assert (d / staging.DATA / "model.safetensors").read_bytes() == b"new version"
+
+
+def test_data_that_is_not_the_journaled_directory_is_rolled_back_not_forward(tmp_path, dead):
+    d, dest = _journaled(tmp_path, dead)
+    os.rename(d / staging.DATA, tmp_path / "elsewhere")
+    (d / staging.DATA).mkdir()  # a different directory than the one that was sealed
+    assert staging.inspect(d).state is State.HALF_PUBLISHED_BACK
+    assert staging.recover_destination(dest) == [f"{d.name}: rolled-back"] and not d.exists()
+    assert (dest / "model.safetensors").read_bytes() == b"old version"
+
+
+def test_the_destination_appearing_between_the_renames_is_a_conflict(tmp_path, dead):
+    d, dest = _journaled(tmp_path, dead)
+    dest.mkdir()
+    (dest / "theirs").write_text("t")
+    assert staging.inspect(d).state is State.CONFLICT
+    with pytest.raises(OperationalError):
+        staging.recover_destination(dest)
+    assert os.listdir(dest) == ["theirs"] and (d / staging.OLD).is_dir() and (d / staging.DATA).is_dir()
+    os.rename(dest, tmp_path / "theirs")  # moved aside: now it can finish
+    assert staging.recover_destination(dest) == [f"{d.name}: rolled-forward"] and not d.exists()
+    assert (dest / "model.safetensors").read_bytes() == b"new version"
+
+
+def test_each_directory_is_judged_on_its_own_facts_not_by_order(tmp_path, dead):
+    """A completed publish's leftover (old/ only) sorted first, and a writer killed between its
+    renames: the leftover is never rolled back; the killed writer's version is rolled forward."""
+    parent = tmp_path / "p"
+    stale = make(parent, owner=dead, ready=True, old=True, data=False)  # earlier stamp: first in any sort
+    (stale / staging.OLD / "model.safetensors").write_bytes(b"two publishes old")
+    d, dest = _journaled(parent, dead)
+    assert sorted([stale, d]) == [stale, d]
+    assert staging.inspect(stale).state is State.PUBLISHED_LEFTOVER
+    assert staging.recover_destination(dest) == [f"{d.name}: rolled-forward"]
+    assert (dest / "model.safetensors").read_bytes() == b"new version"
+    assert os.listdir(parent) == ["ckpt"]
+
+
+def test_checked_rename_counts_a_rename_that_was_done(tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir()
+    staging.rename(a, b)
+    assert b.is_dir() and not a.exists()
+    assert staging.moved(a, b) and not staging.moved(b, a)
+    with pytest.raises(FileNotFoundError):
+        staging.rename(a, tmp_path / "c")  # neither done nor doable: raised

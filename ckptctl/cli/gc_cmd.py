@@ -112,5 +112,5 @@ def _render(out: Output, result) -> None:
         line = f"removed {len(result.removed)}, freed {human_size(result.bytes_freed)}; kept {kept}"
         deferred = result.count(Decision.DEFERRED)
         if deferred:
-            line += f"; deferred {deferred} (NFS files still open)"
+            line += f"; deferred {deferred} (files still open elsewhere)"
     out.print(line + f" ({result.scanned:,} entries looked at in {result.seconds:.2f}s)")

@@ -40,6 +40,12 @@ def judge_staging(c: Candidate, st: StagingState, opts: GcOptions) -> None:
         else:
             c.decide(Decision.WOULD_REMOVE, "empty staging stub (no owner record, no data), lock free")
         return
+    if st.state is State.CONFLICT:
+        assert st.dest is not None
+        message, hint = staging.conflict_message(st.dest, st.path)
+        c.decide(Decision.KEPT, f"{message}; {hint}")
+        c.error = "needs a human: " + message
+        return
     owner = st.owner or {}
     if not staging.on_this_host(owner):
         if c.age < max(opts.older_than, opts.min_age):

@@ -26,11 +26,19 @@ def _remove_staging(c: Candidate, parent_fd: int) -> None:
         held = "another gc run, or a writer"
     else:
         held = "a writer starting, or another gc run"
-    # 2. take the staging lock ourselves: a second gc run (or anyone) now backs off
+    # 2. take the staging lock ourselves: a second gc run (or anyone) now backs off. A stub's lock
+    #    is never created: one made here and unlinked while held would be silly-renamed on NFS
+    #    (hidden by libfuse) and keep the stub forever; a stub without a lock is removed as it is.
     try:
-        lock = staging.acquire(c.path, parent_fd=parent_fd)
+        lock = staging.acquire(c.path, parent_fd=parent_fd, create=c.owner is not None)
     except FileNotFoundError:
-        return c.decide(Decision.VANISHED, "removed meanwhile (another gc run?)")
+        if c.owner is not None or not _present(parent_fd, c.path.name):
+            return c.decide(Decision.VANISHED, "removed meanwhile (another gc run?)")
+        if staging.inspect(c.path).state is not State.STUB:
+            return c.decide(Decision.KEPT, "no longer an empty stub (a writer is using it)")
+        c.freed = staging.remove_staging_at(parent_fd, c.path.name, where=c.path)
+        c.decision = Decision.REMOVED
+        return None
     if lock is None:
         return c.decide(Decision.KEPT, f"its lock is held now ({held})")
     with lock:
@@ -41,9 +49,18 @@ def _remove_staging(c: Candidate, parent_fd: int) -> None:
             return c.decide(Decision.VANISHED, "owner record gone (removed by another gc run?)")
         # 3. a half-done exchange-less publish: restore the checkpoint first
         c.recovery = staging.recover(st)
-        # 4. remove: data first, the owner record and the lock last (refused while half-published)
-        c.freed = staging.remove_staging_at(parent_fd, c.path.name, where=c.path)
+        # 4. remove: data first, the journal, the owner record and the lock last (closed before it is
+        #    unlinked); refused while old/ may hold the only copy of a version
+        c.freed = staging.remove_staging_at(parent_fd, c.path.name, where=c.path, lock=lock)
         c.decision = Decision.REMOVED
+
+
+def _present(parent_fd: int, name: str) -> bool:
+    try:
+        os.stat(name, dir_fd=parent_fd, follow_symlinks=False)
+    except FileNotFoundError:
+        return False
+    return True
 
 
 def _remove_foreign(c: Candidate, parent_fd: int) -> None:

@@ -8,13 +8,23 @@ A staging directory is a sibling of the destination on the same filesystem, name
                        command, destination name, creation time
         lock           flock(LOCK_EX) held by the writer for its whole life
         data/          the checkpoint being built; published by renaming it onto <parent>/<name>
-        ready          present once data/ is complete and fsynced (publish may roll forward)
+        ready          present once data/ is complete and fsynced (publish may roll forward);
+                       it holds the publish journal, written and fsynced before any rename: the
+                       identity (device, inode) of the destination's directory (which an
+                       exchange-less publish moves to old/) and of data/ (which becomes the
+                       destination)
         old/           during an exchange-less publish: the previous version moved aside
 
-Modules: ``record`` (entry names, owner record, siblings), ``lock`` (the one flock: acquire,
-probe, release), ``liveness`` (is the writer alive), ``state`` (:func:`inspect`: the one state
-function), ``actions`` (roll forward/back, remove, recover a destination), ``fs`` (the one
-removal, never following links, NFS-aware; fsync).
+Modules: ``record`` (entry names, owner record, journal, siblings), ``lock`` (the one flock:
+acquire, probe, release), ``liveness`` (is the writer alive), ``state`` (:func:`inspect`: the one
+state function), ``actions`` (roll forward/back, remove, recover a destination), ``fs`` (the one
+removal, never following links, NFS-aware; fsync; the uncached directory listing and the checked
+rename that survive a lost reply).
+
+Every decision about ``old/``, ``data/`` and the destination is made from the directories
+themselves (``fs.listing``: ``getdents``, which NFS revalidates and FUSE always asks the
+filesystem for), never from the kernel's name cache, and from the directory's own facts only:
+never from which sibling comes first.
 
 States (:class:`State`), in the order :func:`inspect` decides them. "Dead" means the lock is
 free and, on the owner's host, its pid is gone, reused, a zombie or from before the last reboot
@@ -28,7 +38,9 @@ NOT_OURS                   staging name, but no valid ckptctl owner         noth
                                                                             age); recovery skips it
 WRITING                    the writer is alive (lock held, or its pid       nothing, whatever its age; a later writer
                            still runs on this host); a stub whose lock is   for the same destination refuses
-                           held is a writer starting                        (``LockHeldError``)
+                           held is a writer starting                        (``LockHeldError``), at the latest when
+                                                                            it stages, at once when the live writer
+                                                                            is between its two renames (recovery)
 STUB                       dead; no owner record, nothing inside but        gc-tmp removes it once older than
                            empty ``lock``/``owner.json``                    ``--min-age``; recovery skips it
 ABANDONED                  dead; owner record; no ``ready``                 removed (recovery: when the owner ran on
@@ -38,28 +50,44 @@ ABANDONED                  dead; owner record; no ``ready``                 remo
 SEALED                     dead; ``ready`` (regular file); no ``old/``      removed, as ABANDONED. Also what a writer
                            (not published, or published by exchange so      killed after ``RENAME_EXCHANGE`` leaves:
                            ``data/`` holds the old version)                 either way the destination is whole
-HALF_PUBLISHED_FORWARD     dead; ``old/`` present, destination absent,      roll forward: ``data/`` renamed onto the
-                           ``ready`` regular file, ``data/`` a real dir     destination, parent fsynced; then removed
-HALF_PUBLISHED_BACK        dead; ``old/`` present, destination absent,      roll back: ``old/`` renamed onto the
-                           not sealed (or ``data/`` missing / a link)       destination, parent fsynced; then removed
-PUBLISHED_LEFTOVER         dead; ``old/`` present and the destination too   removed (``old/`` is the superseded
-                           (the second rename happened)                     version)
+CONFLICT                   dead; ``old/`` is not the directory the          nothing, ever: kept and reported (gc-tmp:
+                           journal recorded as the destination's; or        kept with an error, exit 3; recovery:
+                           ``old/`` and ``data/`` present and something     refuses to write the destination) until
+                           else at the destination (it appeared between     a human moves the intruder aside (then it
+                           the two renames)                                 is HALF_PUBLISHED_FORWARD)
+PUBLISHED_LEFTOVER         dead; ``old/`` present, ``data/`` absent         removed (``old/`` is the superseded
+                           (``data/`` became the destination: the publish   version: never rolled back, even when the
+                           completed), whatever is at the destination       destination is missing now)
+HALF_PUBLISHED_FORWARD     dead; ``old/`` and ``data/`` present,            roll forward: ``data/`` renamed onto the
+                           destination absent, ``ready`` regular file,      destination, parent fsynced; then removed
+                           ``data/`` the real directory the journal names
+HALF_PUBLISHED_BACK        dead; ``old/`` and ``data/`` present,            roll back: ``old/`` renamed onto the
+                           destination absent, not sealed (or ``data/`` a   destination, parent fsynced; then removed
+                           link or not the journal's)
 =========================  ===============================================  ==========================================
 
-Removing a staging directory (:func:`remove_staging`) is refused while it is half-published
-(``old/`` holds the only copy of the destination), whoever asks, including the writer's own
-cleanup after a failed publish. It removes everything else first, then the owner record, then
-the lock, so an interrupted removal stays recognisable.
+The journal (in ``ready``) makes ``old/`` attributable: with one, ``old/`` is acted on only when its
+inode is the one the destination had when ``data/`` was sealed, before the first rename (the
+device number is not compared: it changes when the filesystem is mounted again). Without one (a
+``ready`` of an older ckptctl) the same rules apply minus that check.
+
+Removing a staging directory (:func:`remove_staging`) is refused while its state is protected
+(half-published or CONFLICT: ``old/`` may hold the only copy of a version), whoever asks,
+including the writer's own cleanup after a failed publish. It removes everything else first,
+then the owner record and the lock (closed before it is unlinked, so no silly-renamed lock keeps
+the directory), so an interrupted removal stays recognisable.
 """
 
 from __future__ import annotations
 
 from ckptctl.format.names import parse_staging_name, staging_name
-from ckptctl.staging.actions import recover, recover_destination, remove_staging, remove_staging_at, roll
-from ckptctl.staging.fs import Deferred, fsync_path, open_beneath, remove_at, remove_tree
+from ckptctl.staging.actions import (competitor_error, conflict_message, recover, recover_destination,
+                                     remove_staging, remove_staging_at, roll)
+from ckptctl.staging.fs import Deferred, fsync_path, listing, moved, open_beneath, remove_at, remove_tree, rename, write_small
 from ckptctl.staging.liveness import Liveness, boot_id, judge_owner, on_this_host, process_start_time, process_state
 from ckptctl.staging.lock import LOCK, StagingLock, acquire, probe
-from ckptctl.staging.record import DATA, OLD, OWNER, READY, TOOL, owner_record, read_owner, siblings
+from ckptctl.staging.record import (DATA, OLD, OWNER, READY, TOOL, journal_record, owner_record, read_journal,
+                                    read_owner, siblings)
 from ckptctl.staging.state import State, StagingState, inspect, is_stub, phase
 
 # ``staging.parse_name`` is what callers outside the package have always called it.
@@ -68,8 +96,9 @@ parse_name = parse_staging_name
 __all__ = [
     "DATA", "LOCK", "OLD", "OWNER", "READY", "TOOL",
     "Deferred", "Liveness", "StagingLock", "StagingState", "State",
-    "acquire", "boot_id", "fsync_path", "inspect", "is_stub", "judge_owner", "on_this_host", "open_beneath",
-    "owner_record", "parse_name", "parse_staging_name", "phase", "probe", "process_start_time", "process_state",
+    "acquire", "boot_id", "competitor_error", "conflict_message", "fsync_path", "inspect", "is_stub",
+    "journal_record", "judge_owner", "listing", "moved", "on_this_host", "open_beneath", "owner_record",
+    "parse_name", "parse_staging_name", "phase", "probe", "process_start_time", "process_state", "read_journal",
     "read_owner", "recover", "recover_destination", "remove_at", "remove_staging", "remove_staging_at",
-    "remove_tree", "roll", "siblings", "staging_name",
+    "remove_tree", "rename", "roll", "siblings", "staging_name", "write_small",
 ]

@@ -1,5 +1,13 @@
-"""Filesystem primitives that never follow a link: the one removal (NFS-aware), fsync, walking
-down from a root by directory file descriptors."""
+"""Filesystem primitives that never follow a link: the one removal (NFS-aware), fsync, small
+files, walking down from a root by directory file descriptors, and the uncached look at a
+directory that decides what a rename really did.
+
+Network and FUSE filesystems cache names: after a rename whose reply was lost (EIO from a timed
+out NFS request) the kernel still believes the old name exists, and ``lstat`` answers from that
+cache. :func:`listing` reads the directory itself (``getdents``), which NFS revalidates on open
+and FUSE asks the filesystem for every time; every decision about a half-done publish is made on
+it (:func:`moved`, ``state.phase``).
+"""
 
 from __future__ import annotations
 
@@ -8,14 +16,18 @@ import os
 import stat
 import time
 from pathlib import Path
+from typing import Callable
 
 from ckptctl.staging.lock import DIR_FLAGS
 
 _NFS_RETRIES = (0.2, 0.4, 0.8)
+# what a file unlinked while still open becomes: NFS clients' silly rename, libfuse's hiding
+SILLY_PREFIXES = (".nfs", ".fuse_hidden")
 
 
 class Deferred(OSError):
-    """NFS silly-renamed ``.nfsXXXX`` files are still open elsewhere: the next run finishes the job."""
+    """Files still open elsewhere were silly-renamed (``.nfsXXXX``, ``.fuse_hiddenXXXX``) and
+    cannot go yet: the next run finishes the job."""
 
 
 def fsync_path(path: Path, *, directory: bool = False) -> None:
@@ -25,6 +37,47 @@ def fsync_path(path: Path, *, directory: bool = False) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def write_small(path: Path, data: bytes, *, fsync: bool) -> None:
+    """Create ``path`` (never an existing one) holding ``data``; fsynced unless ``fsync`` is False."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+    try:
+        view = memoryview(data)
+        while view:
+            n = os.write(fd, view)
+            view = view[n:]
+        if fsync:
+            os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def listing(path: Path) -> dict[str, os.DirEntry[str]]:
+    """The entries of the directory ``path`` as the filesystem has them now (read from the
+    directory, not from the kernel's name cache). Raises OSError when it cannot be read."""
+    with os.scandir(path) as it:
+        return {e.name: e for e in it}
+
+
+def moved(src: Path, dst: Path) -> bool:
+    """Did ``rename(src, dst)`` happen? ``src`` gone and ``dst`` present, by :func:`listing`.
+    False when either directory cannot be read."""
+    try:
+        return src.name not in listing(src.parent) and dst.name in listing(dst.parent)
+    except OSError:
+        return False
+
+
+def rename(src: Path, dst: Path) -> None:
+    """``os.rename``, except that an error is first checked against the directories themselves:
+    a rename that was done although its reply was lost (a network filesystem's EIO) returns
+    normally. Every other error is raised."""
+    try:
+        os.rename(src, dst)
+    except OSError:
+        if not moved(src, dst):
+            raise
 
 
 def open_beneath(root: Path, rel: tuple[str, ...]) -> int:
@@ -42,25 +95,19 @@ def open_beneath(root: Path, rel: tuple[str, ...]) -> int:
     return fd
 
 
-def lexists(path: Path) -> bool:
-    """Like ``os.path.lexists``, but an error other than "not there" is raised, never read as absent."""
-    try:
-        os.lstat(path)
-    except (FileNotFoundError, NotADirectoryError):
-        return False
-    return True
-
-
-def remove_at(parent_fd: int, name: str, *, where: str, keep_last: tuple[str, ...] = ()) -> int:
+def remove_at(parent_fd: int, name: str, *, where: str, keep_last: tuple[str, ...] = (),
+              before_last: Callable[[], None] | None = None) -> int:
     """Remove ``name`` under ``parent_fd`` (a file, a link as a link, or a tree) without following
     links; returns the bytes actually freed (a regular file's last link).
 
-    ``keep_last`` names inside the directory are removed after everything else, in that order.
-    ENOENT anywhere is someone else having removed it first (an overlapping gc run): fine. NFS
-    ``.nfsXXXX`` files are retried, then :class:`Deferred` is raised. Errors carry ``where`` (the
-    full path) as their filename."""
+    ``keep_last`` names inside the directory are removed after everything else, in that order;
+    ``before_last`` is called just before the last of them goes (the staging lock is closed there:
+    a file unlinked while open is silly-renamed on NFS and hidden by libfuse, and would keep the
+    directory from going). ENOENT anywhere is someone else having removed it first (an
+    overlapping gc run): fine. Silly-renamed files still open elsewhere are retried, then
+    :class:`Deferred` is raised. Errors carry ``where`` (the full path) as their filename."""
     try:
-        return _remove_at(parent_fd, name, where, keep_last)
+        return _remove_at(parent_fd, name, where, keep_last, before_last)
     except OSError as exc:
         if exc.filename == name:
             exc.filename = where
@@ -88,12 +135,13 @@ def _remove_entries(dfd: int, where: str, skip: tuple[str, ...] = ()) -> int:
             freed += remove_at(dfd, name, where=f"{where}/{name}")
         except OSError as exc:
             # NFS refuses to unlink a silly-renamed file that is still open: retried by the caller
-            if not (name.startswith(".nfs") and exc.errno in (errno.EBUSY, errno.ENOTEMPTY)):
+            if not (name.startswith(SILLY_PREFIXES) and exc.errno in (errno.EBUSY, errno.ENOTEMPTY)):
                 raise
     return freed
 
 
-def _remove_at(parent_fd: int, name: str, where: str, keep_last: tuple[str, ...]) -> int:
+def _remove_at(parent_fd: int, name: str, where: str, keep_last: tuple[str, ...],
+               before_last: Callable[[], None] | None = None) -> int:
     try:
         st = os.stat(name, dir_fd=parent_fd, follow_symlinks=False)
     except FileNotFoundError:
@@ -116,7 +164,9 @@ def _remove_at(parent_fd: int, name: str, where: str, keep_last: tuple[str, ...]
             raise OSError(errno.ESTALE, "changed while being removed", name)
         for attempt in range(len(_NFS_RETRIES) + 1):
             freed += _remove_entries(dfd, where, skip=keep_last)
-            for last in keep_last:
+            for i, last in enumerate(keep_last):
+                if before_last is not None and i == len(keep_last) - 1:
+                    before_last()
                 freed += remove_at(dfd, last, where=f"{where}/{last}")
             try:
                 os.rmdir(name, dir_fd=parent_fd)
@@ -126,14 +176,14 @@ def _remove_at(parent_fd: int, name: str, where: str, keep_last: tuple[str, ...]
             except OSError as exc:
                 if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST, errno.EBUSY):
                     raise
-                # NFS: open files were silly-renamed to .nfsXXXX; they go when closed elsewhere.
+                # open files were silly-renamed (.nfsXXXX, .fuse_hiddenXXXX); they go when closed elsewhere
                 if attempt < len(_NFS_RETRIES):
                     time.sleep(_NFS_RETRIES[attempt])
                     continue
                 with os.scandir(dfd) as it:
                     left = [e.name for e in it]
-                if left and all(n.startswith(".nfs") for n in left):
-                    raise Deferred(errno.EBUSY, f"NFS files still open elsewhere ({', '.join(sorted(left)[:3])}); "
+                if left and all(n.startswith(SILLY_PREFIXES) for n in left):
+                    raise Deferred(errno.EBUSY, f"files still open elsewhere ({', '.join(sorted(left)[:3])}); "
                                    "the next run finishes the job", where) from None
                 raise
     finally:

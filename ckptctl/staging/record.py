@@ -1,4 +1,4 @@
-"""What a staging directory holds, by name, and its owner record.
+"""What a staging directory holds, by name, its owner record and its publish journal.
 
 The directory name itself (``_tmp_<dest>.<stamp>-<rand>``) is a file-name rule and lives in
 :mod:`ckptctl.format.names` (``staging_name``, ``parse_staging_name``, ``STAGING_PREFIX``).
@@ -21,7 +21,7 @@ from ckptctl.staging.liveness import boot_id, process_start_time
 
 OWNER = "owner.json"  # who writes here (the record below)
 DATA = "data"  # the checkpoint being built
-READY = "ready"  # written and fsynced once data/ is complete
+READY = "ready"  # written and fsynced once data/ is complete; holds the publish journal
 OLD = "old"  # during an exchange-less publish: the previous version, moved aside
 TOOL = "ckptctl"
 
@@ -46,13 +46,12 @@ def owner_record(dest: Path, command: str | None = None) -> dict[str, Any]:
     }
 
 
-def read_owner(staging: Path) -> dict[str, Any] | None:
-    """The owner record, or None when it is missing, unreadable, not a regular file or not ours.
-
-    Opened with ``O_NOFOLLOW | O_NONBLOCK`` and read up to 64 KiB: a link, a FIFO or a huge file
-    put in its place is not an owner record."""
+def _read_record(path: Path) -> dict[str, Any] | None:
+    """A small JSON document of ours (``"tool": "ckptctl"``), or None when it is missing,
+    unreadable, not a regular file, not JSON or not ours. Opened with ``O_NOFOLLOW | O_NONBLOCK``
+    and read up to 64 KiB: a link, a FIFO or a huge file put in its place is not a record."""
     try:
-        fd = os.open(staging / OWNER, FILE_FLAGS)
+        fd = os.open(path, FILE_FLAGS)
     except OSError:
         return None
     try:
@@ -71,6 +70,41 @@ def read_owner(staging: Path) -> dict[str, Any] | None:
     finally:
         os.close(fd)
     if not isinstance(doc, dict) or doc.get("tool") != TOOL:
+        return None
+    return doc
+
+
+def read_owner(staging: Path) -> dict[str, Any] | None:
+    """The owner record, or None when it is missing, unreadable, not a regular file or not ours."""
+    return _read_record(staging / OWNER)
+
+
+def journal_record(dest: Path, data: Path) -> dict[str, Any]:
+    """The publish journal, written into ``ready`` when ``data/`` is sealed (before any rename):
+    the identity (device, inode) of the destination's directory, which an exchange-less publish
+    moves to ``old/`` (None when there is no destination), and of ``data/``, which becomes the
+    destination. Raises OSError when they cannot be examined."""
+    try:
+        prev = os.lstat(dest)
+    except FileNotFoundError:
+        prev = None
+    new = os.lstat(data)
+    return {"tool": TOOL, "dest": dest.name, "sealed": time.time(),
+            "previous": {"dev": prev.st_dev, "ino": prev.st_ino} if prev is not None else None,
+            "new": {"dev": new.st_dev, "ino": new.st_ino}}
+
+
+def read_journal(staging: Path) -> dict[str, Any] | None:
+    """The publish journal in ``ready``, or None when there is none (a ``ready`` of an older
+    ckptctl, or not a valid journal)."""
+    doc = _read_record(staging / READY)
+    if doc is None:
+        return None
+    try:
+        if doc["previous"] is not None:
+            int(doc["previous"]["ino"])
+        int(doc["new"]["ino"])
+    except (KeyError, TypeError, ValueError):
         return None
     return doc
 

@@ -14,10 +14,10 @@ from pathlib import Path
 from typing import Any
 
 from ckptctl.format.names import parse_staging_name
-from ckptctl.staging.fs import lexists
+from ckptctl.staging.fs import listing
 from ckptctl.staging.liveness import Liveness, judge_owner
 from ckptctl.staging.lock import LOCK
-from ckptctl.staging.record import DATA, OLD, OWNER, READY, read_owner
+from ckptctl.staging.record import DATA, OLD, OWNER, READY, read_journal, read_owner
 
 
 class State(enum.Enum):
@@ -29,6 +29,7 @@ class State(enum.Enum):
     HALF_PUBLISHED_FORWARD = "half-published-forward"
     HALF_PUBLISHED_BACK = "half-published-back"
     PUBLISHED_LEFTOVER = "published-leftover"
+    CONFLICT = "conflict"
 
     @property
     def recovery(self) -> str | None:
@@ -39,6 +40,12 @@ class State(enum.Enum):
     def half_published(self) -> bool:
         """The destination is missing and ``old/`` holds the only copy of its previous version."""
         return self in _RECOVERY
+
+    @property
+    def protected(self) -> bool:
+        """``old/`` (and ``data/``) may hold the only copy of a version: the directory is never
+        removed, whoever asks."""
+        return self.half_published or self is State.CONFLICT
 
 
 _RECOVERY = {State.HALF_PUBLISHED_FORWARD: "roll-forward", State.HALF_PUBLISHED_BACK: "roll-back"}
@@ -69,35 +76,46 @@ def is_stub(path: Path) -> bool:
     return True
 
 
-def _is_regular(path: Path) -> bool:
-    try:
-        return stat.S_ISREG(os.lstat(path).st_mode)
-    except (FileNotFoundError, NotADirectoryError):
-        return False
-
-
-def _is_real_dir(path: Path) -> bool:
-    try:
-        return stat.S_ISDIR(os.lstat(path).st_mode)
-    except (FileNotFoundError, NotADirectoryError):
-        return False
+def _same(entry: os.DirEntry[str], journal: dict[str, Any], key: str) -> bool:
+    """Is ``entry`` the directory the journal recorded as ``key`` ('previous' or 'new')? By inode
+    number: the device number changes when the filesystem is mounted again."""
+    return journal[key] is not None and entry.stat(follow_symlinks=False).st_ino == journal[key]["ino"]
 
 
 def phase(path: Path) -> State:
     """How far the publish got, from the disk alone (whoever the writer is and whether it lives):
-    ABANDONED, SEALED, HALF_PUBLISHED_FORWARD, HALF_PUBLISHED_BACK or PUBLISHED_LEFTOVER.
+    ABANDONED, SEALED, HALF_PUBLISHED_FORWARD, HALF_PUBLISHED_BACK, PUBLISHED_LEFTOVER or CONFLICT.
 
-    ``ready`` must be a regular file and ``data/`` a real directory (never a link) to roll forward.
-    Raises OSError when an entry cannot be examined (never read as absent)."""
-    sealed = _is_regular(path / READY)
+    Decided from the directories themselves (``fs.listing``), never from the kernel's name cache,
+    and from this directory's own facts only (never from its siblings or their order):
+
+    - no ``old/``: SEALED (``ready`` a regular file) or ABANDONED;
+    - ``old/`` that is not the destination directory the journal (in ``ready``) recorded before
+      the first rename: CONFLICT (never rolled back, never removed);
+    - ``old/`` and no ``data/``: ``data/`` became the destination, so the publish completed and
+      ``old/`` is superseded: PUBLISHED_LEFTOVER, whatever is at the destination now;
+    - ``old/``, ``data/`` and something at the destination: the second rename never happened and
+      the destination is not ours: CONFLICT;
+    - ``old/``, ``data/``, no destination: FORWARD when sealed and ``data/`` is the real
+      directory the journal recorded, else BACK.
+
+    Raises OSError when the directory (or, when it matters, its parent) cannot be read."""
+    names = listing(path)
+    ready, old, data = names.get(READY), names.get(OLD), names.get(DATA)
+    sealed = ready is not None and ready.is_file(follow_symlinks=False)
     parsed = parse_staging_name(path.name)
-    if lexists(path / OLD) and parsed is not None:
-        if lexists(path.parent / parsed[0]):
-            return State.PUBLISHED_LEFTOVER  # the second rename happened: old/ is superseded
-        if sealed and _is_real_dir(path / DATA):
-            return State.HALF_PUBLISHED_FORWARD
-        return State.HALF_PUBLISHED_BACK
-    return State.SEALED if sealed else State.ABANDONED
+    if old is None or parsed is None:
+        return State.SEALED if sealed else State.ABANDONED
+    journal = read_journal(path) if sealed else None
+    if journal is not None and not _same(old, journal, "previous"):
+        return State.CONFLICT
+    if data is None:
+        return State.PUBLISHED_LEFTOVER
+    if parsed[0] in listing(path.parent):
+        return State.CONFLICT
+    if sealed and data.is_dir(follow_symlinks=False) and (journal is None or _same(data, journal, "new")):
+        return State.HALF_PUBLISHED_FORWARD
+    return State.HALF_PUBLISHED_BACK
 
 
 def inspect(path: Path, *, locked: bool = False) -> StagingState:
