@@ -256,11 +256,14 @@ def _findings(display: str, plan: list[tuple[int, int, TensorInfo]], scanners: d
 SHA256_NAME = re.compile(r"[0-9a-f]{64}")
 
 
-def deep_step(ctx: Context) -> None:
+NOT_ASKED = "not asked: --deep"
+
+
+def deep_step(ctx: Context) -> str | None:
     """Every weights file that was read, every DCP file, every file the manifest lists: hashed,
     floats decoded (safetensors), the digest compared with the manifest's."""
     if not ctx.options.deep:
-        return
+        return NOT_ASKED
     queue = dict(ctx.deep_queue)
     manifest = ctx.manifest or {}
     for name in manifest:
@@ -288,6 +291,7 @@ def deep_step(ctx: Context) -> None:
         ctx.extend(dr.findings)
         _compare(ctx, name, dr.sha256, manifest)
         _compare_blob(ctx, name, dr.sha256)
+    return None
 
 
 def _compare_blob(ctx: Context, name: str, sha256: str) -> None:

@@ -368,15 +368,15 @@ def base_tensors(root: Path) -> dict[str, TensorSpec] | None:
     return family_tensors(ctx, min(fams, key=transformers_rank)).tensors or None
 
 
-def adapter_step(ctx: Context) -> None:
+def adapter_step(ctx: Context) -> str | None:
     """adapter_config.json against the first PEFT family, and against its base model when that
-    is available locally."""
+    is available locally; why it did not run, or None."""
     fam = next((t for t in ctx.tables if t.family.kind == L.PEFT), None)
     if fam is None:
-        return
+        return "no adapter weights"
     present, acfg = ctx.open_json(N.ADAPTER_CONFIG, "config", "adapter.bad_config")
     if not present:
-        return
+        return f"no readable {N.ADAPTER_CONFIG}: see its finding"
     shown = ctx.disp(N.ADAPTER_CONFIG)
     base, label = None, None
     root = ctx.base_root
@@ -389,3 +389,4 @@ def adapter_step(ctx: Context) -> None:
                 "the base model is not available locally; shapes and missing keys are not checked against it",
                 "pass --base DIR (or download the base model) for the full check")
     ctx.extend(check_adapter(shown, acfg, fam.tensors, base=base, base_label=label))
+    return None
