@@ -20,7 +20,7 @@ import queue
 import re
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, BinaryIO, Callable, Iterator
 
 from ckptctl.findings import ERROR, INFO, WARNING, Finding
 from ckptctl.format.header import Header, TensorInfo
@@ -28,6 +28,7 @@ from ckptctl.verify.context import Context
 
 CHUNK_BYTES = 8 * 1024 * 1024
 BUFFERS = 3
+MIN_CHUNK_BYTES = 64
 
 
 @dataclass(frozen=True)
@@ -124,6 +125,33 @@ class _TensorScanner:
             st.nonzero = bool(np.any(a & fb.absmask)) if not fb.nan_is_signbit else bool(np.any(a))
 
 
+def window_bytes(chunk_bytes: int) -> int:
+    """The size of one read buffer for ``VerifyOptions.chunk_bytes``."""
+    return max(MIN_CHUNK_BYTES, int(chunk_bytes))
+
+
+def open_unbuffered(path: str | os.PathLike[str]) -> BinaryIO:
+    """A weights file opened the way ``--deep`` reads it: raw, every read straight into a caller's buffer."""
+    return open(path, "rb", buffering=0)
+
+
+def read_windows(f: BinaryIO, buf: bytearray, start: int, length: int) -> Iterator[memoryview]:
+    """The bytes ``[start, start + length)`` of ``f`` in windows of ``len(buf)`` bytes (the last one
+    shorter), each read into ``buf`` (reused: a window is valid until the next one is asked for).
+    Raises OSError when the file ends first."""
+    f.seek(start)
+    view = memoryview(buf)
+    for at in range(0, length, len(buf)):
+        want = min(len(buf), length - at)
+        got = 0
+        while got < want:
+            n = f.readinto(view[got:want])
+            if not n:
+                raise OSError(f"file ended at offset {start + at + got:,}, before {start + length:,}")
+            got += n
+        yield view[:want]
+
+
 def _plan(header: Header | None) -> list[tuple[int, int, TensorInfo]]:
     """(absolute begin, absolute end, tensor) for every tensor with data, in file order."""
     if header is None or not header.ok:
@@ -138,7 +166,7 @@ def scan_file(path: str, display: str, header: Header | None = None, *, chunk_by
 
     Raises OSError when the file cannot be read (or shrinks while it is read).
     """
-    chunk_bytes = max(64, int(chunk_bytes))
+    chunk_bytes = window_bytes(chunk_bytes)
     plan = _plan(header)
     scanners = {t.name: _TensorScanner(t) for _, _, t in plan}
     h = hashlib.sha256()
@@ -184,7 +212,7 @@ def scan_file(path: str, display: str, header: Header | None = None, *, chunk_by
         worker.start()
     total = 0
     try:
-        with open(path, "rb", buffering=0) as f:
+        with open_unbuffered(path) as f:
             expected = os.fstat(f.fileno()).st_size
             while True:
                 buf = free.get()
