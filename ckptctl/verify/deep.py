@@ -166,13 +166,10 @@ def scan_file(path: str, display: str, header: Header | None = None, *, chunk_by
 
     Raises OSError when the file cannot be read (or shrinks while it is read).
     """
-    chunk_bytes = window_bytes(chunk_bytes)
     plan = _plan(header)
     scanners = {t.name: _TensorScanner(t) for _, _, t in plan}
     h = hashlib.sha256()
     free: queue.Queue[bytearray] = queue.Queue()
-    for _ in range(BUFFERS):
-        free.put(bytearray(chunk_bytes))
     work: queue.Queue[tuple[bytearray, int, int] | None] = queue.Queue(maxsize=BUFFERS)
     errors: list[BaseException] = []
 
@@ -207,13 +204,17 @@ def scan_file(path: str, display: str, header: Header | None = None, *, chunk_by
                     return
                 free.put(item[0])
 
-    worker = threading.Thread(target=decode, name="ckptctl-verify-decode", daemon=True) if plan else None
-    if worker:
-        worker.start()
     total = 0
-    try:
-        with open_unbuffered(path) as f:
-            expected = os.fstat(f.fileno()).st_size
+    with open_unbuffered(path) as f:
+        expected = os.fstat(f.fileno()).st_size
+        # buffers no larger than the file: a small file does not pay for zeroing chunk_bytes buffers
+        size = min(window_bytes(chunk_bytes), max(expected, MIN_CHUNK_BYTES))
+        for _ in range(BUFFERS):
+            free.put(bytearray(size))
+        worker = threading.Thread(target=decode, name="ckptctl-verify-decode", daemon=True) if plan else None
+        if worker:
+            worker.start()
+        try:
             while True:
                 buf = free.get()
                 n = f.readinto(buf)
@@ -228,10 +229,10 @@ def scan_file(path: str, display: str, header: Header | None = None, *, chunk_by
                 total += n
                 if progress:
                     progress(n)
-    finally:
-        if worker:
-            work.put(None)
-            worker.join()
+        finally:
+            if worker:
+                work.put(None)
+                worker.join()
     if errors:
         raise errors[0]
     if total != expected:

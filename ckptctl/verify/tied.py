@@ -17,7 +17,7 @@ from ckptctl.findings import ERROR, INFO
 from ckptctl.format.header import TensorInfo
 from ckptctl.verify.architectures import SPECS
 from ckptctl.verify.context import Context, FamilyTensors
-from ckptctl.verify.deep import open_unbuffered, read_windows, window_bytes
+from ckptctl.verify.deep import MIN_CHUNK_BYTES, open_unbuffered, read_windows, window_bytes
 
 EMBEDDINGS = tuple(s.embed for s in SPECS) + ("shared.weight",)
 HEADS = tuple(s.lm_head for s in SPECS)
@@ -41,7 +41,7 @@ def same_bytes(ctx: Context, a: Where, b: Where) -> bool:
     length = ia.end - ia.begin
     if ib.end - ib.begin != length:
         return False
-    window = window_bytes(ctx.options.chunk_bytes)
+    window = min(window_bytes(ctx.options.chunk_bytes), max(length, MIN_CHUNK_BYTES))
     with ExitStack() as stack:
         ra = read_windows(stack.enter_context(open_unbuffered(ctx.root / fa)), bytearray(window), sa + ia.begin,
                           length)
