@@ -158,8 +158,14 @@ def check_adapter(display: str, acfg: Any, tensors: Tensors, *,
         ctx.add("adapter.not_checked", INFO, f"{display}: peft_type {peft_type!r}: only LoRA adapters are "
                 "checked in depth")
         return ctx.findings
+    if "lora_alpha" in acfg and acfg["lora_alpha"] is None:
+        # peft's default applies only to an absent key: LoraConfig(lora_alpha=None) divides by it on load
+        ctx.add("adapter.missing_optional", ERROR, f"{display}: 'lora_alpha' is null: peft passes it on and "
+                "raises TypeError when it loads the adapter (only an absent key falls back to the default)",
+                "set lora_alpha to the value used in training (or remove the key for peft's default)",
+                field="lora_alpha")
     for key in ("lora_alpha", "base_model_name_or_path"):
-        if acfg.get(key) is None:
+        if key not in acfg or (acfg[key] is None and key != "lora_alpha"):
             ctx.add("adapter.missing_optional", WARNING, f"{display}: no {key!r} (peft falls back to a default)",
                     _FIX_ADAPTER, field=key)
     r = as_int(acfg.get("r"))
