@@ -111,3 +111,34 @@ def test_quantized_and_encoder_decoder_checkpoints_skip_shapes() -> None:
     assert "config.quantization_unused" not in codes
     enc = {f.code for f in check_config("c", {**cfg, "is_encoder_decoder": True}, _meta(shapes))}
     assert enc <= {"config.not_checked", "config.quantization_unused"}
+
+
+@pytest.mark.parametrize("alpha", ["null", "absent"])
+def test_lora_alpha_null_is_an_error_absent_a_warning_as_peft_loads_them(tmp_path: Path, alpha: str) -> None:
+    """peft falls back to its default lora_alpha only when the key is absent; an explicit null is
+    passed on and loading raises TypeError. Checked with the real peft loader."""
+    import json
+    import warnings
+
+    peft = pytest.importorskip("peft")
+    transformers = pytest.importorskip("transformers")
+    d = tmp_path / "adapter"
+    corpus.make_clean_adapter(d)
+    cfg = json.loads((d / "adapter_config.json").read_text())
+    if alpha == "null":
+        cfg["lora_alpha"] = None
+    else:
+        del cfg["lora_alpha"]
+    (d / "adapter_config.json").write_text(json.dumps(cfg))
+    found = [(f.code, f.severity, f.details.get("field")) for f in verify_path(d).findings
+             if f.code == "adapter.missing_optional"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        base = transformers.AutoModelForCausalLM.from_pretrained(cfg["base_model_name_or_path"])
+        if alpha == "null":
+            assert found == [("adapter.missing_optional", "error", "lora_alpha")]
+            with pytest.raises(TypeError):
+                peft.PeftModel.from_pretrained(base, str(d))
+        else:
+            assert found == [("adapter.missing_optional", "warning", "lora_alpha")]
+            peft.PeftModel.from_pretrained(base, str(d))  # loads, with peft's default

@@ -121,3 +121,21 @@ def test_invalid_header_is_hashed_but_not_decoded(tmp_path: Path) -> None:
     p.write_bytes(b"version https://git-lfs.github.com/spec/v1\n")
     res = scan_file(str(p), str(p), read_header(p), chunk_bytes=64)
     assert res.sha256 == hashlib.sha256(p.read_bytes()).hexdigest() and not res.findings
+
+
+def test_a_small_file_does_not_pay_for_full_size_buffers(tmp_path: Path) -> None:
+    """The read buffers are no larger than the file: a 4 KiB shard read with the default 8 MiB
+    chunk allocates kilobytes, not three 8 MiB buffers (on a corpus of small files that zeroing
+    was most of --deep's time)."""
+    path = tmp_path / "small.safetensors"
+    _write(path, [("w", "F32", (32, 32), np.ones((32, 32), np.float32).tobytes())])
+    hdr = read_header(path)
+    tracemalloc.start()
+    try:
+        res = scan_file(str(path), str(path), hdr)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert res.bytes_read == path.stat().st_size and not res.findings
+    assert res.sha256 == hashlib.sha256(path.read_bytes()).hexdigest()
+    assert peak < 1 << 20, f"peak traced memory {peak} bytes"

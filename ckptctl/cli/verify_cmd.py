@@ -77,6 +77,7 @@ def verify(
             out.emit_json(out.document(code == EXIT_OK, **report.to_dict(level)))
         else:
             _render(out, report, level)
+            _checks(out, report)
         _verdict(out, report, level, code)
     raise typer.Exit(code)
 
@@ -162,6 +163,13 @@ def _render(out: Output, report: Report, level: str) -> None:
                 table.add_row(code, "", _shown_file(path, r.root), "",
                               f"... and {n - MAX_ROWS_PER_CODE} more {code} findings (see --json)", "")
         out.print(table)
+
+
+def _checks(out: Output, report: Report) -> None:
+    """One line per path on stderr: the check groups that ran, and those that did not and why."""
+    for r in report.results:
+        skipped = ", ".join(f"{g} ({why})" for g, why in r.checks.skipped.items())
+        out.info(f"checks of {r.path}: ran {', '.join(r.checks.ran) or 'none'}; not run: {skipped or 'none'}")
 
 
 def _verdict(out: Output, report: Report, level: str, code: int) -> None:

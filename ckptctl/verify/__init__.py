@@ -15,13 +15,16 @@ A pipeline of checks over the ``Layout`` that :func:`ckptctl.layout.scan` makes 
 * ``manifest``: the ckptctl manifest (sizes; with ``deep`` also sha256);
 * ``deep``: every byte read once, hashed, floats checked.
 
+Every path's result lists the check groups that ran and those that did not, with why
+(:class:`Checks`, ``PathResult.checks``).
+
 Nothing here prints: progress goes to an optional callback. torch is imported only for DCP
 directories; safetensors checkpoints (with or without ``deep``) and ``.bin`` files never import it.
 """
 
 from ckptctl.verify.context import ProgressFn, VerifyOptions
 from ckptctl.verify.pipeline import discover, verify_path, verify_paths
-from ckptctl.verify.report import SCHEMA_VERSION, FileRecord, PathResult, Report
+from ckptctl.verify.report import SCHEMA_VERSION, Checks, FileRecord, PathResult, Report
 
-__all__ = ["SCHEMA_VERSION", "FileRecord", "PathResult", "ProgressFn", "Report", "VerifyOptions", "discover",
+__all__ = ["SCHEMA_VERSION", "Checks", "FileRecord", "PathResult", "ProgressFn", "Report", "VerifyOptions", "discover",
            "verify_path", "verify_paths"]

@@ -95,6 +95,8 @@ class Context:
         self.manifest: dict[str, dict[str, Any]] | None = None  # manifest entries whose size matched
         self.records: dict[str, FileRecord] = {}  # by name relative to the checkpoint root
         self.stopped = False  # set by a step after which no other step can run
+        # check group -> None (it ran) or why it did not; shared with component contexts
+        self.checks: dict[str, str | None] = {}
 
     def component(self, path: str) -> "Context":
         """The context of a component folder (diffusers pipeline, sentence-transformers module):
@@ -103,7 +105,16 @@ class Context:
         sub.prefix = f"{self.prefix}{path}/"
         sub.allowed = self.allowed
         sub.records = self.records
+        sub.checks = self.checks
         return sub
+
+    def mark(self, group: str, skipped: str | None) -> None:
+        """Record that check ``group`` ran (``skipped`` None) or why it did not. A group that ran
+        anywhere (the root or a component) ran; the first reason given for a skip is kept."""
+        if skipped is None:
+            self.checks[group] = None
+        else:
+            self.checks.setdefault(group, skipped)
 
     # reporting ---------------------------------------------------------------------------------
     def disp(self, name: str = "") -> str:

@@ -20,7 +20,7 @@ import queue
 import re
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, BinaryIO, Callable, Iterator
 
 from ckptctl.findings import ERROR, INFO, WARNING, Finding
 from ckptctl.format.header import Header, TensorInfo
@@ -28,6 +28,7 @@ from ckptctl.verify.context import Context
 
 CHUNK_BYTES = 8 * 1024 * 1024
 BUFFERS = 3
+MIN_CHUNK_BYTES = 64
 
 
 @dataclass(frozen=True)
@@ -124,6 +125,33 @@ class _TensorScanner:
             st.nonzero = bool(np.any(a & fb.absmask)) if not fb.nan_is_signbit else bool(np.any(a))
 
 
+def window_bytes(chunk_bytes: int) -> int:
+    """The size of one read buffer for ``VerifyOptions.chunk_bytes``."""
+    return max(MIN_CHUNK_BYTES, int(chunk_bytes))
+
+
+def open_unbuffered(path: str | os.PathLike[str]) -> BinaryIO:
+    """A weights file opened the way ``--deep`` reads it: raw, every read straight into a caller's buffer."""
+    return open(path, "rb", buffering=0)
+
+
+def read_windows(f: BinaryIO, buf: bytearray, start: int, length: int) -> Iterator[memoryview]:
+    """The bytes ``[start, start + length)`` of ``f`` in windows of ``len(buf)`` bytes (the last one
+    shorter), each read into ``buf`` (reused: a window is valid until the next one is asked for).
+    Raises OSError when the file ends first."""
+    f.seek(start)
+    view = memoryview(buf)
+    for at in range(0, length, len(buf)):
+        want = min(len(buf), length - at)
+        got = 0
+        while got < want:
+            n = f.readinto(view[got:want])
+            if not n:
+                raise OSError(f"file ended at offset {start + at + got:,}, before {start + length:,}")
+            got += n
+        yield view[:want]
+
+
 def _plan(header: Header | None) -> list[tuple[int, int, TensorInfo]]:
     """(absolute begin, absolute end, tensor) for every tensor with data, in file order."""
     if header is None or not header.ok:
@@ -138,13 +166,10 @@ def scan_file(path: str, display: str, header: Header | None = None, *, chunk_by
 
     Raises OSError when the file cannot be read (or shrinks while it is read).
     """
-    chunk_bytes = max(64, int(chunk_bytes))
     plan = _plan(header)
     scanners = {t.name: _TensorScanner(t) for _, _, t in plan}
     h = hashlib.sha256()
     free: queue.Queue[bytearray] = queue.Queue()
-    for _ in range(BUFFERS):
-        free.put(bytearray(chunk_bytes))
     work: queue.Queue[tuple[bytearray, int, int] | None] = queue.Queue(maxsize=BUFFERS)
     errors: list[BaseException] = []
 
@@ -179,13 +204,17 @@ def scan_file(path: str, display: str, header: Header | None = None, *, chunk_by
                     return
                 free.put(item[0])
 
-    worker = threading.Thread(target=decode, name="ckptctl-verify-decode", daemon=True) if plan else None
-    if worker:
-        worker.start()
     total = 0
-    try:
-        with open(path, "rb", buffering=0) as f:
-            expected = os.fstat(f.fileno()).st_size
+    with open_unbuffered(path) as f:
+        expected = os.fstat(f.fileno()).st_size
+        # buffers no larger than the file: a small file does not pay for zeroing chunk_bytes buffers
+        size = min(window_bytes(chunk_bytes), max(expected, MIN_CHUNK_BYTES))
+        for _ in range(BUFFERS):
+            free.put(bytearray(size))
+        worker = threading.Thread(target=decode, name="ckptctl-verify-decode", daemon=True) if plan else None
+        if worker:
+            worker.start()
+        try:
             while True:
                 buf = free.get()
                 n = f.readinto(buf)
@@ -200,10 +229,10 @@ def scan_file(path: str, display: str, header: Header | None = None, *, chunk_by
                 total += n
                 if progress:
                     progress(n)
-    finally:
-        if worker:
-            work.put(None)
-            worker.join()
+        finally:
+            if worker:
+                work.put(None)
+                worker.join()
     if errors:
         raise errors[0]
     if total != expected:
@@ -256,11 +285,14 @@ def _findings(display: str, plan: list[tuple[int, int, TensorInfo]], scanners: d
 SHA256_NAME = re.compile(r"[0-9a-f]{64}")
 
 
-def deep_step(ctx: Context) -> None:
+NOT_ASKED = "not asked: --deep"
+
+
+def deep_step(ctx: Context) -> str | None:
     """Every weights file that was read, every DCP file, every file the manifest lists: hashed,
     floats decoded (safetensors), the digest compared with the manifest's."""
     if not ctx.options.deep:
-        return
+        return NOT_ASKED
     queue = dict(ctx.deep_queue)
     manifest = ctx.manifest or {}
     for name in manifest:
@@ -288,6 +320,7 @@ def deep_step(ctx: Context) -> None:
         ctx.extend(dr.findings)
         _compare(ctx, name, dr.sha256, manifest)
         _compare_blob(ctx, name, dr.sha256)
+    return None
 
 
 def _compare_blob(ctx: Context, name: str, sha256: str) -> None:

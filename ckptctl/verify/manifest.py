@@ -8,16 +8,19 @@ from ckptctl.manifest import MANIFEST_NAME, read_manifest
 from ckptctl.verify.context import Context
 
 
-def manifest_step(ctx: Context) -> None:
-    if MANIFEST_NAME not in ctx.names or MANIFEST_NAME in ctx.hidden or ctx.layout is None:
-        return
+def manifest_step(ctx: Context) -> str | None:
+    """The manifest's files against the directory; why it did not run, or None."""
+    if MANIFEST_NAME not in ctx.names or ctx.layout is None:
+        return f"no {MANIFEST_NAME}"
+    if MANIFEST_NAME in ctx.hidden:
+        return f"{MANIFEST_NAME} is not a readable file: see its finding"
     ctx.record(MANIFEST_NAME, "manifest")
     if ctx.regular_size(MANIFEST_NAME, "re-export with --manifest") is None:
-        return
+        return f"{MANIFEST_NAME} is not a readable file: see its finding"
     doc, found = read_manifest(ctx.root / MANIFEST_NAME)
     ctx.extend(found)
     if doc is None:
-        return
+        return None  # read: its findings say what is wrong
     shown = ctx.disp(MANIFEST_NAME)
     ctx.manifest = {}
     for name, entry in sorted(doc["files"].items()):
@@ -44,3 +47,4 @@ def manifest_step(ctx: Context) -> None:
             ctx.add("manifest.unlisted_file", ERROR, ctx.disp(n),
                     f"{n} is a weights file the manifest does not list (added after the export?)",
                     "remove it, or re-export the checkpoint so the manifest covers it", name=n)
+    return None

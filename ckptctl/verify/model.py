@@ -276,19 +276,21 @@ def tokenizer_size(doc: Any) -> int | None:
     return top + 1 if top >= 0 else None
 
 
-def config_step(ctx: Context) -> None:
+def config_step(ctx: Context) -> str | None:
     """config.json against the model family transformers would load, and the files a generative
-    model's users need beside it."""
+    model's users need beside it; why it did not run, or None."""
     models = [t for t in ctx.tables if t.family.kind in (L.SAFETENSORS, L.PYTORCH) and t.family.variant is None]
     if not models:
-        return
+        if ctx.layout is not None and ctx.layout.components:
+            return "no component that transformers loads"
+        return "no model weights: no safetensors or .bin family"
     if "config.json" not in ctx.names:
         ctx.add("config.missing", INFO, ctx.disp(), f"{ctx.disp()} has no config.json; config checks skipped",
                 "copy config.json from the source model (transformers needs it)")
-        return
+        return "no config.json"
     present, cfg = ctx.open_json("config.json", "config", "config.bad_json")
     if not present:
-        return
+        return "config.json could not be read as JSON: see its finding"
     shown = ctx.disp("config.json")
     loaded = min(models, key=lambda t: transformers_rank(t.family))
     tok, tok_shown = None, None
@@ -310,7 +312,7 @@ def config_step(ctx: Context) -> None:
         if ctx.options.deep and isinstance(cfg, dict):
             tied_bytes_step(ctx, cfg, loaded)
     if not isinstance(cfg, dict):
-        return
+        return None
     tw = cfg.get("transformers_weights")
     if tw is not None:
         target = ctx.resolve(tw, code="config.weights_file_outside", source=shown, what="transformers_weights")
@@ -328,3 +330,4 @@ def config_step(ctx: Context) -> None:
             ctx.add("config.tokenizer_missing", INFO, ctx.disp(),
                     "no tokenizer files; users of the uploaded model will need one",
                     "save the tokenizer into the directory (tokenizer.save_pretrained)")
+    return None

@@ -158,8 +158,14 @@ def check_adapter(display: str, acfg: Any, tensors: Tensors, *,
         ctx.add("adapter.not_checked", INFO, f"{display}: peft_type {peft_type!r}: only LoRA adapters are "
                 "checked in depth")
         return ctx.findings
+    if "lora_alpha" in acfg and acfg["lora_alpha"] is None:
+        # peft's default applies only to an absent key: LoraConfig(lora_alpha=None) divides by it on load
+        ctx.add("adapter.missing_optional", ERROR, f"{display}: 'lora_alpha' is null: peft passes it on and "
+                "raises TypeError when it loads the adapter (only an absent key falls back to the default)",
+                "set lora_alpha to the value used in training (or remove the key for peft's default)",
+                field="lora_alpha")
     for key in ("lora_alpha", "base_model_name_or_path"):
-        if acfg.get(key) is None:
+        if key not in acfg or (acfg[key] is None and key != "lora_alpha"):
             ctx.add("adapter.missing_optional", WARNING, f"{display}: no {key!r} (peft falls back to a default)",
                     _FIX_ADAPTER, field=key)
     r = as_int(acfg.get("r"))
@@ -368,15 +374,15 @@ def base_tensors(root: Path) -> dict[str, TensorSpec] | None:
     return family_tensors(ctx, min(fams, key=transformers_rank)).tensors or None
 
 
-def adapter_step(ctx: Context) -> None:
+def adapter_step(ctx: Context) -> str | None:
     """adapter_config.json against the first PEFT family, and against its base model when that
-    is available locally."""
+    is available locally; why it did not run, or None."""
     fam = next((t for t in ctx.tables if t.family.kind == L.PEFT), None)
     if fam is None:
-        return
+        return "no adapter weights"
     present, acfg = ctx.open_json(N.ADAPTER_CONFIG, "config", "adapter.bad_config")
     if not present:
-        return
+        return f"no readable {N.ADAPTER_CONFIG}: see its finding"
     shown = ctx.disp(N.ADAPTER_CONFIG)
     base, label = None, None
     root = ctx.base_root
@@ -389,3 +395,4 @@ def adapter_step(ctx: Context) -> None:
                 "the base model is not available locally; shapes and missing keys are not checked against it",
                 "pass --base DIR (or download the base model) for the full check")
     ctx.extend(check_adapter(shown, acfg, fam.tensors, base=base, base_label=label))
+    return None

@@ -4,8 +4,11 @@ A directory: scan (screen, then ``layout.scan``), the layout's findings, the wei
 (headers or pickles, index cross-checks, DCP), config.json, adapter_config.json, the component
 folders of a multi-component root (each like a directory), the manifest, and with ``deep`` every
 byte. A single weights file: its family alone, and ``deep``. Each step is
-a function of the :class:`~ckptctl.verify.context.Context`; a step that makes the rest impossible
-(the directory cannot be listed) sets ``ctx.stopped``.
+a function of the :class:`~ckptctl.verify.context.Context` registered under a check group name
+(:class:`Check`); it returns None when it ran, or why it did not (no config.json, ``--deep`` not
+asked), and every path's result lists the groups that ran and those that did not
+(:class:`~ckptctl.verify.report.Checks`). A step that makes the rest impossible (the directory
+cannot be listed) sets ``ctx.stopped``.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ import fnmatch
 import os
 from dataclasses import replace
 from pathlib import Path
-from typing import Callable
+from typing import Callable, NamedTuple
 
 from ckptctl import layout as L
 from ckptctl.errors import InputError, UsageError
@@ -27,10 +30,18 @@ from ckptctl.verify.index import family_tensors
 from ckptctl.verify.manifest import manifest_step
 from ckptctl.verify.model import config_step
 from ckptctl.verify.peft import adapter_step
-from ckptctl.verify.report import IO_CODE, PathResult, Report
+from ckptctl.verify.report import IO_CODE, Checks, PathResult, Report
 from ckptctl.verify.screen import scan_directory
 
-Step = Callable[[Context], None]
+Step = Callable[[Context], "str | None"]  # None: it ran; a text: why it did not
+
+
+class Check(NamedTuple):
+    """A pipeline step and the check group it reports under."""
+
+    group: str
+    run: Step
+
 
 # Layout findings verify reports at another severity, because verify judges upload readiness: an
 # upload pushes a leftover (and loaders that glob *.safetensors read a temp shard).
@@ -44,7 +55,7 @@ LOCK_FILES = "*.lock"
 HUB_MAX_FILE_BYTES = 50 * 1000 * 1000 * 1000
 
 
-def layout_findings(ctx: Context) -> None:
+def layout_findings(ctx: Context) -> str | None:
     """Layout's findings, passed through (the one severity override: :data:`UPLOAD_SEVERITY`),
     lock files, and a directory without weights."""
     assert ctx.layout is not None
@@ -70,6 +81,7 @@ def layout_findings(ctx: Context) -> None:
         ctx.add("dir.no_weights", ERROR, ctx.disp(),
                 f"{ctx.disp()} holds no checkpoint weights (no safetensors, .bin, adapter or DCP files)",
                 "export the checkpoint again; an interrupted save may have removed the old files first")
+    return None
 
 
 def _kind(families: list[L.Family]) -> str:
@@ -83,7 +95,7 @@ def _kind(families: list[L.Family]) -> str:
     return kinds[0]
 
 
-def weights_step(ctx: Context) -> None:
+def weights_step(ctx: Context) -> str | None:
     """Every family layout found: its tensors (and index), or its DCP files."""
     assert ctx.layout is not None
     for fam in ctx.layout.families:
@@ -94,13 +106,16 @@ def weights_step(ctx: Context) -> None:
     if not ctx.prefix:
         ctx.result.kind = ctx.layout.kind if ctx.layout.components else _kind(ctx.layout.families)
     ctx.result.tensors += sum(len(t.tensors) for t in ctx.tables)
+    return None if ctx.layout.families else "no weights files"
 
 
-def components_step(ctx: Context) -> None:
+def components_step(ctx: Context) -> str | None:
     """A multi-component root (diffusers pipeline, sentence-transformers model): every component
     folder layout found is verified like a checkpoint directory, into the same result. The
     transformers config rules run only on a component that transformers loads."""
     assert ctx.layout is not None
+    if not ctx.layout.components:
+        return "not a multi-component root: no model_index.json or modules.json"
     for comp in ctx.layout.components:
         if comp.path == "" or comp.layout is None:
             continue  # the root module is the root's own families; a missing folder is a layout finding
@@ -108,12 +123,15 @@ def components_step(ctx: Context) -> None:
         # A model component (diffusers or transformers, saved with its config.json) must hold
         # weights; a scheduler, tokenizer or pooling module need not.
         sub.needs_weights = comp.library in MODEL_LIBRARIES and "config.json" in comp.layout.extras
-        steps = COMPONENT_STEPS if comp.library == "transformers" else tuple(
-            s for s in COMPONENT_STEPS if s is not config_step)
-        _run(sub, steps)
+        if comp.library == "transformers":
+            _run(sub, COMPONENT_STEPS)
+        else:
+            sub.mark(CONFIG, f"{comp.library} component: the transformers config rules do not apply")
+            _run(sub, tuple(c for c in COMPONENT_STEPS if c.group != CONFIG))
+    return None
 
 
-def scan_file(ctx: Context) -> None:
+def scan_file(ctx: Context) -> str | None:
     """A single weights file: layout's one family of it (nothing is opened here)."""
     name = ctx.result.root
     try:
@@ -121,20 +139,41 @@ def scan_file(ctx: Context) -> None:
         ctx.layout = L.scan(name)
     except OSError as exc:
         ctx.stop(Path(name).name, exc)
+    return None
 
 
-DIRECTORY_STEPS: tuple[Step, ...] = (scan_directory, layout_findings, weights_step, config_step, adapter_step,
-                                     components_step, manifest_step, deep_step)
-COMPONENT_STEPS: tuple[Step, ...] = (scan_directory, layout_findings, weights_step, config_step, adapter_step,
-                                     deep_step)
-FILE_STEPS: tuple[Step, ...] = (scan_file, weights_step, deep_step)
+CONFIG = "config"
+DIRECTORY_STEPS: tuple[Check, ...] = (
+    Check("screen", scan_directory), Check("layout", layout_findings), Check("weights", weights_step),
+    Check(CONFIG, config_step), Check("adapter", adapter_step), Check("components", components_step),
+    Check("manifest", manifest_step), Check("deep", deep_step))
+COMPONENT_STEPS: tuple[Check, ...] = tuple(c for c in DIRECTORY_STEPS if c.run is not components_step
+                                           and c.run is not manifest_step)
+FILE_STEPS: tuple[Check, ...] = (Check("layout", scan_file), Check("weights", weights_step),
+                                 Check("deep", deep_step))
+# A check verify never runs: instantiating the model class (transformers' from_pretrained on the
+# meta device) would import torch and transformers on every run; verify's config rules are static.
+MODEL_CLASS = "model-class"
+MODEL_CLASS_SKIPPED = "static rules only: verify never imports torch or transformers to build the model class"
+# Every check group, in the order results list them.
+GROUPS: tuple[str, ...] = tuple(dict.fromkeys(c.group for c in DIRECTORY_STEPS + FILE_STEPS)) + (MODEL_CLASS,)
+NOT_FOR_FILE = "not run on a single weights file"
+NOT_READ = "the path could not be read: io.error"
 
 
-def _run(ctx: Context, steps: tuple[Step, ...]) -> None:
-    for step in steps:
-        step(ctx)
+def _run(ctx: Context, steps: tuple[Check, ...]) -> None:
+    for check in steps:
+        ctx.mark(check.group, check.run(ctx))
         if ctx.stopped:
             return
+
+
+def checks_of(marks: dict[str, str | None], not_run: str) -> Checks:
+    """The :class:`Checks` of a path from its context's marks; a group no step of the path marked
+    did not run for ``not_run``."""
+    marks = {**marks, MODEL_CLASS: MODEL_CLASS_SKIPPED}
+    return Checks(ran=[g for g in GROUPS if g in marks and marks[g] is None],
+                  skipped={g: marks.get(g) or not_run for g in GROUPS if marks.get(g, not_run) is not None})
 
 
 # --------------------------------------------------------------------------------------------
@@ -165,7 +204,7 @@ def verify_paths(paths: list[str], *, recursive: bool = False, options: VerifyOp
             unreadable: list[tuple[Path, OSError]] = []
             found = discover(p, unreadable)
             for bad, exc in unreadable:
-                res = PathResult(path=str(bad), root=str(bad))
+                res = PathResult(path=str(bad), root=str(bad), checks=checks_of({}, NOT_READ))
                 res.findings.append(Finding(IO_CODE, ERROR, str(bad), f"cannot read directory {bad}: "
                                             f"{exc.strerror or exc}; checkpoints below it are not verified",
                                             "fix its permissions, or run verify as a user who can read it"))
@@ -242,6 +281,7 @@ def verify_path(path: str | os.PathLike[str], *, display: str | None = None, opt
     is_dir = p.is_dir()
     ctx = Context(p if is_dir else p.parent, res, opts, progress, base_root)
     _run(ctx, DIRECTORY_STEPS if is_dir else FILE_STEPS)
+    res.checks = checks_of(ctx.checks, NOT_READ if ctx.stopped else NOT_FOR_FILE)
     res.findings.sort(key=lambda f: (-SEVERITY_RANK[f.severity], f.path, f.code, f.tensor or ""))
     return res
 

@@ -25,6 +25,18 @@ class FileRecord:
         return out
 
 
+@dataclass
+class Checks:
+    """The check groups of a path: those that ran, and those that did not with the reason why
+    (both in the pipeline's order, :data:`ckptctl.verify.pipeline.GROUPS`)."""
+
+    ran: list[str] = field(default_factory=list)
+    skipped: dict[str, str] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"ran": list(self.ran), "skipped": dict(self.skipped)}
+
+
 def _counts(findings: list[Finding]) -> dict[str, int]:
     out = {ERROR: 0, WARNING: 0, INFO: 0}
     for f in findings:
@@ -41,6 +53,7 @@ class PathResult:
     files: list[FileRecord] = field(default_factory=list)
     tensors: int = 0
     bytes_read: int = 0
+    checks: Checks = field(default_factory=Checks)
 
     @property
     def io_error(self) -> bool:
@@ -62,6 +75,7 @@ class PathResult:
             "counts": self.counts(),
             "tensors": self.tensors,
             "bytes_read": self.bytes_read,
+            "checks": self.checks.to_dict(),
             "files": [f.to_dict() for f in self.files],
             "findings": [f.to_dict() for f in self.findings],
         }

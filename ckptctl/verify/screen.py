@@ -52,14 +52,16 @@ def screen(ctx: Context) -> None:
 
 
 def scan_directory(ctx: Context) -> None:
-    """List the directory, screen it, and let ``layout.scan`` describe what is left in view."""
+    """List the directory, screen it, and let ``layout.scan`` describe what is left in view (a
+    pipeline step that always runs: a directory that cannot be listed stops the pipeline)."""
     try:
         ctx.names = sorted(os.listdir(ctx.root))
     except OSError as exc:
         ctx.stop("", exc)
-        return
+        return None
     screen(ctx)
     try:
         ctx.layout = L.scan(ctx.root, names=[n for n in ctx.names if n not in ctx.hidden])
     except CkptctlError as exc:
         ctx.stop("", exc)
+    return None

@@ -3,24 +3,29 @@
 
 transformers ties the head to the embedding after loading and ignores the stored head without a
 word: if its bytes differ from the embedding's, the model that was trained is not the one users
-get. Only the bytes tell, so this runs under ``--deep`` and reads the two tensors (safetensors).
+get. Only the bytes tell, so this runs under ``--deep`` and compares the two tensors (safetensors)
+window by window, through deep verify's reader: memory stays at two windows of
+``VerifyOptions.chunk_bytes`` whatever the vocabulary size.
 """
 
 from __future__ import annotations
 
-import os
+from contextlib import ExitStack
 
 from ckptctl.config_fields import ConfigFields
 from ckptctl.findings import ERROR, INFO
 from ckptctl.format.header import TensorInfo
 from ckptctl.verify.architectures import SPECS
 from ckptctl.verify.context import Context, FamilyTensors
+from ckptctl.verify.deep import MIN_CHUNK_BYTES, open_unbuffered, read_windows, window_bytes
 
 EMBEDDINGS = tuple(s.embed for s in SPECS) + ("shared.weight",)
 HEADS = tuple(s.lm_head for s in SPECS)
 
+Where = tuple[str, TensorInfo, int]  # file, tensor record, data start
 
-def _locate(ctx: Context, name: str) -> tuple[str, TensorInfo, int] | None:
+
+def _locate(ctx: Context, name: str) -> Where | None:
     """(file, tensor record, data start) of a safetensors tensor that was read."""
     for fname, read in ctx.reads.items():
         hdr = read.header
@@ -29,13 +34,20 @@ def _locate(ctx: Context, name: str) -> tuple[str, TensorInfo, int] | None:
     return None
 
 
-def _read(ctx: Context, where: tuple[str, TensorInfo, int]) -> bytes:
-    fname, info, start = where
-    fd = os.open(ctx.root / fname, os.O_RDONLY)
-    try:
-        return os.pread(fd, info.end - info.begin, start + info.begin)
-    finally:
-        os.close(fd)
+def same_bytes(ctx: Context, a: Where, b: Where) -> bool:
+    """Whether two tensors hold the same bytes, read in windows of ``chunk_bytes`` (the first
+    differing window ends the comparison). Raises OSError when a file cannot be read."""
+    (fa, ia, sa), (fb, ib, sb) = a, b
+    length = ia.end - ia.begin
+    if ib.end - ib.begin != length:
+        return False
+    window = min(window_bytes(ctx.options.chunk_bytes), max(length, MIN_CHUNK_BYTES))
+    with ExitStack() as stack:
+        ra = read_windows(stack.enter_context(open_unbuffered(ctx.root / fa)), bytearray(window), sa + ia.begin,
+                          length)
+        rb = read_windows(stack.enter_context(open_unbuffered(ctx.root / fb)), bytearray(window), sb + ib.begin,
+                          length)
+        return all(wa == wb for wa, wb in zip(ra, rb))
 
 
 def tied_bytes_step(ctx: Context, cfg: dict, loaded: FamilyTensors) -> None:
@@ -56,7 +68,7 @@ def tied_bytes_step(ctx: Context, cfg: dict, loaded: FamilyTensors) -> None:
         return
     a, b = loaded.tensors[head], loaded.tensors[embed]
     try:
-        same = (a.dtype, a.shape) == (b.dtype, b.shape) and _read(ctx, where_h) == _read(ctx, where_e)
+        same = (a.dtype, a.shape) == (b.dtype, b.shape) and same_bytes(ctx, where_h, where_e)
     except OSError as exc:
         ctx.io(where_h[0], exc)
         return
