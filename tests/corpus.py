@@ -1048,7 +1048,10 @@ def make_adapter_base_unavailable(d: Path) -> str:
 
 
 def make_adapter_missing_optional(d: Path) -> str:
-    write_adapter(d, lora_tensors(llama_lora_modules()), adapter_config(base_for(d), lora_alpha=None))
+    """lora_alpha left out: peft falls back to its default (a warning; ``null`` is the error case)."""
+    cfg = adapter_config(base_for(d))
+    del cfg["lora_alpha"]
+    write_adapter(d, lora_tensors(llama_lora_modules()), cfg)
     return "adapter.missing_optional"
 
 
