@@ -74,14 +74,17 @@ def build_inputs(entries: list[Entry], opts: ExportOptions, settings: ExportSett
                  extras: Mapping[str, Path | bytes | os.PathLike[str]] | None = None,
                  aliases: dict[str, str] | None = None, adapter: bool = False,
                  metadata: dict[str, str] | None = None, source: Source | None = None) -> ExportInputs:
-    """The :class:`ExportInputs` of ``entries``. An adapter is written as one
-    ``adapter_model.safetensors``; ``metadata`` (a source's own) is kept unless the options
+    """The :class:`ExportInputs` of ``entries``. Files are named after ``source``'s own stem and
+    variant when it has them (``diffusion_pytorch_model``, ``model.fp16``). An adapter is written
+    as one ``adapter_model.safetensors``; ``metadata`` (a source's own) is kept unless the options
     override a key. Extra file names must be plain names."""
     files: dict[str, Path | bytes] = {}
     for name, content in (extras or {}).items():
         if "/" in name or name in ("", ".", ".."):
             raise InputError(f"extra file name {name!r} is not a plain file name", "pass plain names")
         files[name] = bytes(content) if isinstance(content, (bytes, bytearray)) else Path(content)
+    if source is not None and source.stem:  # a library's own names stay its own (never renamed)
+        opts = replace(opts, prefix=source.stem, variant=source.variant)
     if adapter:
         opts = replace(opts, prefix=N.ADAPTER_STEM, single_file=True)
     merged = dict(metadata or {})

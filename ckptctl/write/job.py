@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from ckptctl import _faults
+from ckptctl import layout as L
 from ckptctl.errors import CkptctlError, DiskFullError, InputError, Interrupted, from_oserror
 from ckptctl.format.index import encode_index
 from ckptctl.manifest import MANIFEST_NAME, build_manifest, encode_manifest, list_files
@@ -104,14 +105,14 @@ class ExportJob:
                 self.plan = make_plan([e.spec for e in self.entries],
                                       max_shard_size=self.inputs.settings.max_shard_size, prefix=opts.prefix,
                                       metadata=opts.metadata, aliases=result.aliases,
-                                      single_file=opts.single_file)
+                                      single_file=opts.single_file, variant=opts.variant)
             except ValueError as exc:
                 raise InputError(str(exc), "check the tensor names and --max-shard-size") from None
         plan = self.plan
         if recover and not opts.dry_run:
             result.recovered = recover_destination(dest)
         self.dest_existed = check_destination(dest, overwrite=opts.overwrite)
-        removed, carried = superseded(dest, adapter=self.inputs.is_adapter) if self.dest_existed else ([], [])
+        removed, carried = superseded(dest, slot=L.slot_of(opts.prefix, opts.variant)) if self.dest_existed else ([], [])
         self.extra_blobs = read_extras(self.inputs.extras, self.entries)
         result.index = plan.index_name
         result.tensors = len(self.entries)

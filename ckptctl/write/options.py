@@ -15,6 +15,7 @@ from typing import Callable
 from ckptctl import layout as L
 from ckptctl.errors import UsageError
 from ckptctl.format import dtypes as dt
+from ckptctl.format import names as N
 from ckptctl.sizes import parse_size
 from ckptctl.sources.base import CHUNK_BYTES
 
@@ -46,7 +47,8 @@ class ExportOptions:
     label: str | None = None
     dry_run: bool = False
     metadata: dict[str, str] | None = None
-    prefix: str = "model"
+    prefix: str = "model"  # the library stem the files are named after; a source's own stem wins
+    variant: str | None = None  # model.<variant>.safetensors; a variant source is written as that variant
     single_file: bool = False  # adapters: always one file
     command: str | None = None
     progress: ProgressFn | None = None
@@ -86,4 +88,7 @@ def validate(opts: ExportOptions, *, only: str | None = None, key: str | None = 
         raise UsageError(f"--key {key!r} has an empty part", "use a dotted key such as state_dict or model.module")
     if opts.prefix in ("", ".", "..") or "/" in opts.prefix or "\0" in opts.prefix:
         raise UsageError(f"file name prefix {opts.prefix!r} is not a plain name", "use a name such as model")
+    parsed = N.parse_weights_name(f"model.{opts.variant}.safetensors") if opts.variant is not None else None
+    if opts.variant is not None and (parsed is None or parsed.variant != opts.variant):
+        raise UsageError(f"variant {opts.variant!r} is not a plain variant name", "use a name such as fp16")
     return ExportSettings(size, target, only, key or None)
