@@ -43,6 +43,15 @@ def slot_of(stem: str | None, variant: str | None = None) -> tuple[str, str | No
     return _SLOT.get(stem or "model", "model"), variant
 
 
+def named_slot(name: str) -> tuple[str, str | None] | None:
+    """The slot a library-named weights or index file belongs to, or None for any other name."""
+    w = N.parse_weights_name(name)
+    if w is not None:
+        return slot_of(w.stem, w.variant)
+    ix = N.parse_index_name(name)
+    return slot_of(ix[0], ix[2]) if ix is not None else None
+
+
 def safetensors_stem(stem: str | None) -> str | None:
     """The stem a family's weights get in safetensors: the pickle stem ``pytorch_model`` is
     transformers' ``model``; every other library stem is kept (None for unnamed families)."""

@@ -32,11 +32,12 @@ def superseded(dest: Path, *, slot: tuple[str, str | None] = MAIN) -> tuple[list
         if fam.slot == slot or (main and fam.kind == L.DCP):
             drop.update(fam.all_files)
     names = sorted(os.listdir(dest))
-    if main:
-        for n in names:
-            named = N.parse_weights_name(n) is not None or N.parse_index_name(n) is not None
-            if not named and (n.endswith(".safetensors") or n.endswith(N.INDEX_SUFFIXES)):
-                drop.add(n)
+    for n in names:
+        named = L.named_slot(n)
+        if named == slot:  # a file of the slot no index names (an unreferenced shard)
+            drop.add(n)
+        elif main and named is None and (n.endswith(".safetensors") or n.endswith(N.INDEX_SUFFIXES)):
+            drop.add(n)
     drop.add(MANIFEST_NAME)
     keep = [n for n in names if n not in drop]
     return sorted(drop & set(names)), keep
