@@ -75,6 +75,12 @@ def target_dtype(option: str | None) -> str | None:
         raise UsageError(f"unknown --dtype {option!r}", "use keep, bf16, fp16 or fp32") from None
 
 
+def check_key(key: str | None) -> None:
+    """A ``--key`` (dotted path to a nested state dict) must have no empty part."""
+    if key is not None and key != "" and "" in key.split("."):
+        raise UsageError(f"--key {key!r} has an empty part", "use a dotted key such as state_dict or model.module")
+
+
 def validate(opts: ExportOptions, *, only: str | None = None, key: str | None = None) -> ExportSettings:
     """Check every option; raises :class:`UsageError` (exit 2). Touches no file."""
     try:
@@ -84,8 +90,7 @@ def validate(opts: ExportOptions, *, only: str | None = None, key: str | None = 
     target = target_dtype(opts.dtype)
     if only is not None and only not in ONLY_CHOICES:
         raise UsageError(f"unknown --only {only!r}", f"use one of {', '.join(ONLY_CHOICES)}")
-    if key is not None and key != "" and "" in key.split("."):
-        raise UsageError(f"--key {key!r} has an empty part", "use a dotted key such as state_dict or model.module")
+    check_key(key)
     if opts.prefix in ("", ".", "..") or "/" in opts.prefix or "\0" in opts.prefix:
         raise UsageError(f"file name prefix {opts.prefix!r} is not a plain name", "use a name such as model")
     parsed = N.parse_weights_name(f"model.{opts.variant}.safetensors") if opts.variant is not None else None
