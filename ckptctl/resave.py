@@ -121,6 +121,7 @@ class _Chosen:
     stem: str = "model"  # the library name the files keep (diffusion_pytorch_model, ...)
     variant: str | None = None
     index_file: str | None = None  # the index file as it is on disk
+    errors: list[Finding] = field(default_factory=list)  # the layout's error findings
 
 
 def _model_families(lay: L.Layout) -> list[L.Family]:
@@ -151,7 +152,7 @@ def analyze(root: Path, *, prefer: str | None = None, repair: bool = False) -> t
         rep.fixes.append("dropped the pytorch_model*.bin family (--prefer safetensors)")
         fams = [f for f in fams if f.container == L.SAFETENSORS]
     elif containers == {L.PYTORCH}:
-        return _Chosen([]), rep  # pickles only: converted like an export
+        return _Chosen([], errors=errors), rep  # pickles only: converted like an export
     if not fams:
         raise InputError(f"{root} holds no model safetensors weights to resave",
                          f"run `ckptctl inspect {root}` to see what it holds")
@@ -192,7 +193,7 @@ def analyze(root: Path, *, prefer: str | None = None, repair: bool = False) -> t
     rep.kept_files = list(chosen.files)
     doc = chosen.index_doc if chosen.index_doc is not None and chosen.index_doc.ok else None
     return _Chosen(list(chosen.files), doc, L.safetensors_stem(chosen.stem) or "model", chosen.variant,
-                   chosen.index), rep
+                   chosen.index, errors), rep
 
 
 def _stray_or_same_slot(name: str, chosen: L.Family) -> bool:
@@ -363,7 +364,7 @@ def resave(root: str | os.PathLike[str], opts: ExportOptions, *, output: str | o
                 extras[n] = root / n
     if not chosen.files:  # pickles: read through torch like an export
         if repair and not replan and not output and not rep.fixes:
-            return _unchanged(dest, opts, rep)  # a sound pickle checkpoint: nothing to repair
+            return _unchanged(dest, opts, rep, chosen.errors)  # a sound pickle checkpoint: nothing to repair
         from ckptctl.sources.base import open_source
 
         with open_source(root, only=L.PYTORCH) as src:
@@ -385,7 +386,7 @@ def resave(root: str | os.PathLike[str], opts: ExportOptions, *, output: str | o
             _note_index_changes(chosen.index, plan, rep)
         inputs = build_inputs(entries, opts, settings, extras=extras, metadata=metadata)
         if repair and not output and _already_so(root, chosen, plan, rep):
-            return _unchanged(dest, opts, rep)
+            return _unchanged(dest, opts, rep, chosen.errors)
     return ResaveResult(write_inputs(inputs, dest, plan=plan), rep)
 
 
@@ -407,8 +408,15 @@ def _already_so(root: Path, chosen: _Chosen, plan: Plan, rep: Repair) -> bool:
     return set(dropped) <= set(plan.files) | {MANIFEST_NAME}
 
 
-def _unchanged(dest: Path, opts: ExportOptions, rep: Repair) -> ResaveResult:
-    """The result of a repair that found nothing to do: no staging, no publish."""
+def _unchanged(dest: Path, opts: ExportOptions, rep: Repair, errors: list[Finding] | None = None) -> ResaveResult:
+    """The result of a repair that found nothing to do: no staging, no publish. When the layout
+    still has an error finding, that is not "nothing to repair" (resave without --repair sent the
+    user here): it is refused with the finding's own next step, never a loop back to --repair."""
+    if errors:
+        first = errors[0]
+        hint = first.hint if first.hint and "resave --repair" not in first.hint else None
+        raise UnrepairableError(f"{dest}: resave --repair has no certain fix for: {first.message}",
+                                (hint or f"run `ckptctl verify {dest}` for the details") + "; nothing was changed")
     return ResaveResult(ExportResult(dest=str(Path(os.path.abspath(dest))), dry_run=opts.dry_run), rep, unchanged=True)
 
 
