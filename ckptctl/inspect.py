@@ -74,6 +74,10 @@ class Inspection:
 
     @property
     def parameters(self) -> int:
+        """Elements of the tensors stored in the files, each stored tensor once: a tied weight
+        stored once counts once (as the library counts it); a buffer the library saves (a bias
+        table, a router correction) counts, a parameter it recomputes and does not save (sinusoidal
+        positions) does not. A multi-component root sums its components."""
         return sum(t.parameters for t in self.tensors)
 
     @property
