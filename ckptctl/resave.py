@@ -363,11 +363,11 @@ def resave(root: str | os.PathLike[str], opts: ExportOptions, *, output: str | o
             if n in L.COPIED_EXTRAS and n not in extras:
                 extras[n] = root / n
     if not chosen.files:  # pickles: read through torch like an export
-        if repair and not replan and not output and not rep.fixes:
-            return _unchanged(dest, opts, rep, chosen.errors)  # a sound pickle checkpoint: nothing to repair
         from ckptctl.sources.base import open_source
 
-        with open_source(root, only=L.PYTORCH) as src:
+        with open_source(root, only=L.PYTORCH) as src:  # read (weights_only) even to find it sound
+            if repair and not replan and not output and not rep.fixes:
+                return _unchanged(dest, opts, rep, chosen.errors)  # a sound pickle checkpoint
             inputs = build_inputs(entries_for(src, opts.dtype), opts, settings, extras=extras, aliases=src.aliases,
                                   source=src)
             return ResaveResult(write_inputs(inputs, dest), rep)
