@@ -18,7 +18,7 @@ from ckptctl.config_fields import ConfigFields
 from ckptctl.errors import InputError
 from ckptctl.findings import Finding
 from ckptctl.format.header import load_header
-from ckptctl.format.tensor import TensorSpec
+from ckptctl.format.tensor import SpecFields, TensorSpec
 
 CONFIG_FIELDS = (
     "model_type", "architectures", "hidden_size", "num_hidden_layers", "num_attention_heads",
@@ -27,23 +27,10 @@ CONFIG_FIELDS = (
 
 
 @dataclass
-class TensorRow:
+class TensorRow(SpecFields):
     spec: TensorSpec
     file: str  # relative to the inspected root (``unet/diffusion_pytorch_model.safetensors``)
-    nbytes: int
     component: str | None = None  # the component of a multi-component root
-
-    @property
-    def name(self) -> str:
-        return self.spec.name
-
-    @property
-    def dtype(self) -> str:
-        return self.spec.dtype or "?"
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return self.spec.shape
 
     @property
     def parameters(self) -> int:
@@ -218,7 +205,7 @@ def _add_family(res: Inspection, p: Path, lay: L.Layout, fam: L.Family, *, only:
         for n in fam.files:
             hdr = load_header(lay.root / n, display=str(lay.root / n))
             for t in hdr.tensors.values():
-                res.tensors.append(TensorRow(t.spec, rel(n), t.nbytes, component))
+                res.tensors.append(TensorRow(t.spec, rel(n), component))
     else:
         from ckptctl.sources import open_source
 
@@ -226,7 +213,7 @@ def _add_family(res: Inspection, p: Path, lay: L.Layout, fam: L.Family, *, only:
             res.aliases.update(src.aliases)
             for t in src.tensors:
                 where = Path(t.file).name if t.file else _pickle_file(fam)
-                res.tensors.append(TensorRow(TensorSpec(t.name, t.dtype, t.shape), rel(where), t.nbytes, component))
+                res.tensors.append(TensorRow(t.spec, rel(where), component))
 
 
 def _pickle_file(fam: L.Family) -> str:

@@ -11,7 +11,7 @@ for a single shard, and ``{prefix}.safetensors.index.json``.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterable
+from typing import Callable, Iterable, Sequence
 
 from ckptctl.format import dtypes as dt
 from ckptctl.format import names as N
@@ -85,18 +85,21 @@ def with_alias_records(metadata: dict[str, str] | None, aliases: dict[str, str])
 
 def make_plan(specs: list[TensorSpec], *, max_shard_size: int, prefix: str = "model",
               metadata: dict[str, str] | None = None, aliases: dict[str, str] | None = None,
-              single_file: bool = False, variant: str | None = None) -> Plan:
+              single_file: bool = False, groups: list[list[str]] | None = None,
+              variant: str | None = None) -> Plan:
     """Plan the shards, their names and header bytes. ``specs`` have unique names (the export
     job checks that once, before planning).
 
     ``metadata`` is the user's metadata: in a single file it goes into the header next to
     ``format: pt`` (with the alias records), in a sharded checkpoint into the index, while each
     shard's header carries ``format: pt`` only (huggingface_hub's convention). Raises
-    ``ValueError`` when the shards would be too many to name.
+    ``ValueError`` when the shards would be too many to name. ``groups`` replaces the grouping
+    (``--max-shard-size keep``: the source's own shards).
     """
     by_name = {s.name: s for s in specs}
     aliases = dict(aliases or {})
-    groups = [list(by_name)] if single_file else group(((s.name, s.nbytes) for s in specs), max_shard_size)
+    if groups is None:
+        groups = [list(by_name)] if single_file else group(((s.name, s.nbytes) for s in specs), max_shard_size)
     if len(groups) > MAX_SHARDS:
         raise ValueError(f"{len(groups)} shards exceed the {MAX_SHARDS}-shard naming limit; raise --max-shard-size")
     n = len(groups)
@@ -112,3 +115,69 @@ def make_plan(specs: list[TensorSpec], *, max_shard_size: int, prefix: str = "mo
     params = sum(dt.numel(s.shape) for s in specs)
     index = N.index_name(prefix, N.SAFETENSORS_EXT, variant=variant) if n > 1 else None
     return Plan(shards, index, total, params, aliases)
+
+
+# Where a tensor's stored bytes already sit, when they can be copied as they are: (file, offset).
+Locate = Callable[[str], "tuple[str, int] | None"]
+
+
+@dataclass(frozen=True)
+class Run:
+    """Consecutive tensors of a shard (``infos``, file order) whose bytes sit back to back in one
+    source ``file`` from ``src_offset``: one range to copy (or clone)."""
+
+    infos: tuple[TensorInfo, ...]
+    file: str
+    src_offset: int
+
+    @property
+    def begin(self) -> int:
+        return self.infos[0].begin
+
+    @property
+    def nbytes(self) -> int:
+        return self.infos[-1].end - self.infos[0].begin
+
+
+def runs(layout: Sequence[TensorInfo], locate: Locate) -> list[Run | TensorInfo]:
+    """``layout`` (file order) cut into :class:`Run` s of tensors contiguous both here and in one
+    source file, and the tensors that have no source range (as themselves)."""
+    out: list[Run | TensorInfo] = []
+    cur: list[TensorInfo] = []
+    file, start, end = "", 0, 0
+    for info in layout:
+        where = locate(info.name) if info.nbytes else None
+        if where is not None and cur and where[0] == file and where[1] == end and info.begin == cur[-1].end:
+            cur.append(info)
+            end += info.nbytes
+            continue
+        if cur:
+            out.append(Run(tuple(cur), file, start))
+            cur = []
+        if where is None:
+            out.append(info)
+        else:
+            cur = [info]
+            file, start, end = where[0], where[1], where[1] + info.nbytes
+    if cur:
+        out.append(Run(tuple(cur), file, start))
+    return out
+
+
+def place_for_clone(shard: ShardPlan, locate: Locate, block: int) -> int:
+    """Pad ``shard``'s header with spaces (beyond the 8-byte alignment safetensors writes) so
+    that its largest run sits at the same offset modulo ``block`` as in its source file, where
+    the kernel can then clone it. Only a multiple of 8 is added (every tensor keeps its 8-byte
+    alignment); nothing when the run is shorter than a block or already congruent. Returns the
+    spaces added."""
+    candidates = [r for r in runs(shard.layout, locate) if isinstance(r, Run)]
+    if not candidates or block <= 8:
+        return 0
+    best = max(candidates, key=lambda r: (r.nbytes, -r.begin))
+    if best.nbytes < block:
+        return 0
+    pad = (best.src_offset - best.begin - shard.data_start) % block
+    if pad == 0 or pad % 8:
+        return 0
+    shard.header, shard.layout = encode_header(shard.specs, shard.metadata, extra_pad=pad)
+    return pad

@@ -833,8 +833,9 @@ def make_config_missing(d: Path) -> str:
 
 def make_config_names_not_recognised(d: Path) -> str:
     """A model whose tensor names no rule knows (a T5-style encoder): the shapes are not checked."""
-    write_checkpoint(d, [{"encoder.block.0.layer.0.SelfAttention.q.weight": np.ones((16, 16), np.float32)}],
-                     config=llama_config())
+    cfg = llama_config()  # every layer present: the generic layer-count rule has nothing to report
+    write_checkpoint(d, [{f"encoder.block.{i}.layer.0.SelfAttention.q.weight": np.ones((16, 16), np.float32)
+                          for i in range(cfg["num_hidden_layers"])}], config=cfg)
     return "config.not_checked"
 
 

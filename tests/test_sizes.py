@@ -39,9 +39,6 @@ def test_an_int_is_a_size_in_bytes():
     assert parse_size(4096) == 4096
 
 
-@pytest.mark.xfail(strict=True, reason="bug (ckptctl/sizes.py parse_size): an int is returned unchecked, so the "
-                   "library API (ExportOptions / save_state_dict max_shard_size=0 or -1) plans one tensor per shard "
-                   "where the string '0' is refused as not positive")
 @pytest.mark.parametrize("value", [0, -1])
 def test_an_int_that_is_not_positive_is_refused_like_its_string(value):
     with pytest.raises(ValueError, match="must be positive"):

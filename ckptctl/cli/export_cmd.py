@@ -101,6 +101,9 @@ def render_result(out: Output, result) -> None:
     if result.recovered:
         lines.append("recovered an interrupted publish: " + "; ".join(result.recovered))
     if not result.dry_run:
+        lines.append(f"{human_size(result.bytes_cloned)} cloned (shared with the source), "
+                     f"{human_size(result.bytes_copied_by_kernel)} copied by the kernel, "
+                     f"{human_size(result.bytes_streamed)} streamed")
         lines.append(f"published by {result.publish} in {result.seconds:.2f}s")
     for line in lines:
         out.print(line)

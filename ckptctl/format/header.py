@@ -18,7 +18,7 @@ from typing import Any, Iterable
 from ckptctl.errors import InputError, from_oserror
 from ckptctl.findings import ERROR, WARNING, Finding, has_errors
 from ckptctl.format import dtypes as dt
-from ckptctl.format.tensor import TensorSpec
+from ckptctl.format.tensor import SpecFields, TensorSpec
 
 MAX_HEADER_SIZE = 100_000_000  # safetensors' MAX_HEADER_SIZE
 HUB_MAX_HEADER_SIZE = 25_000_000  # huggingface_hub refuses larger headers in its metadata API
@@ -28,7 +28,7 @@ METADATA_KEY = "__metadata__"
 
 
 @dataclass(frozen=True)
-class TensorInfo:
+class TensorInfo(SpecFields):
     """One tensor of a safetensors file: its spec and where its bytes sit. ``begin``/``end`` are
     relative to the data section."""
 
@@ -37,24 +37,8 @@ class TensorInfo:
     end: int
 
     @property
-    def name(self) -> str:
-        return self.spec.name
-
-    @property
-    def dtype(self) -> str:
-        return self.spec.dtype  # type: ignore[return-value]
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return self.spec.shape
-
-    @property
     def nbytes(self) -> int:
         return self.end - self.begin
-
-    @property
-    def numel(self) -> int:
-        return dt.numel(self.spec.shape)
 
 
 @dataclass
@@ -461,10 +445,15 @@ def layout_order(specs: Iterable[TensorSpec]) -> list[TensorSpec]:
     return sorted(specs, key=lambda s: (-dt.RANK[s.dtype], s.name))
 
 
-def encode_header(specs: Iterable[TensorSpec], metadata: dict[str, str] | None = None
+def encode_header(specs: Iterable[TensorSpec], metadata: dict[str, str] | None = None, *, extra_pad: int = 0
                   ) -> tuple[bytes, list[TensorInfo]]:
     """Header bytes (8-byte length + JSON padded with spaces to a multiple of 8) and the tensors
-    with their data offsets, in file order. Byte-identical to ``safetensors.torch.save_file``."""
+    with their data offsets, in file order. Byte-identical to ``safetensors.torch.save_file``;
+    ``extra_pad`` (a multiple of 8) more spaces move the data section that far (the Rust parser
+    accepts trailing whitespace in the JSON: the writer uses it to place tensors where the
+    kernel can clone them)."""
+    if extra_pad < 0 or extra_pad % 8:
+        raise ValueError("extra header padding must be a non-negative multiple of 8")
     ordered = layout_order(specs)
     obj: dict[str, Any] = {}
     if metadata is not None:
@@ -484,7 +473,7 @@ def encode_header(specs: Iterable[TensorSpec], metadata: dict[str, str] | None =
         infos.append(TensorInfo(TensorSpec(s.name, s.dtype, tuple(s.shape)), offset, offset + n))
         offset += n
     text = json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
-    pad = (-len(text)) % 8
+    pad = (-len(text)) % 8 + extra_pad
     text += b" " * pad
     if len(text) > MAX_HEADER_SIZE:
         raise ValueError("header too large")

@@ -30,3 +30,30 @@ class TensorSpec:
 
     def with_dtype(self, dtype: str) -> "TensorSpec":
         return TensorSpec(self.name, dtype, self.shape)
+
+
+class SpecFields:
+    """A record that holds a ``spec`` (:class:`TensorSpec`) by composition: its name, dtype,
+    shape, element count and stored size, read through the spec."""
+
+    spec: TensorSpec
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def dtype(self) -> str:
+        return self.spec.dtype  # type: ignore[return-value]  # headers, sources and the writer know it
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.spec.shape
+
+    @property
+    def numel(self) -> int:
+        return self.spec.numel
+
+    @property
+    def nbytes(self) -> int:
+        return self.spec.nbytes

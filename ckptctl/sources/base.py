@@ -9,36 +9,9 @@ from typing import Any, Iterator
 
 from ckptctl.errors import InputError
 from ckptctl.format import dtypes as dt
-from ckptctl.format.tensor import TensorSpec
+from ckptctl.format.tensor import SpecFields, TensorSpec
 
 CHUNK_BYTES = 16 * 1024 * 1024  # what one read/convert step holds in memory at most
-
-
-class SpecFields:
-    """A record that holds a ``spec`` (:class:`TensorSpec`) by composition: its name, dtype,
-    shape, element count and stored size, read through the spec."""
-
-    spec: TensorSpec
-
-    @property
-    def name(self) -> str:
-        return self.spec.name
-
-    @property
-    def dtype(self) -> str:
-        return self.spec.dtype  # type: ignore[return-value]  # sources and the writer always know it
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return self.spec.shape
-
-    @property
-    def numel(self) -> int:
-        return self.spec.numel
-
-    @property
-    def nbytes(self) -> int:
-        return self.spec.nbytes
 
 
 @dataclass(init=False)

@@ -7,7 +7,8 @@ config field names, :mod:`ckptctl.config_fields`):
 * Llama-style names (Llama, Mistral, Mixtral, Qwen2/3, Gemma 1-3, Phi-3, most VLM text towers):
   ``model.embed_tokens``, ``model.layers.{i}.self_attn.{q,k,v,o}_proj``, ``mlp.{gate,up,down}_proj``,
   ``lm_head``;
-* GPT-2 (``transformer.wte/wpe``, ``h.{i}.attn.c_attn``; Conv1D weights are stored [in, out]);
+* GPT-2 names (``transformer.wte/wpe``, ``h.{i}.attn.c_attn``): Conv1D weights stored [in, out] for GPT-2,
+  nn.Linear [out, in] for GPT-Neo and GPT-BigCode (multi-query c_attn);
 * GPT-NeoX (``gpt_neox.embed_in``, ``layers.{i}.attention.query_key_value``, ``embed_out``);
 * Falcon / Bloom (``transformer.word_embeddings``, ``h.{i}.self_attention.query_key_value``).
 """
@@ -30,6 +31,9 @@ class Dims:
     vocab: int | None = None
     layers: int | None = None
     max_pos: int | None = None
+    v_head_dim: int | None = None  # DeepSeek MLA: o_proj reads heads x v_head_dim
+    q_head_dim: int | None = None  # DeepSeek MLA: q_proj gives heads x (qk_nope_head_dim + qk_rope_head_dim)
+    linear: bool | None = False  # GPT-2 names: True nn.Linear [out, in] layout, False Conv1D [in, out], None unknown
 
 
 @dataclass(frozen=True)
@@ -68,15 +72,33 @@ def _llama_dims(c: ConfigFields) -> Dims:
     d.head_dim = as_int(c.get("head_dim"))
     if d.head_dim is None and d.hidden and d.heads:
         d.head_dim = d.hidden // d.heads
+    d.v_head_dim = as_int(c.get("v_head_dim")) or d.head_dim
+    nope, rope = as_int(c.get("qk_nope_head_dim")), as_int(c.get("qk_rope_head_dim"))
+    d.q_head_dim = nope + rope if nope is not None and rope is not None else d.head_dim
     return d
+
+
+# GPT-2 tensor names with Conv1D weights ([in, out]) and with nn.Linear weights ([out, in]);
+# another model_type with GPT-2 names is not shape-checked (a rule does not guess a layout)
+CONV1D_TYPES = frozenset({"gpt2", "imagegpt", "decision_transformer"})
+LINEAR_TYPES = frozenset({"gpt_neo", "gpt_bigcode"})
 
 
 def _gpt2_dims(c: ConfigFields) -> Dims:
     d = _llama_dims(c)
     if d.inter is None and d.hidden:
         d.inter = 4 * d.hidden
-    d.kv = d.heads
+    d.kv = 1 if c.get("multi_query") is True else d.heads  # GPT-BigCode's multi-query attention
+    mt = c.get("model_type")
+    d.linear = True if mt in LINEAR_TYPES else False if mt in CONV1D_TYPES or mt is None else None
     return d
+
+
+def _io(d: Dims, n_in: int | None, n_out: int | None) -> tuple[int | None, ...] | None:
+    """A GPT-2-named weight's shape: [in, out] for Conv1D, [out, in] for nn.Linear, None when unknown."""
+    if d.linear is None:
+        return None
+    return (n_out, n_in) if d.linear else (n_in, n_out)
 
 
 def _falcon_dims(c: ConfigFields) -> Dims:
@@ -103,12 +125,13 @@ _Q_WHAT = "num_attention_heads x head_dim by hidden_size"
 _KV_WHAT = "num_key_value_heads x head_dim by hidden_size"
 
 LLAMA = Spec("llama-style", "embed_tokens.weight", "layers", "lm_head.weight", (
-    Rule("self_attn.q_proj.weight", lambda d: (_mul(d.heads, d.head_dim), d.hidden), _ATT, _Q_WHAT),
+    Rule("self_attn.q_proj.weight", lambda d: (_mul(d.heads, d.q_head_dim), d.hidden), _ATT,
+         _Q_WHAT + " (MLA: qk_nope_head_dim + qk_rope_head_dim)"),
     Rule("self_attn.k_proj.weight", lambda d: (_mul(d.kv, d.head_dim), d.hidden), _KV, _KV_WHAT),
     Rule("self_attn.v_proj.weight", lambda d: (_mul(d.kv, d.head_dim), d.hidden), _KV, _KV_WHAT),
-    Rule("self_attn.o_proj.weight", lambda d: (d.hidden, _mul(d.heads, d.head_dim)), _ATT,
-         "hidden_size by num_attention_heads x head_dim"),
-    Rule("self_attn.q_proj.bias", lambda d: (_mul(d.heads, d.head_dim),), _ATT, "num_attention_heads x head_dim"),
+    Rule("self_attn.o_proj.weight", lambda d: (d.hidden, _mul(d.heads, d.v_head_dim)), _ATT,
+         "hidden_size by num_attention_heads x head_dim (MLA: v_head_dim)"),
+    Rule("self_attn.q_proj.bias", lambda d: (_mul(d.heads, d.q_head_dim),), _ATT, "num_attention_heads x head_dim"),
     Rule("self_attn.k_proj.bias", lambda d: (_mul(d.kv, d.head_dim),), _KV, "num_key_value_heads x head_dim"),
     Rule("self_attn.v_proj.bias", lambda d: (_mul(d.kv, d.head_dim),), _KV, "num_key_value_heads x head_dim"),
     Rule("self_attn.qkv_proj.weight",
@@ -122,11 +145,16 @@ LLAMA = Spec("llama-style", "embed_tokens.weight", "layers", "lm_head.weight", (
          "2 x intermediate_size by hidden_size"),
 ), dims=_llama_dims)
 
+_LAYOUT = " (Conv1D stores [in, out] for gpt2, nn.Linear [out, in] for gpt_neo and gpt_bigcode)"
 GPT2 = Spec("gpt2", "wte.weight", "h", "lm_head.weight", (
-    Rule("attn.c_attn.weight", lambda d: (d.hidden, _mul(3, d.hidden)), _ATT, "n_embd by 3 x n_embd (Conv1D)"),
-    Rule("attn.c_proj.weight", lambda d: (d.hidden, d.hidden), _ATT, "n_embd by n_embd"),
-    Rule("mlp.c_fc.weight", lambda d: (d.hidden, d.inter), _MLP, "n_embd by n_inner (default 4 x n_embd)"),
-    Rule("mlp.c_proj.weight", lambda d: (d.inter, d.hidden), _MLP, "n_inner by n_embd"),
+    Rule("attn.c_attn.weight",
+         lambda d: _io(d, d.hidden, None if d.hidden is None or d.kv is None or d.head_dim is None
+                       else d.hidden + 2 * d.kv * d.head_dim), _ATT,
+         "n_embd to n_embd + 2 x kv heads x head_dim (kv heads: 1 with multi_query)" + _LAYOUT),
+    Rule("attn.c_proj.weight", lambda d: _io(d, d.hidden, d.hidden), _ATT, "n_embd to n_embd" + _LAYOUT),
+    Rule("mlp.c_fc.weight", lambda d: _io(d, d.hidden, d.inter), _MLP,
+         "n_embd to n_inner (default 4 x n_embd)" + _LAYOUT),
+    Rule("mlp.c_proj.weight", lambda d: _io(d, d.inter, d.hidden), _MLP, "n_inner to n_embd" + _LAYOUT),
 ), position="wpe.weight", dims=_gpt2_dims)
 
 NEOX = Spec("gpt-neox", "embed_in.weight", "layers", "embed_out.weight", (

@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import os
 import queue
+import re
 import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -222,8 +223,9 @@ def _findings(display: str, plan: list[tuple[int, int, TensorInfo]], scanners: d
         if scanners[t.name].fb is None:
             continue
         if st.nan:
-            out.append(Finding("deep.nan", WARNING, display,
-                               f"tensor {t.name!r} holds {st.nan} NaN values", "check the training run "
+            out.append(Finding("deep.nan", ERROR, display,
+                               f"tensor {t.name!r} holds {st.nan} NaN values (a NaN weight turns every output it "
+                               "reaches into NaN)", "check the training run "
                                "that produced it (loss spike, overflow) before publishing", t.name, {"count": st.nan}))
         if st.inf:
             out.append(Finding("deep.inf", WARNING, display,
@@ -231,7 +233,8 @@ def _findings(display: str, plan: list[tuple[int, int, TensorInfo]], scanners: d
                                "that produced it (overflow in a low-precision cast?)", t.name, {"count": st.inf}))
         numel = t.numel
         if not st.nonzero and numel > 1 and t.dtype not in NOT_DECODED:
-            if len(t.shape) >= 2:
+            # a matrix has two dims above 1: BART's final_logits_bias [1, vocab] is a vector (zero in real BART)
+            if sum(1 for n in t.shape if n > 1) >= 2:
                 out.append(Finding("deep.all_zero", WARNING, display,
                                    f"tensor {t.name!r} {list(t.shape)} is all zeros",
                                    "a zero-filled weight matrix usually means a failed or interrupted write "
@@ -248,6 +251,9 @@ def _findings(display: str, plan: list[tuple[int, int, TensorInfo]], scanners: d
                            f"values of dtype {', '.join(sorted(skipped))} are hashed but not checked for NaN/zero",
                            None))
     return out
+
+
+SHA256_NAME = re.compile(r"[0-9a-f]{64}")
 
 
 def deep_step(ctx: Context) -> None:
@@ -281,6 +287,21 @@ def deep_step(ctx: Context) -> None:
         ctx.result.bytes_read += dr.bytes_read
         ctx.extend(dr.findings)
         _compare(ctx, name, dr.sha256, manifest)
+        _compare_blob(ctx, name, dr.sha256)
+
+
+def _compare_blob(ctx: Context, name: str, sha256: str) -> None:
+    """In a Hugging Face cache snapshot, an LFS file links to ``blobs/<sha256>``: the name is the oid
+    the Hub gave the file, so the bytes must hash to it (huggingface_hub never re-checks a blob)."""
+    path = ctx.root / name
+    if ctx.allowed == os.path.realpath(ctx.root) or not os.path.islink(path):
+        return
+    blob = os.path.basename(os.path.realpath(path))
+    if SHA256_NAME.fullmatch(blob) and blob != sha256:
+        ctx.add("deep.blob_hash_mismatch", ERROR, ctx.disp(name),
+                f"{name}: sha256 {sha256[:16]}... differs from its cache blob's name {blob[:16]}... (the LFS oid "
+                "the Hub gave it): the cached file is corrupt", "delete the blob and download the file again "
+                "(huggingface-cli download --force-download)", name=name, sha256=sha256, expected=blob)
 
 
 def _compare(ctx: Context, name: str, sha256: str, manifest: dict[str, dict[str, Any]]) -> None:

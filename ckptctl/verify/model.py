@@ -17,11 +17,13 @@ from collections.abc import Mapping
 from typing import Any
 
 from ckptctl import layout as L
-from ckptctl.config_fields import ConfigFields
+from ckptctl.config_fields import ConfigFields, as_int
 from ckptctl.findings import ERROR, INFO, WARNING, Finding, PathFindings
 from ckptctl.format.tensor import TensorSpec
 from ckptctl.verify.architectures import GENERATIVE, SPECS, Dims, Spec
 from ckptctl.verify.context import Context
+from ckptctl.verify.tied import tied_bytes_step
+from ckptctl.verify.stacks import EXTRA_LAYER_FIELDS, check_experts, check_stacks, count_findings
 from ckptctl.verify.weights import transformers_rank
 
 Tensors = Mapping[str, TensorSpec]
@@ -36,6 +38,9 @@ CONFIG_DTYPES = {"float32": "F32", "float": "F32", "float16": "F16", "half": "F1
                  "float64": "F64", "double": "F64"}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model",
                    "sentencepiece.bpe.model", "tokenizer_config.json")
+
+# keys diffusers writes into every config.json it saves (transformers never does)
+DIFFUSERS_KEYS = ("_diffusers_version", "_class_name")
 
 _FIX_CONFIG = "fix config.json (or re-export the checkpoint from the model that produced it)"
 
@@ -84,6 +89,10 @@ def check_config(display: str, cfg: Any, tensors: Tensors, *, check_dtype: bool 
         ctx.add("config.bad_json", ERROR, f"{display}: top level is a JSON {type(cfg).__name__}, not an object",
                 _FIX_CONFIG)
         return ctx.findings
+    if any(k in cfg for k in DIFFUSERS_KEYS):
+        ctx.add("config.not_checked", INFO, f"{display}: a diffusers config ({cfg.get('_class_name')!r}); the "
+                "transformers rules do not apply")
+        return ctx.findings
     c = ConfigFields(cfg)
     for key in ("architectures", "model_type"):
         if key not in cfg:
@@ -94,27 +103,33 @@ def check_config(display: str, cfg: Any, tensors: Tensors, *, check_dtype: bool 
     if check_dtype and not quantized:
         _check_dtype(ctx, c, tensors)
     archs = cfg.get("architectures") if isinstance(cfg.get("architectures"), list) else []
+    vocab = as_int(c.get("vocab_size"))
+    if tokenizer_size is not None and vocab is not None and tokenizer_size > vocab:
+        ctx.add("config.tokenizer_vocab", ERROR,
+                f"{tokenizer_display or 'tokenizer'} has token ids up to {tokenizer_size - 1}, but vocab_size is "
+                f"{vocab}: those tokens index past the embedding",
+                "resize the embeddings (model.resize_token_embeddings) and re-export, or fix vocab_size",
+                tokenizer_size=tokenizer_size, vocab_size=vocab)
+    check_experts(ctx, cfg, tensors)
+    found = None if cfg.get("is_encoder_decoder") else _detect(tensors)
+    skip = f"{found[1]}{found[0].layer}" if found else None
+    stacked = check_stacks(ctx, cfg, tensors, skip=skip)
     if cfg.get("is_encoder_decoder"):
-        ctx.add("config.not_checked", INFO, f"{display}: encoder-decoder model; shape checks skipped")
+        ctx.add("config.not_checked", INFO, f"{display}: encoder-decoder model; layer counts checked per stack, "
+                "projection shapes not checked")
         return ctx.findings
-    found = _detect(tensors)
     if found is None:
         ctx.add("config.not_checked", INFO,
-                f"{display}: tensor names not recognised (model_type {cfg.get('model_type')!r}); shape checks "
-                "skipped", None)
+                f"{display}: tensor names not recognised (model_type {cfg.get('model_type')!r}); "
+                f"{'layer counts checked, ' if stacked else ''}shape checks skipped", None)
         return ctx.findings
     spec, root = found
     assert spec.dims is not None
     dims = spec.dims(c)
     generative = any(isinstance(a, str) and a.endswith(GENERATIVE) for a in archs) or not archs
     _check_embeddings(ctx, spec, root, dims, tensors, c, generative, quantized)
-    _check_layers(ctx, spec, root, dims, tensors, quantized)
-    if tokenizer_size is not None and dims.vocab is not None and tokenizer_size > dims.vocab:
-        ctx.add("config.tokenizer_vocab", ERROR,
-                f"{tokenizer_display or 'tokenizer'} has token ids up to {tokenizer_size - 1}, but vocab_size is "
-                f"{dims.vocab}: those tokens index past the embedding",
-                "resize the embeddings (model.resize_token_embeddings) and re-export, or fix vocab_size",
-                tokenizer_size=tokenizer_size, vocab_size=dims.vocab)
+    _check_layers(ctx, spec, root, dims, tensors, quantized,
+                  sum(as_int(c.get(f)) or 0 for f in EXTRA_LAYER_FIELDS))
     return ctx.findings
 
 
@@ -124,14 +139,29 @@ def _check_quantization(ctx: PathFindings, tensors: Tensors, quantized: bool) ->
                or t.name.endswith(QUANT_SUFFIXES)
                or (t.dtype in ("I8", "U8") and t.name.endswith(".weight") and len(t.shape) == 2)]
     if signals and not quantized:
-        ctx.add("config.quantization_missing", WARNING,
+        ctx.add("config.quantization_missing", ERROR,
                 f"{ctx.path}: {len(signals)} tensors look quantized ({signals[0]!r}, ...) but there is no "
                 "quantization_config", "copy the quantization_config of the quantized model into config.json",
                 tensor=signals[0], count=len(signals))
     elif quantized and not signals:
-        ctx.add("config.quantization_unused", WARNING,
+        ctx.add("config.quantization_unused", ERROR,
                 f"{ctx.path}: quantization_config is set but no tensor is quantized",
                 "remove quantization_config (the weights are plain floats) or export the quantized weights")
+
+
+def _float_counts(tensors: Tensors) -> dict[str, int]:
+    """Float dtype -> elements stored in it."""
+    counts: dict[str, int] = {}
+    for t in tensors.values():
+        if t.dtype in FLOATS:
+            counts[t.dtype] = counts.get(t.dtype, 0) + t.numel
+    return counts
+
+
+def config_dtype(cfg: Any) -> str | None:
+    """The safetensors dtype name config.json's dtype field names, or None."""
+    raw = ConfigFields(cfg).get("dtype") if isinstance(cfg, dict) else None
+    return CONFIG_DTYPES.get(raw.removeprefix("torch.")) if isinstance(raw, str) else None
 
 
 def _check_dtype(ctx: PathFindings, c: ConfigFields, tensors: Tensors) -> None:
@@ -141,10 +171,7 @@ def _check_dtype(ctx: PathFindings, c: ConfigFields, tensors: Tensors) -> None:
     want = CONFIG_DTYPES.get(raw.removeprefix("torch."))
     if want is None:
         return
-    counts: dict[str, int] = {}
-    for t in tensors.values():
-        if t.dtype in FLOATS:
-            counts[t.dtype] = counts.get(t.dtype, 0) + t.numel
+    counts = _float_counts(tensors)
     if not counts:
         return
     dominant = max(sorted(counts), key=lambda k: counts[k])
@@ -201,13 +228,8 @@ def _check_embeddings(ctx: PathFindings, spec: Spec, root: str, d: Dims, tensors
                 "separately, or drop the tensor with `ckptctl resave`", tensor=lm.name)
 
 
-def _first(items: list[int], total: int, shown: int = 10) -> str:
-    """The first ``shown`` items, with ' ...' when there are more (``total`` of them)."""
-    return ", ".join(map(str, items[:shown])) + (" ..." if total > shown else "")
-
-
 def _check_layers(ctx: PathFindings, spec: Spec, root: str, d: Dims, tensors: Tensors,
-                  quantized: bool) -> None:
+                  quantized: bool, extra_layers: int) -> None:
     pat = re.compile(rf"^{re.escape(root)}{spec.layer}\.(\d+)\.(.+)$")
     present: set[int] = set()
     by_rule: dict[str, list[TensorSpec]] = {}
@@ -220,28 +242,7 @@ def _check_layers(ctx: PathFindings, spec: Spec, root: str, d: Dims, tensors: Te
         if m.group(2) in suffixes:
             by_rule.setdefault(m.group(2), []).append(t)
     if d.layers is not None:
-        # never materialise range(num_hidden_layers): config.json is untrusted input
-        extra = sorted(i for i in present if i >= d.layers)
-        n_missing = max(0, d.layers - sum(1 for i in present if i < d.layers))
-        missing = []
-        i = 0
-        while len(missing) < min(n_missing, 200):
-            if i not in present:
-                missing.append(i)
-            i += 1
-        where = f"{root}{spec.layer}.N"
-        if missing:
-            ctx.add("config.layer_missing", ERROR,
-                    f"num_hidden_layers is {d.layers} but {n_missing} layers have no tensors under {where} "
-                    f"(missing: {_first(missing, n_missing)}); they "
-                    "would be randomly initialised", "restore the missing shard(s) or fix num_hidden_layers",
-                    missing=missing[:200])
-        if extra:
-            ctx.add("config.layer_extra", ERROR,
-                    f"num_hidden_layers is {d.layers} but tensors exist for layers "
-                    f"{_first(extra, len(extra))}; transformers "
-                    "silently ignores them", "fix num_hidden_layers, or drop the stale layers with ckptctl resave",
-                    extra=extra[:200])
+        count_findings(ctx, f"{root}{spec.layer}", present, d.layers, "num_hidden_layers", extra_layers)
     if quantized:
         ctx.add("config.not_checked", INFO, f"{ctx.path}: quantized checkpoint; projection shapes not checked")
         return
@@ -298,7 +299,16 @@ def config_step(ctx: Context) -> None:
         ctx.add("config.not_checked", INFO, shown,
                 "config.json is not compared with the tensors: some weights files are missing or unreadable")
     else:
-        ctx.extend(check_config(shown, cfg, loaded.tensors, tokenizer_size=tok, tokenizer_display=tok_shown))
+        # save_pretrained(variant=...) beside a main family rewrites the one shared config.json with the
+        # variant's dtype: a dtype that one family of the directory has is not a mismatch
+        want = config_dtype(cfg)
+        variant_match = any(want is not None and (counts := _float_counts(t.tensors))
+                            and max(sorted(counts), key=lambda k: counts[k]) == want
+                            for t in ctx.tables if t.family.variant is not None)
+        ctx.extend(check_config(shown, cfg, loaded.tensors, check_dtype=not variant_match, tokenizer_size=tok,
+                                tokenizer_display=tok_shown))
+        if ctx.options.deep and isinstance(cfg, dict):
+            tied_bytes_step(ctx, cfg, loaded)
     if not isinstance(cfg, dict):
         return
     tw = cfg.get("transformers_weights")

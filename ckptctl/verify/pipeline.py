@@ -18,7 +18,7 @@ from typing import Callable
 
 from ckptctl import layout as L
 from ckptctl.errors import InputError, UsageError
-from ckptctl.findings import ERROR, SEVERITY_RANK
+from ckptctl.findings import ERROR, SEVERITY_RANK, Finding
 from ckptctl.format import names as N
 from ckptctl.verify.context import Context, ProgressFn, VerifyOptions
 from ckptctl.verify.dcp import check_dcp
@@ -27,7 +27,7 @@ from ckptctl.verify.index import family_tensors
 from ckptctl.verify.manifest import manifest_step
 from ckptctl.verify.model import config_step
 from ckptctl.verify.peft import adapter_step
-from ckptctl.verify.report import PathResult, Report
+from ckptctl.verify.report import IO_CODE, PathResult, Report
 from ckptctl.verify.screen import scan_directory
 
 Step = Callable[[Context], None]
@@ -39,6 +39,9 @@ MODEL_LIBRARIES = ("diffusers", "transformers")
 # verify's own rule beside layout's leftover table (names.LEFTOVERS): a lock file is no proof of
 # an interrupted write, but an upload would push it.
 LOCK_FILES = "*.lock"
+# the Hub's documented per-file limit: HfApi.upload_file "Upload a local file (up to 50 GB)", and
+# huggingface_hub.constants.MAX_HTTP_DOWNLOAD_SIZE = 50 * 1000 * 1000 * 1000
+HUB_MAX_FILE_BYTES = 50 * 1000 * 1000 * 1000
 
 
 def layout_findings(ctx: Context) -> None:
@@ -51,6 +54,18 @@ def layout_findings(ctx: Context) -> None:
         if n not in ctx.hidden and fnmatch.fnmatchcase(n, LOCK_FILES):
             ctx.add("dir.lock_file", ERROR, ctx.disp(n), f"{n} is a lock file; an upload would push it",
                     "remove it once no process holds it")
+    for n in ctx.names:
+        if n in ctx.hidden:
+            continue
+        try:
+            size = os.stat(ctx.root / n).st_size
+        except OSError:
+            continue  # screening reports an entry it cannot stat
+        if size > HUB_MAX_FILE_BYTES:
+            ctx.add("dir.file_too_large_for_hub", ERROR, ctx.disp(n),
+                    f"{n} is {size:,} bytes, over the Hub's per-file limit of {HUB_MAX_FILE_BYTES:,} bytes (50 GB): "
+                    "the upload is refused", "re-shard the checkpoint (ckptctl resave --max-shard-size 5GB)",
+                    size=size, limit=HUB_MAX_FILE_BYTES)
     if ctx.needs_weights and not ctx.layout.families and not any(c.has_weights for c in ctx.layout.components):
         ctx.add("dir.no_weights", ERROR, ctx.disp(),
                 f"{ctx.disp()} holds no checkpoint weights (no safetensors, .bin, adapter or DCP files)",
@@ -140,14 +155,22 @@ def verify_paths(paths: list[str], *, recursive: bool = False, options: VerifyOp
     if not paths:
         raise UsageError("no path given", "pass one or more checkpoint paths, or --recursive ROOT")
     targets: list[tuple[str, Path]] = []
+    unread_results: list[PathResult] = []
     for text in paths:
         p = resolve_path(text)
         if recursive:
             if not p.is_dir():
                 raise UsageError(f"--recursive needs a directory, {text} is not one", "drop --recursive to "
                                  "verify a single file")
-            found = discover(p)
-            if not found:
+            unreadable: list[tuple[Path, OSError]] = []
+            found = discover(p, unreadable)
+            for bad, exc in unreadable:
+                res = PathResult(path=str(bad), root=str(bad))
+                res.findings.append(Finding(IO_CODE, ERROR, str(bad), f"cannot read directory {bad}: "
+                                            f"{exc.strerror or exc}; checkpoints below it are not verified",
+                                            "fix its permissions, or run verify as a user who can read it"))
+                unread_results.append(res)
+            if not found and not unreadable:
                 raise InputError(f"no checkpoints below {text}", "a checkpoint is a folder holding *.safetensors, "
                                  "pytorch_model*.bin, adapter_model.* or DCP files")
             targets.extend((str(f), f) for f in found)
@@ -157,14 +180,20 @@ def verify_paths(paths: list[str], *, recursive: bool = False, options: VerifyOp
     base_root = _resolve_base(opts.base) if opts.base else None
     results = [verify_path(p, display=text, options=opts, progress=progress, base_root=base_root)
                for text, p in targets]
-    return Report(results, deep=opts.deep)
+    return Report(results + unread_results, deep=opts.deep)
 
 
-def discover(root: Path) -> list[Path]:
+def discover(root: Path, unreadable: list[tuple[Path, OSError]] | None = None) -> list[Path]:
     """Every directory at or below ``root`` that holds checkpoint weights (symlinks not followed;
-    hidden and staging directories skipped)."""
+    hidden and staging directories skipped). A directory that cannot be listed is appended to
+    ``unreadable`` with its error (never silently skipped)."""
     out: list[Path] = []
-    for dirpath, dirnames, filenames in os.walk(root):
+
+    def onerror(exc: OSError) -> None:
+        if unreadable is not None:
+            unreadable.append((Path(exc.filename), exc))
+
+    for dirpath, dirnames, filenames in os.walk(root, onerror=onerror):
         dirnames[:] = sorted(d for d in dirnames if not d.startswith(".") and not N.leftover_kind(d, is_dir=True))
         if any(N.is_weights_like(n) and not N.leftover_kind(n, is_dir=False) for n in filenames):
             out.append(Path(dirpath))

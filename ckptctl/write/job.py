@@ -21,16 +21,17 @@ from typing import Any
 
 from ckptctl import _faults
 from ckptctl import layout as L
-from ckptctl.errors import CkptctlError, DiskFullError, InputError, Interrupted, from_oserror
+from ckptctl.errors import CkptctlError, DiskFullError, InputError, Interrupted, UsageError, from_oserror
 from ckptctl.format.index import encode_index
 from ckptctl.manifest import MANIFEST_NAME, build_manifest, encode_manifest, list_files
-from ckptctl.plan import Plan, make_plan, with_alias_records
+from ckptctl.plan import Plan, make_plan, place_for_clone, with_alias_records
 from ckptctl.publish import Stage, check_destination, check_writable, free_space
 from ckptctl.staging import recover_destination
 from ckptctl.write.extras import read_extras
 from ckptctl.write.inputs import Entry, ExportInputs, build_inputs
 from ckptctl.write.options import ExportOptions, ProgressEvent, validate
-from ckptctl.write.shards import TensorWriter, create_shard, fsync_and_close, link_or_copy, write_into
+from ckptctl.write.shards import (TensorWriter, clone_block, fsync_and_close, link_or_copy, source_range,
+                                  write_shard)
 from ckptctl.write.superseded import superseded
 
 BLOCK_MARGIN = 4096  # per file written: the last partial block, directory entries
@@ -47,8 +48,10 @@ class ExportResult:
     total_size: int = 0
     bytes_to_write: int = 0
     space_available: int | None = None  # free bytes on the destination's filesystem at planning time
+    bytes_cloned: int = 0  # blocks shared with the source (reflink): no data copied, no space used
     bytes_copied_by_kernel: int = 0
     bytes_streamed: int = 0
+    header_padding: int = 0  # spaces added to headers so that tensors can be cloned
     extras: list[str] = field(default_factory=list)
     linked: list[str] = field(default_factory=list)  # shards hard-linked from unchanged files
     carried: list[str] = field(default_factory=list)  # dest's non-weight files kept
@@ -74,6 +77,18 @@ def index_entries(entries: list[Entry]) -> dict[str, Entry]:
     return by_name
 
 
+def source_groups(entries: list[Entry]) -> list[list[str]]:
+    """``--max-shard-size keep``: the tensors grouped by the source file they sit in, in source
+    order."""
+    groups: dict[str, list[str]] = {}
+    for e in entries:
+        if e.tensor.file is None:
+            raise UsageError("--max-shard-size keep needs a source stored in files",
+                             "give a size such as 5GB for this source")
+        groups.setdefault(e.tensor.file, []).append(e.name)
+    return list(groups.values())
+
+
 class ExportJob:
     """One export of ``inputs`` to ``dest``, in steps: :meth:`prepare` (the plan; all a dry run
     does), :meth:`stage`, :meth:`write_shards`, :meth:`finalize` and :meth:`publish`; :meth:`abort`
@@ -92,22 +107,27 @@ class ExportJob:
         self.stage_: Stage | None = None
         self.dest_existed = False
 
-    def prepare(self, *, recover: bool = True) -> ExportResult:
+    def prepare(self, *, recover: bool = True, place: bool = False) -> ExportResult:
         """Plan from metadata (no I/O), then look at the destination: finish a dead writer's
         half-done publish there (unless a dry run, or ``recover=False`` on ranks that are not the
-        leader), check it, decide what its old version loses and keeps, read the extras."""
+        leader), check it, decide what its old version loses and keeps, read the extras. With
+        ``place`` (one process only: it probes the filesystem), pad the planned headers so that
+        each shard's largest run can be cloned, where the destination's filesystem can clone."""
         opts, result, dest = self.opts, self.result, self.dest
         if not self.entries:
             raise InputError("there are no tensors to write", "check the source: it holds no weights")
         self.by_name = index_entries(self.entries)
         if self.plan is None:
+            groups = source_groups(self.entries) if self.inputs.settings.keep_layout else None
             try:
                 self.plan = make_plan([e.spec for e in self.entries],
                                       max_shard_size=self.inputs.settings.max_shard_size, prefix=opts.prefix,
                                       metadata=opts.metadata, aliases=result.aliases,
-                                      single_file=opts.single_file, variant=opts.variant)
+                                      single_file=opts.single_file, groups=groups, variant=opts.variant)
             except ValueError as exc:
                 raise InputError(str(exc), "check the tensor names and --max-shard-size") from None
+            if place:
+                self.place_for_clone()
         plan = self.plan
         if recover and not opts.dry_run:
             result.recovered = recover_destination(dest)
@@ -133,6 +153,18 @@ class ExportJob:
         if opts.progress:
             opts.progress(ProgressEvent("plan", total=plan.total_size))
         return result
+
+    def place_for_clone(self) -> None:
+        """Pad each planned header so its largest run of source bytes can be cloned (only where
+        the destination's filesystem can clone from that source)."""
+        assert self.plan is not None
+        locate = source_range(self.by_name)
+        block, ok = clone_block((e.tensor.file for e in self.entries if e.tensor.file and not e.converted), self.dest)
+        if not ok:
+            return
+        for shard in self.plan.shards:
+            self.result.header_padding += place_for_clone(
+                shard, lambda name: (w if (w := locate(name)) is not None and w[0] in ok else None), block)
 
     def stage(self) -> Path:
         """Check the parent and its free space, create the staging directory; returns its data/."""
@@ -179,12 +211,12 @@ class ExportJob:
                 _faults.point("shard-start")
                 try:
                     if shard.link_from:
-                        link_or_copy(Path(shard.link_from), data / shard.name, fsync=self.opts.fsync)
+                        tw.count(link_or_copy(Path(shard.link_from), data / shard.name, fsync=self.opts.fsync,
+                                              link=self.opts.link_unchanged), shard.file_size)
                         done += shard.data_bytes
                     else:
-                        fd = create_shard(data / shard.name, shard)
+                        fd = write_shard(data / shard.name, shard, self.by_name, tw, on_tensor=wrote)
                         try:
-                            write_into(fd, shard, self.by_name, tw, on_tensor=wrote)
                             _faults.point("fsync-shard")
                         except BaseException:
                             os.close(fd)
@@ -211,6 +243,7 @@ class ExportJob:
 
     def count_bytes(self, tw: TensorWriter) -> None:
         """Add what ``tw`` wrote to the result's byte counts."""
+        self.result.bytes_cloned += tw.cloned
         self.result.bytes_copied_by_kernel += tw.copied
         self.result.bytes_streamed += tw.streamed
 
@@ -262,7 +295,7 @@ def write_inputs(inputs: ExportInputs, dest: str | os.PathLike[str], *, plan: Pl
     """Write ``inputs`` as a safetensors checkpoint and publish it at ``dest`` atomically (all of
     :class:`ExportJob`'s steps in this process). Errors name the step they failed in."""
     job = ExportJob(inputs, dest, plan=plan)
-    result = job.prepare()
+    result = job.prepare(place=True)
     if inputs.options.dry_run:
         result.seconds = time.monotonic() - job.started
         return result

@@ -20,6 +20,7 @@ from ckptctl.sizes import parse_size
 from ckptctl.sources.base import CHUNK_BYTES
 
 DEFAULT_MAX_SHARD_SIZE = "5GB"
+KEEP = "keep"  # --max-shard-size keep: one output shard per source file, same tensors
 # What --only may name: a kind of weights, or (between a single file and a sharded family of one
 # kind) index or single; layout.choose applies it.
 ONLY_CHOICES = (L.SAFETENSORS, L.PYTORCH, L.PEFT, L.DCP, "index", "single")
@@ -53,6 +54,9 @@ class ExportOptions:
     command: str | None = None
     progress: ProgressFn | None = None
     chunk_bytes: int = CHUNK_BYTES
+    # A planned shard whose bytes already exist (``ShardPlan.link_from``): hard-linked, or with
+    # False an independent copy (cloned where the filesystem can, else copied by the kernel).
+    link_unchanged: bool = True
 
 
 @dataclass(frozen=True)
@@ -63,6 +67,7 @@ class ExportSettings:
     target_dtype: str | None  # safetensors dtype floating tensors are stored as; None: as they are
     only: str | None = None
     key: str | None = None
+    keep_layout: bool = False  # --max-shard-size keep: the source's own shards
 
 
 def target_dtype(option: str | None) -> str | None:
@@ -83,10 +88,11 @@ def check_key(key: str | None) -> None:
 
 def validate(opts: ExportOptions, *, only: str | None = None, key: str | None = None) -> ExportSettings:
     """Check every option; raises :class:`UsageError` (exit 2). Touches no file."""
+    keep = isinstance(opts.max_shard_size, str) and opts.max_shard_size.strip().lower() == KEEP
     try:
-        size = parse_size(DEFAULT_MAX_SHARD_SIZE if opts.max_shard_size is None else opts.max_shard_size)
+        size = parse_size(DEFAULT_MAX_SHARD_SIZE if opts.max_shard_size is None or keep else opts.max_shard_size)
     except ValueError as exc:
-        raise UsageError(str(exc), "use a size like 5GB, 500MB or 2GiB") from None
+        raise UsageError(str(exc), "use a size like 5GB, 500MB or 2GiB, or keep") from None
     target = target_dtype(opts.dtype)
     if only is not None and only not in ONLY_CHOICES:
         raise UsageError(f"unknown --only {only!r}", f"use one of {', '.join(ONLY_CHOICES)}")
@@ -96,4 +102,4 @@ def validate(opts: ExportOptions, *, only: str | None = None, key: str | None = 
     parsed = N.parse_weights_name(f"model.{opts.variant}.safetensors") if opts.variant is not None else None
     if opts.variant is not None and (parsed is None or parsed.variant != opts.variant):
         raise UsageError(f"variant {opts.variant!r} is not a plain variant name", "use a name such as fp16")
-    return ExportSettings(size, target, only, key or None)
+        return ExportSettings(size, target, only, key or None, keep_layout=keep)

@@ -1,0 +1,141 @@
+"""Layer stacks and MoE experts against config.json, for every architecture family.
+
+transformers builds as many layers (and experts) as the config says and fills the ones the file
+lacks with random values, with no error: a layer or an expert missing from the file is a silently
+broken model. Extra layers beyond the config are silently dropped. These rules only read tensor
+names, so they work for any family whose layers sit under ``<prefix>.<container>.<i>.``
+(``layers``, ``layer``, ``h``, ``block``, ``blocks``), decoder-only, encoder-only and
+encoder-decoder (per-stack counts: ``encoder_layers``/``decoder_layers``, T5's
+``num_layers``/``num_decoder_layers``).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+
+from ckptctl.config_fields import ConfigFields, as_int
+from ckptctl.findings import ERROR, INFO, PathFindings
+from ckptctl.format.tensor import TensorSpec
+
+Tensors = Mapping[str, TensorSpec]
+
+LAYER = re.compile(r"^((?:.*?\.)?(?:layers|layer|h|block|blocks))\.(\d+)\.")
+EXPERT = re.compile(r"^(.*\.)experts\.(\d+)\.(.+)$")
+# per-stack layer counts of encoder-decoder configs: stack -> field names, preferred first
+STACK_FIELDS = {"encoder": ("encoder_layers", "num_layers", "num_hidden_layers"),
+                "decoder": ("decoder_layers", "num_decoder_layers", "num_layers", "num_hidden_layers")}
+EXPERT_FIELDS = ("num_local_experts", "n_routed_experts", "num_experts", "moe_num_experts")
+# extra decoder layers the config declares beside num_hidden_layers (DeepSeek-V3/GLM multi-token prediction)
+EXTRA_LAYER_FIELDS = ("num_nextn_predict_layers",)
+
+
+def _first(items: list[int], total: int, shown: int = 10) -> str:
+    """The first ``shown`` items, with ' ...' when there are more (``total`` of them)."""
+    return ", ".join(map(str, items[:shown])) + (" ..." if total > shown else "")
+
+
+def containers(tensors: Tensors) -> dict[str, set[int]]:
+    """Layer container prefix (``model.layers``) -> the layer indices that hold tensors. A container
+    nested in a layer of another (T5's ``block.0.layer.1``) is not a stack of its own."""
+    out: dict[str, set[int]] = {}
+    for n in tensors:
+        m = LAYER.match(n)
+        if m and not LAYER.match(m.group(1) + "."):
+            out.setdefault(m.group(1), set()).add(int(m.group(2)))
+    return out
+
+
+def count_findings(ctx: PathFindings, where: str, present: set[int], expected: int, field: str,
+                   extra_allowed: int = 0) -> None:
+    """``config.layer_missing`` / ``config.layer_extra`` for one stack: indices 0..expected-1 must
+    all hold tensors; indices past ``expected + extra_allowed`` are ignored by the loader."""
+    # never materialise range(expected): config.json is untrusted input
+    n_missing = max(0, expected - sum(1 for i in present if i < expected))
+    missing: list[int] = []
+    i = 0
+    while len(missing) < min(n_missing, 200):
+        if i not in present:
+            missing.append(i)
+        i += 1
+    extra = sorted(i for i in present if i >= expected + extra_allowed)
+    if missing:
+        ctx.add("config.layer_missing", ERROR,
+                f"{field} is {expected} but {n_missing} layers have no tensors under {where}.N "
+                f"(missing: {_first(missing, n_missing)}); they would be randomly initialised",
+                f"restore the missing shard(s) or fix {field}", missing=missing[:200], stack=where)
+    if extra:
+        ctx.add("config.layer_extra", ERROR,
+                f"{field} is {expected} but tensors exist for layers {_first(extra, len(extra))} under {where}.N; "
+                "transformers silently ignores them",
+                f"fix {field}, or drop the stale layers with ckptctl resave", extra=extra[:200], stack=where)
+
+
+def check_stacks(ctx: PathFindings, cfg: dict, tensors: Tensors, *, skip: str | None = None) -> bool:
+    """Every layer stack against its count in the config. ``skip``: a container the caller has
+    already checked. Returns whether any stack was checked."""
+    c = ConfigFields(cfg)
+    stacks = {k: v for k, v in containers(tensors).items() if k != skip}
+    checked = False
+    enc_dec = bool(cfg.get("is_encoder_decoder"))
+    if enc_dec:  # a stack whose every layer is gone is still a stack: its sibling names it
+        swap = {"encoder": "decoder", "decoder": "encoder"}
+        for where in list(stacks):
+            parts = where.split(".")
+            for i, p in enumerate(parts):
+                if p in swap:
+                    stacks.setdefault(".".join(parts[:i] + [swap[p]] + parts[i + 1:]), set())
+    extra_allowed = sum(as_int(c.get(f)) or 0 for f in EXTRA_LAYER_FIELDS)
+    for where, present in sorted(stacks.items()):
+        parts = where.split(".")
+        stack = next((s for s in ("encoder", "decoder") if s in parts), None)
+        if enc_dec and stack is not None:
+            fields = STACK_FIELDS[stack]
+        elif not enc_dec and where.endswith(("vision_model.encoder.layers", "vision_tower.encoder.layers",
+                                             "visual.blocks", "vision_model.encoder.layer")):
+            continue  # a vision tower's depth is in vision_config, not the text fields
+        else:
+            fields = ("num_hidden_layers",)
+        field, expected = next(((f, v) for f in fields if (v := as_int(c.get(f))) is not None), (None, None))
+        if expected is None or expected < 0:
+            continue
+        count_findings(ctx, where, present, expected, field, extra_allowed if stack is None else 0)
+        checked = True
+    return checked
+
+
+def check_experts(ctx: PathFindings, cfg: dict, tensors: Tensors) -> None:
+    """MoE: every layer that has experts has all of them, and the router's rows equal the count."""
+    c = ConfigFields(cfg)
+    field, n = next(((f, v) for f in EXPERT_FIELDS if (v := as_int(c.get(f))) is not None), (None, None))
+    per_block: dict[str, set[int]] = {}
+    for name in tensors:
+        m = EXPERT.match(name)
+        if m:
+            per_block.setdefault(m.group(1), set()).add(int(m.group(2)))
+    if not per_block:
+        return
+    if n is None:
+        ctx.add("config.not_checked", INFO, f"{ctx.path}: experts found but no expert count in the config "
+                f"({', '.join(EXPERT_FIELDS)}); expert checks skipped")
+        return
+    missing = {blk: sorted(set(range(min(n, 1 << 16))) - got) for blk, got in per_block.items()}
+    missing = {blk: m for blk, m in missing.items() if m}
+    extra = {blk: sorted(i for i in got if i >= n) for blk, got in per_block.items()}
+    extra = {blk: e for blk, e in extra.items() if e}
+    for blk, m in sorted(missing.items()):
+        ctx.add("config.expert_missing", ERROR,
+                f"{field} is {n} but {blk}experts.N has no tensors for experts {_first(m, len(m))}; transformers "
+                "initialises them randomly and the router still sends tokens to them",
+                "restore the missing shard(s), or fix the expert count in config.json", block=blk, missing=m[:200])
+    for blk, e in sorted(extra.items()):
+        ctx.add("config.expert_count", ERROR,
+                f"{field} is {n} but {blk}experts.N holds experts {_first(e, len(e))}; transformers silently "
+                "ignores them", f"fix {field} in config.json", block=blk, extra=e[:200])
+    for blk in sorted(per_block):
+        gate = tensors.get(blk + "gate.weight")
+        if gate is not None and len(gate.shape) == 2 and gate.shape[0] != n:
+            ctx.add("config.expert_count", ERROR,
+                    f"router {gate.name!r} scores {gate.shape[0]} experts but {field} is {n}: loading fails with a "
+                    "size mismatch, or the model routes to the wrong experts",
+                    f"fix {field} in config.json", tensor=gate.name, rows=gate.shape[0], experts=n)
