@@ -102,4 +102,4 @@ def validate(opts: ExportOptions, *, only: str | None = None, key: str | None = 
     parsed = N.parse_weights_name(f"model.{opts.variant}.safetensors") if opts.variant is not None else None
     if opts.variant is not None and (parsed is None or parsed.variant != opts.variant):
         raise UsageError(f"variant {opts.variant!r} is not a plain variant name", "use a name such as fp16")
-        return ExportSettings(size, target, only, key or None, keep_layout=keep)
+    return ExportSettings(size, target, only, key or None, keep_layout=keep)
