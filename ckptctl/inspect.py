@@ -61,6 +61,10 @@ class Inspection:
 
     @property
     def parameters(self) -> int:
+        """Elements of the tensors stored in the files, each stored tensor once: a tied weight
+        stored once counts once (as the library counts it); a buffer the library saves (a bias
+        table, a router correction) counts, a parameter it recomputes and does not save (sinusoidal
+        positions) does not. A multi-component root sums its components."""
         return sum(t.parameters for t in self.tensors)
 
     @property
@@ -129,9 +133,11 @@ def read_config(root: Path) -> dict[str, Any] | None:
 
 
 def inspect_path(path: str | os.PathLike[str], *, only: str | None = None,
-                 name_filter: str | None = None) -> Inspection:
+                 name_filter: str | None = None, key: str | None = None) -> Inspection:
     """Describe the checkpoint at ``path``; a multi-component root (diffusers pipeline,
-    sentence-transformers model) is described component by component."""
+    sentence-transformers model) is described component by component. ``key`` selects the
+    state dict of a pickle or DCP source that holds several (a training state is refused
+    without it, with the keys to choose from)."""
     p = Path(path)
     lay = L.scan(p)
     if not lay.components:
@@ -139,7 +145,7 @@ def inspect_path(path: str | os.PathLike[str], *, only: str | None = None,
         if fam is None:
             raise InputError(f"{p} holds no checkpoint weights", "pass a checkpoint directory or a weights file")
         res = Inspection(path=str(p), format=_format(fam), findings=list(lay.findings))
-        _add_family(res, p, lay, fam, only=only)
+        _add_family(res, p, lay, fam, only=only, key=key)
     else:
         res = Inspection(path=str(p), format=lay.kind, findings=list(lay.findings))
         for comp in lay.components:
@@ -173,7 +179,7 @@ def _format(fam: L.Family) -> str:
 
 
 def _add_family(res: Inspection, p: Path, lay: L.Layout, fam: L.Family, *, only: str | None,
-                component: str | None = None, prefix: str = "") -> None:
+                component: str | None = None, prefix: str = "", key: str | None = None) -> None:
     """Add a family's files and tensors to ``res``; names are relative to the inspected root."""
     def rel(name: str) -> str:
         return f"{prefix}/{name}" if prefix else name
@@ -203,7 +209,7 @@ def _add_family(res: Inspection, p: Path, lay: L.Layout, fam: L.Family, *, only:
     else:
         from ckptctl.sources import open_source
 
-        with open_source(p, only=only) as src:
+        with open_source(p, only=only, key=key) as src:
             res.aliases.update(src.aliases)
             for t in src.tensors:
                 where = Path(t.file).name if t.file else _pickle_file(fam)

@@ -85,7 +85,8 @@ def with_alias_records(metadata: dict[str, str] | None, aliases: dict[str, str])
 
 def make_plan(specs: list[TensorSpec], *, max_shard_size: int, prefix: str = "model",
               metadata: dict[str, str] | None = None, aliases: dict[str, str] | None = None,
-              single_file: bool = False, groups: list[list[str]] | None = None) -> Plan:
+              single_file: bool = False, groups: list[list[str]] | None = None,
+              variant: str | None = None) -> Plan:
     """Plan the shards, their names and header bytes. ``specs`` have unique names (the export
     job checks that once, before planning).
 
@@ -105,14 +106,14 @@ def make_plan(specs: list[TensorSpec], *, max_shard_size: int, prefix: str = "mo
     extra = with_alias_records(metadata, aliases)
     shards: list[ShardPlan] = []
     for i, names in enumerate(groups, start=1):
-        name = N.weights_file_name(prefix, N.SAFETENSORS_EXT, shard=(i, n) if n > 1 else None)
+        name = N.weights_file_name(prefix, N.SAFETENSORS_EXT, variant=variant, shard=(i, n) if n > 1 else None)
         md = {"format": "pt", **extra} if n == 1 else {"format": "pt"}
         sp = ShardPlan(name, [by_name[x] for x in names], md)
         sp.header, sp.layout = encode_header(sp.specs, md)
         shards.append(sp)
     total = sum(s.nbytes for s in specs)
     params = sum(dt.numel(s.shape) for s in specs)
-    index = N.index_name(prefix, N.SAFETENSORS_EXT) if n > 1 else None
+    index = N.index_name(prefix, N.SAFETENSORS_EXT, variant=variant) if n > 1 else None
     return Plan(shards, index, total, params, aliases)
 
 

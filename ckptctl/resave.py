@@ -33,6 +33,7 @@ from ckptctl.format import dtypes as dt
 from ckptctl.format.header import Header, TensorInfo, encode_header, read_header
 from ckptctl.format import names as N
 from ckptctl.format.index import Index
+from ckptctl.manifest import MANIFEST_NAME
 from ckptctl.plan import Plan, ShardPlan
 from ckptctl.sources.base import Source, SourceTensor
 from ckptctl.sources.safetensors_source import SafetensorsSource
@@ -54,10 +55,12 @@ class Repair:
 class ResaveResult:
     export: ExportResult
     repair: Repair
+    unchanged: bool = False  # --repair of a healthy checkpoint: nothing written, nothing published
 
     def to_dict(self) -> dict[str, Any]:
         doc = self.export.to_dict()
         doc["fixes"] = self.repair.fixes
+        doc["unchanged"] = self.unchanged
         doc["dropped"] = self.repair.dropped
         return doc
 
@@ -115,6 +118,10 @@ class _Chosen:
 
     files: list[str]
     index: Index | None = None
+    stem: str = "model"  # the library name the files keep (diffusion_pytorch_model, ...)
+    variant: str | None = None
+    index_file: str | None = None  # the index file as it is on disk
+    errors: list[Finding] = field(default_factory=list)  # the layout's error findings
 
 
 def _model_families(lay: L.Layout) -> list[L.Family]:
@@ -133,6 +140,7 @@ def analyze(root: Path, *, prefer: str | None = None, repair: bool = False) -> t
                          f"run `ckptctl resave --repair {root}` (add --dry-run to see the plan)")
 
     fams = _model_families(lay)
+    _refuse_other_kinds(root, lay, fams)
     containers = {f.container for f in fams}
     if containers == {L.SAFETENSORS, L.PYTORCH}:
         if prefer not in (L.SAFETENSORS, L.PYTORCH):
@@ -144,7 +152,7 @@ def analyze(root: Path, *, prefer: str | None = None, repair: bool = False) -> t
         rep.fixes.append("dropped the pytorch_model*.bin family (--prefer safetensors)")
         fams = [f for f in fams if f.container == L.SAFETENSORS]
     elif containers == {L.PYTORCH}:
-        return _Chosen([]), rep  # pickles only: converted like an export
+        return _Chosen([], errors=errors), rep  # pickles only: converted like an export
     if not fams:
         raise InputError(f"{root} holds no model safetensors weights to resave",
                          f"run `ckptctl inspect {root}` to see what it holds")
@@ -174,15 +182,45 @@ def analyze(root: Path, *, prefer: str | None = None, repair: bool = False) -> t
         raise UnrepairableError(
             f"{root}: {len(problems)} unrepairable problem(s): " + "; ".join(p.message for p in problems[:3]),
             "the data is not there: restore the damaged files from a copy; nothing was changed")
+    # stray weights outside the naming scheme that a glob-loader would pick up; never a named
+    # family of another slot (a variant, a diffusers or PEFT family beside the model)
     unref = [n for n in sorted(os.listdir(root)) if n.endswith(".safetensors") and n not in chosen.files
-             and not n.startswith(N.ADAPTER_STEM) and n not in lay.leftovers]
+             and n not in lay.leftovers and _stray_or_same_slot(n, chosen)]
     if unref:
         rep.fixes.append("removed weights not part of the checkpoint: " + ", ".join(unref))
     if lay.leftovers:
         rep.fixes.append("removed leftovers: " + ", ".join(lay.leftovers))
     rep.kept_files = list(chosen.files)
     doc = chosen.index_doc if chosen.index_doc is not None and chosen.index_doc.ok else None
-    return _Chosen(list(chosen.files), doc), rep
+    return _Chosen(list(chosen.files), doc, L.safetensors_stem(chosen.stem) or "model", chosen.variant,
+                   chosen.index, errors), rep
+
+
+def _stray_or_same_slot(name: str, chosen: L.Family) -> bool:
+    """A file the new version drops: one of the chosen slot's own names, or (for the main model)
+    a file outside every library's naming scheme."""
+    named = L.named_slot(name)
+    return chosen.slot == ("model", None) if named is None else named == chosen.slot
+
+
+def _refuse_other_kinds(root: Path, lay: L.Layout, fams: list[L.Family]) -> None:
+    """resave rewrites model weights in place; what it does not rewrite is refused with the
+    command that does: a PEFT adapter or a DCP directory is exported, a multi-component root is
+    resaved component by component."""
+    if fams:
+        return
+    if lay.kind != L.MODEL:
+        with_weights = [c.path for c in lay.components if c.has_weights and c.path]
+        raise UsageError(f"{root} is a {lay.kind} root: resave rewrites one model's weights at a time",
+                         "resave each component folder that holds weights"
+                         + (f" ({', '.join(with_weights)})" if with_weights else ""))
+    kinds = {f.kind for f in lay.families}
+    if L.PEFT in kinds:
+        raise UsageError(f"{root} holds a PEFT adapter: resave rewrites model weights only",
+                         f"use `ckptctl export {root} OUT` to rewrite the adapter as adapter_model.safetensors")
+    if L.DCP in kinds:
+        raise UsageError(f"{root} is a torch DCP checkpoint: resave rewrites safetensors checkpoints in place",
+                         f"use `ckptctl export {root} OUT` (with --key for a training state) to convert it")
 
 
 def _usable_sharded(root: Path, fam: L.Family, single: L.Family | None, rep: Repair) -> L.Family | None:
@@ -217,9 +255,10 @@ def _usable_sharded(root: Path, fam: L.Family, single: L.Family | None, rep: Rep
     return fam if fam.files else None
 
 
-def _keep_layout_plan(root: Path, files: list[str], rep: Repair, metadata: dict[str, str]
-                      ) -> tuple[Plan, Source, list[Entry]]:
-    """A plan that keeps each file's tensors together, linking every file that does not change."""
+def _keep_layout_plan(root: Path, chosen: _Chosen, rep: Repair) -> tuple[Plan, Source, list[Entry]]:
+    """A plan that keeps each file's tensors together, linking every file that does not change;
+    the files keep their library's names and variant."""
+    files = chosen.files
     src = SafetensorsSource(path=root, kind="safetensors")
     headers = {n: read_header(root / n, display=str(root / n)) for n in files}
     seen: dict[str, tuple[str, str]] = {}  # tensor -> (file, digest)
@@ -251,7 +290,8 @@ def _keep_layout_plan(root: Path, files: list[str], rep: Repair, metadata: dict[
     n_out = len(ordered)
     shards: list[ShardPlan] = []
     for i, n in enumerate(ordered, start=1):
-        new_name = "model.safetensors" if n_out == 1 else f"model-{i:05d}-of-{n_out:05d}.safetensors"
+        new_name = N.weights_file_name(chosen.stem, N.SAFETENSORS_EXT, variant=chosen.variant,
+                                       shard=(i, n_out) if n_out > 1 else None)
         h = headers[n]
         keep = per_file[n]
         unchanged = (len(keep) == len(h.tensors) and h.data_start + h.data_bytes == h.file_size)
@@ -271,7 +311,7 @@ def _keep_layout_plan(root: Path, files: list[str], rep: Repair, metadata: dict[
         shards.append(sp)
     total = sum(s.data_bytes for s in shards)
     params = sum(dt.numel(t.shape) for s in shards for t in s.specs)
-    index = "model.safetensors.index.json" if n_out > 1 else None
+    index = N.index_name(chosen.stem, N.SAFETENSORS_EXT, variant=chosen.variant) if n_out > 1 else None
     return Plan(shards, index, total, params), src, entries_for(src, None)
 
 
@@ -325,30 +365,68 @@ def resave(root: str | os.PathLike[str], opts: ExportOptions, *, output: str | o
     if not chosen.files:  # pickles: read through torch like an export
         from ckptctl.sources.base import open_source
 
-        with open_source(root, only=L.PYTORCH) as src:
-            inputs = build_inputs(entries_for(src, opts.dtype), opts, settings, extras=extras, aliases=src.aliases)
+        with open_source(root, only=L.PYTORCH) as src:  # read (weights_only) even to find it sound
+            if repair and not replan and not output and not rep.fixes:
+                return _unchanged(dest, opts, rep, chosen.errors)  # a sound pickle checkpoint
+            inputs = build_inputs(entries_for(src, opts.dtype), opts, settings, extras=extras, aliases=src.aliases,
+                                  source=src)
             return ResaveResult(write_inputs(inputs, dest), rep)
+    opts = replace(opts, prefix=chosen.stem, variant=chosen.variant)
     if replan:
         src = SafetensorsSource.open(root, chosen.files)
         entries = entries_for(src, opts.dtype)
-        plan = _replan(entries, settings, src.metadata or None)
+        plan = _replan(entries, settings, src.metadata or None, opts)
         _link_matching(plan, root, entries)
         inputs = build_inputs(entries, opts, settings, extras=extras)
     else:
-        plan, src, entries = _keep_layout_plan(root, chosen.files, rep, {})
+        plan, src, entries = _keep_layout_plan(root, chosen, rep)
         metadata = None
         if plan.index_name and chosen.index is not None:
             metadata = _own_metadata(chosen.index)
             _note_index_changes(chosen.index, plan, rep)
         inputs = build_inputs(entries, opts, settings, extras=extras, metadata=metadata)
+        if repair and not output and _already_so(root, chosen, plan, rep):
+            return _unchanged(dest, opts, rep, chosen.errors)
     return ResaveResult(write_inputs(inputs, dest, plan=plan), rep)
 
 
-def _replan(entries: list[Entry], settings: ExportSettings, metadata: dict[str, str] | None) -> Plan:
+def _already_so(root: Path, chosen: _Chosen, plan: Plan, rep: Repair) -> bool:
+    """The keep-layout plan is the directory as it is: nothing to fix, every shard an unchanged
+    file under its own name, the index (as its library wrote it) mapping every tensor to the
+    shard that holds it with the right total size, and nothing the new version would drop."""
+    from ckptctl.write.superseded import superseded
+
+    if rep.fixes or any(sp.link_from != str(root / sp.name) for sp in plan.shards):
+        return False
+    if plan.index_name != chosen.index_file:
+        return False
+    if plan.index_name is not None:
+        old = chosen.index
+        if old is None or old.weight_map != plan.weight_map or old.metadata.get("total_size") != plan.total_size:
+            return False
+    dropped, _ = superseded(root, slot=L.slot_of(chosen.stem, chosen.variant))
+    return set(dropped) <= set(plan.files) | {MANIFEST_NAME}
+
+
+def _unchanged(dest: Path, opts: ExportOptions, rep: Repair, errors: list[Finding] | None = None) -> ResaveResult:
+    """The result of a repair that found nothing to do: no staging, no publish. When the layout
+    still has an error finding, that is not "nothing to repair" (resave without --repair sent the
+    user here): it is refused with the finding's own next step, never a loop back to --repair."""
+    if errors:
+        first = errors[0]
+        hint = first.hint if first.hint and "resave --repair" not in first.hint else None
+        raise UnrepairableError(f"{dest}: resave --repair has no certain fix for: {first.message}",
+                                (hint or f"run `ckptctl verify {dest}` for the details") + "; nothing was changed")
+    return ResaveResult(ExportResult(dest=str(Path(os.path.abspath(dest))), dry_run=opts.dry_run), rep, unchanged=True)
+
+
+def _replan(entries: list[Entry], settings: ExportSettings, metadata: dict[str, str] | None,
+            opts: ExportOptions) -> Plan:
     from ckptctl.plan import make_plan
 
     try:
-        return make_plan([e.spec for e in entries], max_shard_size=settings.max_shard_size, metadata=metadata)
+        return make_plan([e.spec for e in entries], max_shard_size=settings.max_shard_size, metadata=metadata,
+                         prefix=opts.prefix, variant=opts.variant)
     except ValueError as exc:
         raise InputError(str(exc), "check the tensor names and --max-shard-size") from None
 

@@ -51,9 +51,13 @@ def test_sharded_dcp_export_equals_dcp_to_torch_save(tmp_path, dcp_dir):
 
 
 def test_dcp_without_key_names_the_top_level_keys(tmp_path, dcp_dir):
+    """{"model": ..., "step": n} is not one model: refused (exit 2) with the keys to choose from,
+    nothing written (it used to be flattened into model.model.* with exit 0)."""
     p = run_ckptctl("export", str(dcp_dir), str(tmp_path / "out"))
-    assert p.returncode == 0  # nested keys are flattened: model.model.layers...; step is skipped
-    assert "model.model.norm.weight" in load_dir(tmp_path / "out")
+    assert p.returncode == 2 and "top-level keys: model, step" in p.stderr and "--key model" in p.stderr, p.stderr
+    assert not (tmp_path / "out").exists() and staging_dirs(tmp_path) == []
+    p = run_ckptctl("export", str(dcp_dir), str(tmp_path / "out"), "--key", "model")
+    assert p.returncode == 0 and "model.norm.weight" in load_dir(tmp_path / "out")
 
 
 def _copy(src, dst):

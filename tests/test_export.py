@@ -351,14 +351,17 @@ def test_destination_created_during_the_write_is_never_replaced(tmp_path):
     assert os.listdir(dst) == ["precious.txt"] and staging_dirs(tmp_path) == []
 
 
-def test_stale_pickle_variants_are_dropped_on_overwrite(tmp_path):
+def test_overwrite_replaces_the_main_family_and_keeps_a_variant_it_does_not_own(tmp_path):
     out = tmp_path / "out"
     write_single(out, state(1))
-    torch.save(state(2), out / "pytorch_model.fp16.bin")
+    torch.save(state(1), out / "pytorch_model.bin")  # the main slot's pickle: replaced too
+    torch.save(state(2), out / "pytorch_model.fp16.bin")  # from_pretrained(variant="fp16") reads it
+    variant_bytes = (out / "pytorch_model.fp16.bin").read_bytes()
     (out / "training_args.bin").write_bytes(b"args")
     write_single(tmp_path / "src", state(3))
     run_ckptctl("export", str(tmp_path / "src"), str(out), "--overwrite", check=True)
-    assert sorted(os.listdir(out)) == ["model.safetensors", "training_args.bin"]
+    assert sorted(os.listdir(out)) == ["model.safetensors", "pytorch_model.fp16.bin", "training_args.bin"]
+    assert (out / "pytorch_model.fp16.bin").read_bytes() == variant_bytes
 
 
 def test_bad_choice_with_json_still_prints_one_document(tmp_path):

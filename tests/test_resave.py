@@ -277,3 +277,29 @@ def test_kill9_during_resave_leaves_old_or_new(tmp_path, point):
         assert same(got, sd)
     run_ckptctl("resave", str(d), "--max-shard-size", "1GB", "--dtype", "bf16", check=True)
     _ok(d, {k: v.bfloat16() for k, v in sd.items()})
+
+
+def test_a_finding_repair_cannot_fix_is_refused_not_looped(tmp_path):
+    """resave says "needs repair"; --repair must not then answer "nothing to repair" (a loop): it
+    refuses with the finding's own next step and changes nothing."""
+    d = tmp_path / "c"
+    _ckpt(d, shard="1GB")
+    save_file({"lora": torch.ones(2)}, str(d / "adapter_model.safetensors"))  # no adapter_config.json
+    before = {n: (d / n).stat().st_ino for n in os.listdir(d)}
+    proc = run_ckptctl("resave", d)
+    assert proc.returncode == 2 and "needs repair" in proc.stderr and "adapter_config.json" in proc.stderr
+    proc = run_ckptctl("resave", "--repair", d)
+    assert proc.returncode == 1, proc.stderr
+    assert "no certain fix" in proc.stderr and "copy the adapter_config.json" in proc.stderr
+    assert "nothing to repair" not in proc.stdout + proc.stderr
+    assert {n: (d / n).stat().st_ino for n in os.listdir(d)} == before
+
+
+def test_repair_of_a_sound_sharded_checkpoint_writes_nothing(tmp_path):
+    d = tmp_path / "c"
+    _ckpt(d)
+    before = {n: ((d / n).stat().st_ino, (d / n).read_bytes()) for n in os.listdir(d)}
+    proc = run_ckptctl("resave", "--repair", "--json", d)
+    doc = json.loads(proc.stdout)
+    assert proc.returncode == 0 and doc["unchanged"] is True and doc["publish"] is None
+    assert {n: ((d / n).stat().st_ino, (d / n).read_bytes()) for n in os.listdir(d)} == before

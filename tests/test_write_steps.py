@@ -46,23 +46,47 @@ def _old_version(d: Path) -> None:
 
 def test_superseded_model_drops_every_model_weights_file_and_keeps_the_rest(tmp_path):
     _old_version(tmp_path)
-    drop, keep = superseded(tmp_path, adapter=False)
+    drop, keep = superseded(tmp_path)
     assert drop == sorted([".metadata", "__0_0.distcp", MANIFEST_NAME, "consolidated.safetensors",
                            "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors",
                            "model-00001-of-?????.safetensors", "model.safetensors.index.json",
-                           "pytorch_model.bin", "pytorch_model.fp16.bin"])
-    assert keep == ["README.md", "adapter_config.json", "adapter_model.safetensors", "config.json", "optimizer"]
+                           "pytorch_model.bin"])
+    # the fp16 variant is another slot: the new main model does not own it
+    assert keep == ["README.md", "adapter_config.json", "adapter_model.safetensors", "config.json", "optimizer",
+                    "pytorch_model.fp16.bin"]
 
 
 def test_superseded_adapter_drops_only_the_adapter_weights(tmp_path):
     _old_version(tmp_path)
-    drop, keep = superseded(tmp_path, adapter=True)
+    drop, keep = superseded(tmp_path, slot=("adapter_model", None))
     assert drop == sorted([MANIFEST_NAME, "adapter_model.safetensors", "model-00001-of-?????.safetensors"])
     assert set(keep) == set(os.listdir(tmp_path)) - set(drop)
 
 
 def test_superseded_of_a_missing_destination_is_empty(tmp_path):
-    assert superseded(tmp_path / "nothing", adapter=False) == ([], [])
+    assert superseded(tmp_path / "nothing") == ([], [])
+
+
+def test_superseded_variant_drops_only_its_own_family(tmp_path):
+    _old_version(tmp_path)
+    for n in ("model.fp16-00001-of-00002.safetensors", "model.fp16-00002-of-00002.safetensors"):
+        save_file({n: torch.ones(1)}, str(tmp_path / n))
+    (tmp_path / "model.safetensors.index.fp16.json").write_text('{"metadata": {}, "weight_map": {}}')
+    drop, keep = superseded(tmp_path, slot=("model", "fp16"))
+    assert drop == sorted([MANIFEST_NAME, "model-00001-of-?????.safetensors", "model.fp16-00001-of-00002.safetensors",
+                           "model.fp16-00002-of-00002.safetensors", "model.safetensors.index.fp16.json",
+                           "pytorch_model.fp16.bin"])
+    assert set(keep) == set(os.listdir(tmp_path)) - set(drop)
+
+
+def test_superseded_diffusers_component_keeps_transformers_files(tmp_path):
+    save_file({"a": torch.ones(1)}, str(tmp_path / "diffusion_pytorch_model.safetensors"))
+    save_file({"a": torch.ones(1)}, str(tmp_path / "diffusion_pytorch_model.fp16.safetensors"))
+    (tmp_path / "diffusion_pytorch_model.bin").write_bytes(b"pickle")
+    (tmp_path / "config.json").write_text("{}")
+    drop, keep = superseded(tmp_path, slot=("diffusion_pytorch_model", None))
+    assert drop == ["diffusion_pytorch_model.bin", "diffusion_pytorch_model.safetensors"]
+    assert keep == ["config.json", "diffusion_pytorch_model.fp16.safetensors"]
 
 
 # --- shards ----------------------------------------------------------------------------------------

@@ -9,6 +9,8 @@ import typer
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print exactly one JSON document on stdout.")]
 QuietOpt = Annotated[int, typer.Option("--quiet", "-q", count=True, help="Less output on stderr (no progress).")]
 VerboseOpt = Annotated[int, typer.Option("--verbose", "-v", count=True, help="More output on stderr.")]
+KeyOpt = Annotated[Optional[str], typer.Option(
+    "--key", help="For training checkpoints: the key that holds the state dict (e.g. model, state_dict).")]
 DryRunOpt = Annotated[bool, typer.Option("--dry-run", help="Show the plan and change nothing.")]
 
 

@@ -8,8 +8,8 @@ from typing import Annotated, Optional
 import typer
 from rich.table import Table
 
-from ckptctl.cli._options import (DryRunOpt, DtypeOpt, JsonOpt, LabelOpt, ManifestOpt, NoFsyncOpt, QuietOpt,
-                                  VerboseOpt)
+from ckptctl.cli._options import (DryRunOpt, DtypeOpt, JsonOpt, KeyOpt, LabelOpt, ManifestOpt, NoFsyncOpt,
+                                  QuietOpt, VerboseOpt)
 from ckptctl.cli._output import Output, ProgressReporter, human_size
 
 def export(
@@ -20,7 +20,7 @@ def export(
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an existing destination atomically.")] = False,
     manifest: ManifestOpt = False,
     label: LabelOpt = None,
-    key: Annotated[Optional[str], typer.Option("--key", help="For training checkpoints: the key that holds the state dict (e.g. state_dict).")] = None,
+    key: KeyOpt = None,
     only: Annotated[Optional[str], typer.Option("--only", help="Which weights in SRC: safetensors, pytorch, peft or dcp.")] = None,
     no_fsync: NoFsyncOpt = False,
     dry_run: DryRunOpt = False,

@@ -7,7 +7,7 @@ from typing import Annotated, Optional
 import typer
 from rich.table import Table
 
-from ckptctl.cli._options import JsonOpt, QuietOpt, VerboseOpt
+from ckptctl.cli._options import JsonOpt, KeyOpt, QuietOpt, VerboseOpt
 from ckptctl.cli._output import Output, human_size
 
 
@@ -16,6 +16,7 @@ def inspect(
     tensors: Annotated[bool, typer.Option("--tensors", help="List every tensor.")] = False,
     filter_: Annotated[Optional[str], typer.Option("--filter", help="Only tensors whose name matches this glob.")] = None,
     only: Annotated[Optional[str], typer.Option("--only", help="Which weights family: safetensors, pytorch, peft, dcp.")] = None,
+    key: KeyOpt = None,
     json_: JsonOpt = False,
     quiet: QuietOpt = 0,
     verbose: VerboseOpt = 0,
@@ -27,13 +28,15 @@ def inspect(
         from ckptctl.errors import UsageError
         from ckptctl.inspect import inspect_path
         from ckptctl.resolve import resolve_path
+        from ckptctl.write.options import check_key
 
         kinds = (L.SAFETENSORS, L.PYTORCH, L.PEFT, L.DCP)
         if only is not None and only not in kinds:
             raise UsageError(f"--only must be one of {', '.join(kinds)}, not {only!r}",
                              f"run `ckptctl inspect {path}` to see which families it holds")
 
-        res = inspect_path(resolve_path(path), only=only, name_filter=filter_)
+        check_key(key)
+        res = inspect_path(resolve_path(path), only=only, name_filter=filter_, key=key or None)
         if json_:
             doc = out.document(True, **res.to_dict(with_tensors=True))
             out.emit_json(doc)

@@ -44,6 +44,9 @@ def resave(
         if json_:
             out.emit_json(out.document(True, **result.to_dict()))
             return
+        if result.unchanged:
+            out.print(f"nothing to repair: {directory} is sound; nothing was written")
+            return
         for fix in result.repair.fixes:
             out.print(("to fix: " if dry_run else "fixed: ") + fix)
         render_result(out, result.export)

@@ -38,6 +38,26 @@ _SLOT = {"model": "model", "pytorch_model": "model", "diffusion_pytorch_model": 
          "adapter_model": "adapter_model"}
 
 
+def slot_of(stem: str | None, variant: str | None = None) -> tuple[str, str | None]:
+    """The slot (see :attr:`Family.slot`) a family named after ``stem`` and ``variant`` fills."""
+    return _SLOT.get(stem or "model", "model"), variant
+
+
+def named_slot(name: str) -> tuple[str, str | None] | None:
+    """The slot a library-named weights or index file belongs to, or None for any other name."""
+    w = N.parse_weights_name(name)
+    if w is not None:
+        return slot_of(w.stem, w.variant)
+    ix = N.parse_index_name(name)
+    return slot_of(ix[0], ix[2]) if ix is not None else None
+
+
+def safetensors_stem(stem: str | None) -> str | None:
+    """The stem a family's weights get in safetensors: the pickle stem ``pytorch_model`` is
+    transformers' ``model``; every other library stem is kept (None for unnamed families)."""
+    return _SLOT.get(stem) if stem else None
+
+
 def is_leftover(name: str, *, is_dir: bool | None = None) -> str | None:
     """The leftover kind a directory entry's name is (see ``names.LEFTOVERS``), or None. Without
     ``is_dir`` the name is tried as a file and as a directory."""
@@ -73,7 +93,7 @@ class Family:
     def slot(self) -> tuple[str, str | None]:
         """Families in the same slot hold the same model: at most one may be live."""
         if self.stem:
-            return _SLOT[self.stem], self.variant
+            return slot_of(self.stem, self.variant)
         return ("model" if self.kind in (SAFETENSORS, PYTORCH) else self.kind), self.variant
 
     def describe(self) -> str:

@@ -45,6 +45,10 @@ class Source:
     # Files beside the weights that export copies (config, tokenizer, adapter_config, ...).
     extras: list[Path] = field(default_factory=list)
     is_adapter: bool = False
+    # The library name of the family read (``model``, ``diffusion_pytorch_model``, ...; the
+    # safetensors name of a pickle family) and its variant: an export writes the same names.
+    stem: str | None = None
+    variant: str | None = None
     # Where each listed tensor came from (a file name), for the one duplicate check: :meth:`claim`.
     _origins: dict[str, str] = field(default_factory=dict, repr=False)
 
@@ -123,4 +127,5 @@ def open_source(path: str | os.PathLike[str], *, key: str | None = None, only: s
         raise InputError(f"unsupported source {p}", "pass a safetensors, .bin/.pt or DCP checkpoint")
     src.extras = extras
     src.is_adapter = fam.kind == L.PEFT
+    src.stem, src.variant = L.safetensors_stem(fam.stem), fam.variant
     return src

@@ -13,7 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Iterator
 
-from ckptctl.errors import InputError, from_oserror
+from ckptctl.errors import InputError, UsageError, from_oserror
 from ckptctl.format import dtypes as dt
 from ckptctl.format import names as N
 from ckptctl.format.dcp_metadata import read_dcp_metadata as read_allowed
@@ -74,6 +74,24 @@ def _reader_class():
     return SafeReader
 
 
+def _top_keys(meta: Any) -> list[str]:
+    return sorted({k.split(".")[0] for k in meta.state_dict_metadata})
+
+
+def _refuse_mixed(root: Path, meta: Any, tensor_type: type) -> None:
+    """A DCP checkpoint whose entries are not all tensors holds a training state (``dcp.save({"model":
+    ..., "optimizer": ..., "step": n})``), not one model: exporting it whole would write optimizer
+    state as weights. Refused with the keys to choose from."""
+    others = sorted(k for k, item in meta.state_dict_metadata.items() if not isinstance(item, tensor_type))
+    if not others:
+        return
+    keys = _top_keys(meta)
+    pick = "model" if "model" in keys else keys[0]
+    raise UsageError(f"{root} holds a training state, not one model: besides tensors it stores "
+                     f"{', '.join(others[:3])}{' ...' if len(others) > 3 else ''}; top-level keys: {', '.join(keys[:12])}",
+                     f"choose the state dict with --key (e.g. --key {pick})")
+
+
 class DcpSource(Source):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -90,6 +108,8 @@ class DcpSource(Source):
         check_storage(root, meta)
         src = cls(path=root, kind="dcp")
         src._meta = meta
+        if not key:
+            _refuse_mixed(root, meta, TensorStorageMetadata)
         prefix = f"{key}." if key else ""
         for fqn, item in meta.state_dict_metadata.items():
             if not isinstance(item, TensorStorageMetadata) or not fqn.startswith(prefix):
@@ -107,7 +127,7 @@ class DcpSource(Source):
             src._fqn[name] = fqn
             src._torch_dtype[name] = tdtype
         if not src.tensors:
-            hint = f"pass --key to select the state dict (top-level keys: {', '.join(sorted({k.split('.')[0] for k in meta.state_dict_metadata})[:8])})"
+            hint = f"pass --key to select the state dict (top-level keys: {', '.join(_top_keys(meta)[:8])})"
             raise InputError(f"{root}: no tensors in the DCP checkpoint" + (f" under {key!r}" if key else ""), hint)
         return src
 

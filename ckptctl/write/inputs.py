@@ -74,14 +74,17 @@ def build_inputs(entries: list[Entry], opts: ExportOptions, settings: ExportSett
                  extras: Mapping[str, Path | bytes | os.PathLike[str]] | None = None,
                  aliases: dict[str, str] | None = None, adapter: bool = False,
                  metadata: dict[str, str] | None = None, source: Source | None = None) -> ExportInputs:
-    """The :class:`ExportInputs` of ``entries``. An adapter is written as one
-    ``adapter_model.safetensors``; ``metadata`` (a source's own) is kept unless the options
+    """The :class:`ExportInputs` of ``entries``. Files are named after ``source``'s own stem and
+    variant when it has them (``diffusion_pytorch_model``, ``model.fp16``). An adapter is written
+    as one ``adapter_model.safetensors``; ``metadata`` (a source's own) is kept unless the options
     override a key. Extra file names must be plain names."""
     files: dict[str, Path | bytes] = {}
     for name, content in (extras or {}).items():
         if "/" in name or name in ("", ".", ".."):
             raise InputError(f"extra file name {name!r} is not a plain file name", "pass plain names")
         files[name] = bytes(content) if isinstance(content, (bytes, bytearray)) else Path(content)
+    if source is not None and source.stem:  # a library's own names stay its own (never renamed)
+        opts = replace(opts, prefix=source.stem, variant=source.variant)
     if adapter:
         opts = replace(opts, prefix=N.ADAPTER_STEM, single_file=True)
     merged = dict(metadata or {})
@@ -97,6 +100,7 @@ def open_inputs(src: str | os.PathLike[str], dst: str | os.PathLike[str], opts: 
     settings = validate(opts, only=only, key=key)
     src_p, dst_p = Path(src), Path(dst)
     _check_paths(src_p, dst_p)
+    _refuse_multi_component(src_p)
     try:
         source = open_source(src_p, key=settings.key, only=settings.only)
     except CkptctlError as exc:
@@ -127,6 +131,21 @@ def state_dict_inputs(state_dict: Mapping[str, Any], dest: str | os.PathLike[str
     source = TorchSource.from_state_dict(state_dict, path=Path(dest))
     return build_inputs(entries_for(source, opts.dtype), opts, settings, extras=extras, aliases=source.aliases,
                         source=source)
+
+
+def _refuse_multi_component(src: Path) -> None:
+    """A diffusers pipeline or sentence-transformers root is several models: exporting one of
+    them as the whole would silently change what the directory computes."""
+    from ckptctl import layout as L
+
+    if not src.is_dir():
+        return
+    lay = L.scan(src)
+    if lay.kind == L.MODEL:
+        return
+    parts = [c.path or "(root)" for c in lay.components if c.has_weights or (c.path == "" and lay.families)]
+    raise UsageError(f"{src} is a {lay.kind} root with several components ({', '.join(parts) or 'none with weights'}): "
+                     "export writes one model", "export each component folder on its own, or copy the root as a whole")
 
 
 def _inside(child: Path, parent: Path) -> bool:

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from ckptctl import _faults
+from ckptctl import layout as L
 from ckptctl.errors import CkptctlError, DiskFullError, InputError, Interrupted, UsageError, from_oserror
 from ckptctl.format.index import encode_index
 from ckptctl.manifest import MANIFEST_NAME, build_manifest, encode_manifest, list_files
@@ -122,7 +123,7 @@ class ExportJob:
                 self.plan = make_plan([e.spec for e in self.entries],
                                       max_shard_size=self.inputs.settings.max_shard_size, prefix=opts.prefix,
                                       metadata=opts.metadata, aliases=result.aliases,
-                                      single_file=opts.single_file, groups=groups)
+                                      single_file=opts.single_file, groups=groups, variant=opts.variant)
             except ValueError as exc:
                 raise InputError(str(exc), "check the tensor names and --max-shard-size") from None
             if place:
@@ -131,7 +132,7 @@ class ExportJob:
         if recover and not opts.dry_run:
             result.recovered = recover_destination(dest)
         self.dest_existed = check_destination(dest, overwrite=opts.overwrite)
-        removed, carried = superseded(dest, adapter=self.inputs.is_adapter) if self.dest_existed else ([], [])
+        removed, carried = superseded(dest, slot=L.slot_of(opts.prefix, opts.variant)) if self.dest_existed else ([], [])
         self.extra_blobs = read_extras(self.inputs.extras, self.entries)
         result.index = plan.index_name
         result.tensors = len(self.entries)

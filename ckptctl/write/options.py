@@ -15,6 +15,7 @@ from typing import Callable
 from ckptctl import layout as L
 from ckptctl.errors import UsageError
 from ckptctl.format import dtypes as dt
+from ckptctl.format import names as N
 from ckptctl.sizes import parse_size
 from ckptctl.sources.base import CHUNK_BYTES
 
@@ -47,7 +48,8 @@ class ExportOptions:
     label: str | None = None
     dry_run: bool = False
     metadata: dict[str, str] | None = None
-    prefix: str = "model"
+    prefix: str = "model"  # the library stem the files are named after; a source's own stem wins
+    variant: str | None = None  # model.<variant>.safetensors; a variant source is written as that variant
     single_file: bool = False  # adapters: always one file
     command: str | None = None
     progress: ProgressFn | None = None
@@ -78,6 +80,12 @@ def target_dtype(option: str | None) -> str | None:
         raise UsageError(f"unknown --dtype {option!r}", "use keep, bf16, fp16 or fp32") from None
 
 
+def check_key(key: str | None) -> None:
+    """A ``--key`` (dotted path to a nested state dict) must have no empty part."""
+    if key is not None and key != "" and "" in key.split("."):
+        raise UsageError(f"--key {key!r} has an empty part", "use a dotted key such as state_dict or model.module")
+
+
 def validate(opts: ExportOptions, *, only: str | None = None, key: str | None = None) -> ExportSettings:
     """Check every option; raises :class:`UsageError` (exit 2). Touches no file."""
     keep = isinstance(opts.max_shard_size, str) and opts.max_shard_size.strip().lower() == KEEP
@@ -88,8 +96,10 @@ def validate(opts: ExportOptions, *, only: str | None = None, key: str | None = 
     target = target_dtype(opts.dtype)
     if only is not None and only not in ONLY_CHOICES:
         raise UsageError(f"unknown --only {only!r}", f"use one of {', '.join(ONLY_CHOICES)}")
-    if key is not None and key != "" and "" in key.split("."):
-        raise UsageError(f"--key {key!r} has an empty part", "use a dotted key such as state_dict or model.module")
+    check_key(key)
     if opts.prefix in ("", ".", "..") or "/" in opts.prefix or "\0" in opts.prefix:
         raise UsageError(f"file name prefix {opts.prefix!r} is not a plain name", "use a name such as model")
+    parsed = N.parse_weights_name(f"model.{opts.variant}.safetensors") if opts.variant is not None else None
+    if opts.variant is not None and (parsed is None or parsed.variant != opts.variant):
+        raise UsageError(f"variant {opts.variant!r} is not a plain variant name", "use a name such as fp16")
     return ExportSettings(size, target, only, key or None, keep_layout=keep)

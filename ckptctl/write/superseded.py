@@ -9,35 +9,35 @@ from ckptctl import layout as L
 from ckptctl.format import names as N
 from ckptctl.manifest import MANIFEST_NAME
 
+MAIN = ("model", None)  # the slot of a transformers model without a variant
 
-def superseded(dest: Path, *, adapter: bool) -> tuple[list[str], list[str]]:
+
+def superseded(dest: Path, *, slot: tuple[str, str | None] = MAIN) -> tuple[list[str], list[str]]:
     """(files the new version drops, files carried over) among ``dest``'s top-level entries.
 
-    Exporting a full model drops every model weights family (safetensors or pickle, single or
-    sharded, variants, with their indexes), DCP files, any other top-level ``*.safetensors`` a
-    glob-loader would pick up, any ``pytorch_model*.bin``, and leftovers; it keeps adapters.
-    Exporting an adapter drops only the adapter's weights (and leftovers). The old manifest is
-    always dropped: it describes the old version. Everything else (config, tokenizer, README,
-    optimizer state, directories) is kept.
+    The new version fills one slot (:func:`ckptctl.layout.slot_of`: the library stem and the
+    variant it writes). It drops exactly the weights families of that slot (safetensors and
+    pickle, single or sharded, with their indexes) and leftovers. Writing the main model slot
+    also drops what a loader of the main model could pick instead: DCP files, any other
+    top-level ``*.safetensors`` outside the naming scheme (a glob-loader would pick it up) and
+    unnamed indexes. Other variants, other components (diffusers, PEFT adapters) and every other
+    file are kept. The old manifest is always dropped: it describes the old version.
     """
     if not os.path.isdir(dest):
         return [], []
     lay = L.scan(dest)
     drop: set[str] = set(lay.leftovers)
+    main = slot == MAIN
     for fam in lay.families:
-        if (fam.kind == L.PEFT) == adapter:
-            drop.update(fam.files)
-            if fam.index:
-                drop.add(fam.index)
+        if fam.slot == slot or (main and fam.kind == L.DCP):
+            drop.update(fam.all_files)
     names = sorted(os.listdir(dest))
-    if not adapter:
-        for n in names:
-            if n.endswith(".safetensors") and not n.startswith(N.ADAPTER_STEM):
-                drop.add(n)
-            if n.startswith("pytorch_model") and n.endswith((".bin", ".bin.index.json")):
-                drop.add(n)  # variants too (pytorch_model.fp16.bin): a loader may still pick them
-            if n.endswith(N.INDEX_SUFFIXES) or n == N.DCP_METADATA:
-                drop.add(n)
+    for n in names:
+        named = L.named_slot(n)
+        if named == slot:  # a file of the slot no index names (an unreferenced shard)
+            drop.add(n)
+        elif main and named is None and (n.endswith(".safetensors") or n.endswith(N.INDEX_SUFFIXES)):
+            drop.add(n)
     drop.add(MANIFEST_NAME)
     keep = [n for n in names if n not in drop]
     return sorted(drop & set(names)), keep
