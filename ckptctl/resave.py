@@ -337,14 +337,17 @@ PREFER = ("index", "single", L.SAFETENSORS, L.PYTORCH)
 
 
 def resave(root: str | os.PathLike[str], opts: ExportOptions, *, output: str | os.PathLike[str] | None = None,
-           repair: bool = False, prefer: str | None = None) -> ResaveResult:
+           repair: bool = False, prefer: str | None = None, link: bool = False) -> ResaveResult:
     """Rewrite the checkpoint at ``root`` (in place, or into ``output``): re-plan when a shard
-    size or dtype is given, else keep its layout and repair what is certain."""
+    size or dtype is given, else keep its layout and repair what is certain. ``link``: into
+    ``output``, hard-link unchanged shards instead of cloning or copying them."""
     root = Path(root)
     # Every option is checked before anything touches the filesystem (a recovery renames).
     if prefer not in (None, *PREFER):
         raise UsageError(f"unknown --prefer {prefer!r}", f"use {', '.join(PREFER)}")
-    opts = replace(opts, overwrite=True if not output else opts.overwrite)
+    # In place, unchanged shards are hard-linked (one name survives the publish); into --output
+    # they are cloned or copied (an independent copy) unless the caller asked for links.
+    opts = replace(opts, overwrite=True if not output else opts.overwrite, link_unchanged=not output or link)
     settings = validate(opts)
     if not opts.dry_run:  # a dead writer's half-done publish of this very directory comes first
         from ckptctl.staging import recover_destination
@@ -354,7 +357,7 @@ def resave(root: str | os.PathLike[str], opts: ExportOptions, *, output: str | o
         raise InputError(f"{root} is not a checkpoint directory", "resave works on a directory")
     chosen, rep = analyze(root, prefer=prefer, repair=repair)
     dest = Path(output) if output else root
-    replan = opts.dtype not in (None, "keep") or opts.max_shard_size is not None
+    replan = opts.dtype not in (None, "keep") or (opts.max_shard_size is not None and not settings.keep_layout)
     extras: dict[str, Path | bytes] = {}
     if opts.dtype not in (None, "keep") and (root / "config.json").is_file():
         extras["config.json"] = root / "config.json"  # rewritten with the new dtype

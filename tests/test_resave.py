@@ -303,3 +303,22 @@ def test_repair_of_a_sound_sharded_checkpoint_writes_nothing(tmp_path):
     doc = json.loads(proc.stdout)
     assert proc.returncode == 0 and doc["unchanged"] is True and doc["publish"] is None
     assert {n: ((d / n).stat().st_ino, (d / n).read_bytes()) for n in os.listdir(d)} == before
+
+
+def test_output_is_an_independent_copy_unless_links_are_asked_for(tmp_path):
+    """resave --output must not share inodes with DIR: a later in-place write to DIR (a streaming
+    saver) would silently change OUT. --link asks for hard links."""
+    d = tmp_path / "c"
+    sd = _ckpt(d)
+    out, linked = tmp_path / "out", tmp_path / "linked"
+    for target, extra in ((out, []), (linked, ["--link"])):
+        p = run_ckptctl("resave", str(d), "--output", str(target), *extra, "--json")
+        assert p.returncode == 0, p.stderr
+        assert same(load_dir(target), sd)
+    shards = sorted(n for n in os.listdir(d) if n.startswith("model-"))
+    assert shards and all(os.stat(out / n).st_ino != os.stat(d / n).st_ino for n in shards)
+    assert all(os.stat(linked / n).st_ino == os.stat(d / n).st_ino for n in shards)
+    with open(d / shards[0], "r+b") as f:  # an in-place write to the source
+        f.seek(os.path.getsize(d / shards[0]) - 4)
+        f.write(b"\xff\xff\xff\xff")
+    assert same(load_dir(out), sd)

@@ -19,6 +19,7 @@ def resave(
     repair: Annotated[bool, typer.Option("--repair", help="Fix what verify finds when the fix is certain.")] = False,
     prefer: Annotated[Optional[str], typer.Option("--prefer", help="Which family to keep when two are complete: index, single, safetensors, pytorch.")] = None,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="With --output: replace an existing OUT.")] = False,
+    link: Annotated[bool, typer.Option("--link", help="With --output: hard-link unchanged shards instead of cloning or copying them (OUT then shares inodes with DIR).")] = False,
     manifest: ManifestOpt = False,
     label: LabelOpt = None,
     no_fsync: NoFsyncOpt = False,
@@ -38,7 +39,7 @@ def resave(
                              manifest=manifest, label=label, dry_run=dry_run, progress=reporter,
                              command=" ".join(["ckptctl", "resave", directory]))
         try:
-            result = run_resave(directory, opts, output=output, repair=repair, prefer=prefer)
+            result = run_resave(directory, opts, output=output, repair=repair, prefer=prefer, link=link)
         finally:
             reporter.close()
         if json_:
