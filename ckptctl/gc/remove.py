@@ -98,6 +98,13 @@ def remove(res: GcResult, progress: Progress | None = None) -> GcResult:
                 _remove_foreign(c, parent_fd)
         except staging.Deferred as exc:
             c.decide(Decision.DEFERRED, exc.strerror or str(exc))
+        except FileNotFoundError as exc:
+            # an overlapping gc run removed it while we looked (its re-check lists the directory
+            # before any lock is taken): vanished, not a failure; anything else missing is one
+            if _present(parent_fd, c.path.name):
+                _fail(res, c, f"{exc.strerror or exc}: {exc.filename}")
+            else:
+                c.decide(Decision.VANISHED, "removed meanwhile (another gc run?)")
         except OSError as exc:
             what = exc.filename if exc.filename and str(exc.filename) != str(c.path) else None
             _fail(res, c, f"cannot remove {what}: {exc.strerror or exc}" if what else f"{exc.strerror or exc}")
