@@ -12,6 +12,11 @@ EXIT_FINDINGS = 1
 EXIT_USAGE = 2
 EXIT_OPERATIONAL = 3
 EXIT_INTERRUPTED = 130
+# A fatal signal handled like Ctrl-C exits with the shell's convention, 128 + the signal number:
+# SIGHUP 129, SIGTERM 143. A closed stdout (``ckptctl inspect DIR | head -1``) exits 141
+# (128 + SIGPIPE), quietly, as a process killed by SIGPIPE would.
+EXIT_SIGNAL_BASE = 128
+EXIT_BROKEN_PIPE = 141
 
 
 class CkptctlError(Exception):
@@ -78,49 +83,67 @@ class UnrepairableError(CkptctlError):
 
 
 class Interrupted(CkptctlError):
-    """The user pressed Ctrl-C; cleanup has run (exit 130)."""
+    """The user pressed Ctrl-C (exit 130), or SIGTERM/SIGHUP arrived (exit 128 + the signal
+    number: 143, 129); cleanup has run."""
 
     exit_code = EXIT_INTERRUPTED
     code = "interrupted"
 
+    def by_signal(self, signum: int, name: str) -> Interrupted:
+        """This interruption, caused by the signal ``signum`` (named ``name``, e.g. SIGTERM)."""
+        self.exit_code = EXIT_SIGNAL_BASE + signum
+        self.message = f"{name} received: {self.message}"
+        return self
+
+
+_FULL = {"ENOSPC": "no space left on the device", "EDQUOT": "no space left within the disk quota",
+         "EFBIG": "no space left: the file size limit is reached"}
+
 
 def from_oserror(exc: OSError, what: str, *, phase: str | None = None) -> CkptctlError:
-    """Turn an OSError into a CkptctlError with a hint that fits its errno."""
+    """Turn an OSError into a CkptctlError with a hint that fits its errno.
+
+    The message is ``<what>: <what went wrong>[: <path>]`` (the path when the OSError names one).
+    A file that is missing here was there when the command started (a missing input is refused
+    up front, exit 2): it vanished mid-operation, an operational failure (exit 3)."""
     import errno
 
     err = exc.errno
-    target = exc.filename or what
+    at = f": {exc.filename}" if exc.filename else ""
     reason = exc.strerror or str(exc)
-    if err == errno.ENOSPC or err == errno.EDQUOT or err == errno.EFBIG:
+    if err in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
         return DiskFullError(
-            f"{what}: no space left ({reason}) at {target}",
+            f"{what}: {_FULL[errno.errorcode[err]]}{at}",
             "free space on that filesystem (or raise the quota/file size limit) and run the command again",
             phase=phase,
         )
     if err in (errno.EACCES, errno.EPERM):
         return OperationalError(
-            f"{what}: permission denied: {target}",
+            f"{what}: permission denied{at}",
             "check the permissions of that path and of its parent directory",
             phase=phase,
         )
     if err == errno.EROFS:
         return OperationalError(
-            f"{what}: read-only filesystem: {target}",
+            f"{what}: read-only filesystem{at}",
             "write to a writable location or remount the filesystem read-write",
             phase=phase,
         )
     if err == errno.ENOENT:
-        return InputError(f"{what}: no such file or directory: {target}", "check the path", phase=phase)
+        return OperationalError(
+            f"{what}: no such file or directory{at}",
+            "another process removed or renamed it while this command ran; check the path and run again",
+            phase=phase)
     if err == errno.EXDEV:
         return OperationalError(
-            f"{what}: staging and destination are on different filesystems: {target}",
+            f"{what}: staging and destination are on different filesystems{at}",
             "the destination must not be a mount point; write to a directory inside it instead",
             phase=phase,
         )
     if err == errno.EIO:
         return OperationalError(
-            f"{what}: I/O error ({reason}) at {target}",
+            f"{what}: I/O error ({reason}){at}",
             "the storage reported an error: check the device and system log; nothing was published",
             phase=phase,
         )
-    return OperationalError(f"{what}: {reason}: {target}", "check the path and the storage", phase=phase)
+    return OperationalError(f"{what}: {reason}{at}", "check the path and the storage", phase=phase)

@@ -85,7 +85,7 @@ def test_a_distributed_error_names_the_phase_and_every_failed_rank():
     (errno.ENOSPC, E.DiskFullError, "no space left"), (errno.EDQUOT, E.DiskFullError, "no space left"),
     (errno.EFBIG, E.DiskFullError, "no space left"), (errno.EACCES, E.OperationalError, "permission denied"),
     (errno.EPERM, E.OperationalError, "permission denied"), (errno.EROFS, E.OperationalError, "read-only"),
-    (errno.ENOENT, E.InputError, "no such file or directory"),
+    (errno.ENOENT, E.OperationalError, "no such file or directory"),
     (errno.EXDEV, E.OperationalError, "different filesystems"), (errno.EIO, E.OperationalError, "I/O error"),
     (errno.EBUSY, E.OperationalError, "Device or resource busy"),
 ], ids=lambda v: errno.errorcode.get(v, "") if isinstance(v, int) else None)
@@ -96,7 +96,9 @@ def test_an_oserror_becomes_the_error_its_errno_means(err, cls, words):
     assert str(got).startswith("writing the shard: ") and words in str(got)
     assert "/data/ckpt/model.safetensors" in got.message and str(got).endswith("(phase: write)")
     without_name = E.from_oserror(OSError(err, "x"), "writing the shard")
-    assert without_name.phase is None and without_name.message.endswith("writing the shard")
+    assert without_name.phase is None and without_name.message.startswith("writing the shard: ")
+    assert without_name.message.count("writing the shard") == 1 and " at " not in without_name.message
+    assert got.exit_code == (2 if cls is E.InputError else 3)
 
 
 # ---------------------------------------------------------------------------------------------

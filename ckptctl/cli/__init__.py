@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import os
+import sys
 from typing import Annotated, Optional
 
 import typer
 
 from ckptctl._version import __version__
+from ckptctl.cli._output import Output, Signals
 from ckptctl.cli.export_cmd import export
 from ckptctl.cli.gc_cmd import gc_tmp
 from ckptctl.cli.inspect_cmd import inspect
@@ -45,4 +48,56 @@ app.command("verify")(verify)
 
 
 def main() -> None:
-    app(prog_name="ckptctl")
+    """The console entry point. Typer runs the app with ``standalone_mode=False`` so that this
+    function keeps the output contract for what Typer would otherwise print itself: a usage error
+    (unknown option, missing argument) with ``--json`` is one JSON document too; SIGTERM/SIGHUP are
+    handled like Ctrl-C (:class:`Signals`); a closed stdout is :meth:`Output.write`'s."""
+    args = sys.argv[1:]
+    try:
+        with Signals.handled():
+            code = app(args=args, prog_name="ckptctl", standalone_mode=False)
+    except typer.Abort:
+        code = _interrupted(args)
+    except KeyboardInterrupt:  # a signal after the command's own guard
+        code = _interrupted(args)
+    except typer.TyperException as exc:  # Typer's usage errors: unknown option, missing argument, ...
+        code = _usage_error(exc, args)
+    sys.exit(code if isinstance(code, int) else 0)
+
+
+def _command(args: list[str]) -> str:
+    """The command named on the command line (``ckptctl`` when there is none)."""
+    names = {c.name for c in app.registered_commands}
+    return next((a for a in args if a in names), "ckptctl")
+
+
+def _json_wanted(args: list[str]) -> bool:
+    return "--json" in args[:args.index("--")] if "--" in args else "--json" in args
+
+
+def _usage_error(exc: typer.TyperException, args: list[str]) -> int:
+    """One JSON document (with ``--json``) and Typer's own usage message, exit code Typer's."""
+    from ckptctl.errors import UsageError
+
+    exit_code = getattr(exc, "exit_code", 2)
+    if _json_wanted(args):
+        command = _command(args)
+        helping = "ckptctl" if command == "ckptctl" else f"ckptctl {command}"
+        err = UsageError(exc.format_message(), f"run `{helping} --help` for the options")
+        err.exit_code = exit_code
+        out = Output(command, json_mode=True)
+        out.emit_json(out.document(False, error=err.to_dict()))
+    exc.show()
+    return exit_code
+
+
+def _interrupted(args: list[str]) -> int:
+    from ckptctl.errors import Interrupted
+
+    out = Output(_command(args), json_mode=_json_wanted(args))
+    try:
+        out.fail(Signals.interruption(Interrupted("interrupted; nothing was changed",
+                                                           "run the command again")))
+    except typer.Exit as done:
+        return done.exit_code
+    return 130

@@ -8,8 +8,10 @@ they bind to the streams in effect at call time (``CliRunner`` swaps them).
 
 from __future__ import annotations
 
+import io
 import json
 import os
+import signal
 import sys
 import traceback
 from contextlib import contextmanager
@@ -19,9 +21,45 @@ import typer
 from rich.console import Console
 
 from ckptctl._version import __version__
-from ckptctl.errors import CkptctlError, Interrupted
+from ckptctl.errors import EXIT_BROKEN_PIPE, CkptctlError, Interrupted
 
 SCHEMA_VERSION = 1
+
+# SIGTERM (kill, systemd, Kubernetes) and SIGHUP (a closed terminal or ssh session) are handled like
+# Ctrl-C: the first one raises KeyboardInterrupt where the program is, so every cleanup path of
+# Ctrl-C runs; later ones are only recorded (they must not interrupt that cleanup). The exit code
+# is 128 + the signal number (143, 129), after one error line / one JSON document.
+HANDLED_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+
+
+class Signals:
+    """Which handled signal arrived first (None: none, or Ctrl-C)."""
+
+    received: int | None = None
+
+    @classmethod
+    def handler(cls, signum: int, _frame: Any) -> None:
+        if cls.received is None:
+            cls.received = signum
+            raise KeyboardInterrupt
+
+    @classmethod
+    @contextmanager
+    def handled(cls) -> Iterator[None]:
+        """Install the handler (main thread only) for the block; restore the previous ones after."""
+        previous = {s: signal.signal(s, cls.handler) for s in HANDLED_SIGNALS}
+        try:
+            yield
+        finally:
+            for s, h in previous.items():
+                signal.signal(s, h)
+
+    @classmethod
+    def interruption(cls, exc: Interrupted) -> Interrupted:
+        """``exc``, naming the handled signal that caused it (and its exit code), if one did."""
+        if cls.received is not None:
+            return exc.by_signal(cls.received, signal.Signals(cls.received).name)
+        return exc
 
 
 def human_size(n: int) -> str:
@@ -94,11 +132,37 @@ class Output:
 
     def emit_json(self, doc: dict[str, Any]) -> None:
         # One line: scripts read it, and only the compact form uses json's C encoder.
-        sys.stdout.write(json.dumps(doc, ensure_ascii=False, default=str) + "\n")
-        sys.stdout.flush()
+        self.write(json.dumps(doc, ensure_ascii=False, default=str) + "\n")
 
-    def print(self, renderable: Any = "") -> None:
-        self.out.print(renderable)
+    @staticmethod
+    def write(text: str) -> None:
+        """Write data to stdout. When its reader went away (``ckptctl inspect DIR | head -1``),
+        nothing more can be said there: stdout is pointed at /dev/null (so the interpreter's last
+        flush is silent) and the command exits 141 (128 + SIGPIPE), quietly, as the shell reports
+        a writer whose reader left."""
+        try:
+            sys.stdout.write(text)
+            sys.stdout.flush()
+        except BrokenPipeError:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+            os.close(devnull)
+            raise typer.Exit(EXIT_BROKEN_PIPE) from None
+
+    def print(self, renderable: Any = "", *, always: bool = False) -> None:
+        """Data for people on stdout; nothing with ``-q`` unless ``always`` (a failure's findings).
+        Off a terminal each line is written without its trailing padding (rich pads table cells
+        and titles to the table's width)."""
+        if self.verbosity < 0 and not always:
+            return
+        if self.out.is_terminal:
+            self.out.print(renderable)
+            return
+        page = Console(file=io.StringIO(), width=_PIPE_WIDTH, markup=False, highlight=False, soft_wrap=False,
+                       color_system=self.out.color_system, no_color=self.out.no_color)
+        page.print(renderable)
+        text = page.file.getvalue()  # type: ignore[attr-defined]
+        self.write("\n".join(line.rstrip() for line in text.split("\n")))
 
     # error handling -------------------------------------------------------------------------
     @contextmanager
@@ -109,14 +173,16 @@ class Output:
         except typer.Exit:
             raise
         except KeyboardInterrupt:
-            self._fail(Interrupted("interrupted; cleanup done, nothing was published",
-                                   "run the command again to start over"))
+            self.fail(Signals.interruption(Interrupted("interrupted; cleanup done, nothing was published",
+                                                        "run the command again to start over")))
         except CkptctlError as exc:
             if os.environ.get("CKPTCTL_DEBUG"):
                 traceback.print_exc(file=sys.stderr)
-            self._fail(exc)
+            self.fail(Signals.interruption(exc) if isinstance(exc, Interrupted) else exc)
 
-    def _fail(self, exc: CkptctlError) -> None:
+    def fail(self, exc: CkptctlError) -> None:
+        """Report ``exc`` (one line + hint on stderr; one JSON document with ``--json``) and raise
+        ``typer.Exit`` with its exit code."""
         if self.json_mode:
             self.emit_json(self.document(False, error=exc.to_dict()))
         self.error(str(exc), exc.hint)

@@ -53,7 +53,7 @@ def gc_tmp(
     if json_:
         out.emit_json(out.document(code == 0, check=check, **result.to_dict()))
     else:
-        _render(out, result)
+        _render(out, result, always=code != 0)
     for p in result.problems:
         out.error(f"{p.path}: {p.message}")
     if result.problems:
@@ -85,14 +85,15 @@ def _owner_cell(c) -> str:
     return f"pid {c.owner.get('pid', '?')} @ {c.owner.get('host', '?')}"
 
 
-def _render(out: Output, result) -> None:
+def _render(out: Output, result, *, always: bool) -> None:
+    """The table and the summary line on stdout (with -q only when something needs attention)."""
     from ckptctl.gc import Decision, format_age
 
     labels = {Decision.WOULD_REMOVE: "would remove"}
 
     roots = ", ".join(str(r) for r in result.roots)
     if not result.candidates:
-        out.print(f"nothing to clean up below {roots} ({result.scanned:,} entries looked at)")
+        out.print(f"nothing to clean up below {roots} ({result.scanned:,} entries looked at)", always=always)
         return
     table = Table(title=f"gc-tmp {roots}" + (" (dry run)" if result.options.dry_run else ""), title_justify="left")
     for col in ("path", "owner", "age", "size", "decision", "why"):
@@ -103,7 +104,7 @@ def _render(out: Output, result) -> None:
         if c.recovery and c.decision == Decision.REMOVED:
             decision += f" ({c.recovery})"
         table.add_row(str(c.path), _owner_cell(c), format_age(c.age), human_size(c.size), decision, c.reason)
-    out.print(table)
+    out.print(table, always=always)
     kept = result.count(Decision.KEPT)
     if result.options.dry_run:
         line = (f"would remove {result.count(Decision.WOULD_REMOVE)}, freeing {human_size(result.bytes_to_free)}; "
@@ -113,4 +114,4 @@ def _render(out: Output, result) -> None:
         deferred = result.count(Decision.DEFERRED)
         if deferred:
             line += f"; deferred {deferred} (files still open elsewhere)"
-    out.print(line + f" ({result.scanned:,} entries looked at in {result.seconds:.2f}s)")
+    out.print(line + f" ({result.scanned:,} entries looked at in {result.seconds:.2f}s)", always=always)

@@ -76,7 +76,7 @@ def verify(
         if json_:
             out.emit_json(out.document(code == EXIT_OK, **report.to_dict(level)))
         else:
-            _render(out, report, level)
+            _render(out, report, level, always=code != EXIT_OK)
             _checks(out, report)
         _verdict(out, report, level, code)
     raise typer.Exit(code)
@@ -133,7 +133,8 @@ def _shown_file(path: str, root: str) -> str:
     return path
 
 
-def _render(out: Output, report: Report, level: str) -> None:
+def _render(out: Output, report: Report, level: str, *, always: bool) -> None:
+    """The findings tables on stdout (with -q only when the verdict is not OK)."""
     show_info = out.verbosity >= 1
     if len(report.results) > 1:
         summary = Table(title="checkpoints", title_justify="left")
@@ -144,7 +145,7 @@ def _render(out: Output, report: Report, level: str) -> None:
             c = r.counts()
             verdict = "io-error" if r.io_error else ("fail" if r.failed(level) else "ok")
             summary.add_row(r.path, r.kind, str(c["error"]), str(c["warning"]), verdict)
-        out.print(summary)
+        out.print(summary, always=always)
     for r in report.results:
         rows = [f for f in r.findings if show_info or f.severity != "info"]
         if not rows:
@@ -162,7 +163,7 @@ def _render(out: Output, report: Report, level: str) -> None:
             if n > MAX_ROWS_PER_CODE:
                 table.add_row(code, "", _shown_file(path, r.root), "",
                               f"... and {n - MAX_ROWS_PER_CODE} more {code} findings (see --json)", "")
-        out.print(table)
+        out.print(table, always=always)
 
 
 def _checks(out: Output, report: Report) -> None:
