@@ -40,7 +40,7 @@ from typing import Any
 
 from ckptctl import _faults, staging
 from ckptctl.errors import CkptctlError, LockHeldError, OperationalError, UsageError, from_oserror
-from ckptctl.format.names import parse_staging_name, staging_name
+from ckptctl.format.names import destination_problem, parse_staging_name, staging_name, visible_staging_name
 from ckptctl.staging import fsync_path
 
 AT_FDCWD = -100
@@ -85,22 +85,28 @@ class Stage:
 
     # ------------------------------------------------------------------------------------
     def create(self) -> Path:
-        """Make the staging directory, take its lock, write the owner record, make data/."""
+        """Make the staging directory fully formed under its hidden name (lock held, owner record,
+        data/), then rename it to its visible name: gc-tmp never sees a staging directory whose
+        writer has not taken its lock yet, whatever ``--min-age`` it is given."""
         _faults.point("stage-create")
-        name = staging_name(self.dest.name)
-        d = self.parent / name
+        hidden = self.parent / staging_name(self.dest.name, hidden=True)
         try:
-            os.mkdir(d, 0o755)
+            os.mkdir(hidden, 0o755)
         except OSError as exc:
             raise from_oserror(exc, "cannot create the staging directory", phase="stage") from None
-        self.dir = d
+        self.dir = hidden
         try:
-            self.lock = staging.acquire(d, patience=1.0)  # our own new lock: only a probe can hold it
+            self.lock = staging.acquire(hidden, patience=1.0)  # our own new lock: only a probe can hold it
             if self.lock is None:
-                raise BlockingIOError(errno.EWOULDBLOCK, "its lock is held by another process", str(d / staging.LOCK))
+                raise BlockingIOError(errno.EWOULDBLOCK, "its lock is held by another process",
+                                      str(hidden / staging.LOCK))
             record = json.dumps(staging.owner_record(self.dest, self.command), indent=2).encode()
-            self._write_small(d / staging.OWNER, record)
-            os.mkdir(d / staging.DATA, 0o755)
+            self._write_small(hidden / staging.OWNER, record)
+            os.mkdir(hidden / staging.DATA, 0o755)
+            _faults.point("stage-visible")
+            visible = self.parent / visible_staging_name(hidden.name)
+            staging.rename(hidden, visible)
+            self.dir = visible
         except OSError as exc:
             self.abort()
             raise from_oserror(exc, "cannot prepare the staging directory", phase="stage") from None
@@ -303,6 +309,14 @@ def filesystem_type(path: Path) -> str | None:
 
 def check_destination(dest: Path, *, overwrite: bool) -> bool:
     """Validate the destination before any work. Returns whether it exists."""
+    try:
+        name_max = os.pathconf(dest.parent, "PC_NAME_MAX")
+    except OSError:
+        name_max = 255
+    problem = destination_problem(dest.name, name_max)
+    if problem:
+        raise UsageError(problem, "choose a destination name without control characters, short enough for the "
+                                  "staging directory beside it")
     if os.path.lexists(dest):
         if not overwrite:
             raise UsageError(f"destination {dest} already exists",

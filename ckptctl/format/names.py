@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import fnmatch
+import os
 import re
 import secrets
 import time
@@ -164,21 +165,53 @@ LEFTOVERS: tuple[Leftover, ...] = (
 )
 PRESETS: dict[str, Leftover] = {lo.preset: lo for lo in LEFTOVERS}
 
-# Our own staging directories: _tmp_<name>.<16-hex ns stamp>-<8-hex random>.
+# Our own staging directories: _tmp_<name>.<16-hex ns stamp>-<8-hex random>. A writer creates
+# one under the hidden name "." + that name, takes its lock and writes its owner record there, and
+# only then renames it to the visible name: a visible staging directory is always fully formed
+# (gc-tmp's --min-age 0 cannot catch a writer between mkdir and flock). A hidden one is a writer
+# starting, or one that died in those microseconds: gc-tmp leaves it for HIDDEN_GRACE seconds.
 STAGING_PREFIX = "_tmp_"
-_STAGING_RE = re.compile(r"^_tmp_(?P<dest>.+)\.(?P<stamp>[0-9a-f]{16})-(?P<rand>[0-9a-f]{8})$")
+HIDDEN = "."
+_STAGING_RE = re.compile(r"^\.?_tmp_(?P<dest>.+)\.(?P<stamp>[0-9a-f]{16})-(?P<rand>[0-9a-f]{8})$", re.DOTALL)
 STAGING = "staging"
+STAGING_OVERHEAD = len(HIDDEN) + len(STAGING_PREFIX) + 1 + 16 + 1 + 8  # bytes a staging name adds
+HIDDEN_GRACE = 3600.0
 
 
-def staging_name(dest_name: str) -> str:
-    """A new staging directory name for ``dest_name``; the stamp orders writers by start."""
-    return f"{STAGING_PREFIX}{dest_name}.{time.time_ns():016x}-{secrets.token_hex(4)}"
+def staging_name(dest_name: str, *, hidden: bool = False) -> str:
+    """A new staging directory name for ``dest_name``; the stamp orders writers by start. With
+    ``hidden``, the name it is created under before it is fully formed."""
+    name = f"{STAGING_PREFIX}{dest_name}.{time.time_ns():016x}-{secrets.token_hex(4)}"
+    return HIDDEN + name if hidden else name
+
+
+def visible_staging_name(name: str) -> str:
+    """The visible name of a (hidden or visible) staging directory name."""
+    return name[len(HIDDEN):] if is_hidden_staging(name) else name
+
+
+def is_hidden_staging(name: str) -> bool:
+    return name.startswith(HIDDEN + STAGING_PREFIX) and parse_staging_name(name) is not None
 
 
 def parse_staging_name(name: str) -> tuple[str, int] | None:
-    """(destination name, start stamp) of one of our staging directory names, or None."""
+    """(destination name, start stamp) of one of our staging directory names (visible or
+    hidden), or None."""
     m = _STAGING_RE.match(name)
     return (m.group("dest"), int(m.group("stamp"), 16)) if m else None
+
+
+def destination_problem(name: str, name_max: int = 255) -> str | None:
+    """Why ``name`` cannot be a destination directory's name (its staging directory is a sibling
+    whose name is ``STAGING_OVERHEAD`` bytes longer), or None."""
+    if any(ord(ch) < 32 or ord(ch) == 127 for ch in name):
+        return f"the destination name {name!r} holds a control character (a newline or tab)"
+    size = len(os.fsencode(name))
+    if size + STAGING_OVERHEAD > name_max:
+        return (f"the destination name is {size} bytes long; its staging directory beside it needs "
+                f"{STAGING_OVERHEAD} more and the filesystem allows {name_max} bytes per name "
+                f"(at most {name_max - STAGING_OVERHEAD})")
+    return None
 
 
 def leftover_kind(name: str, *, is_dir: bool, beside_safetensors: bool = True) -> str | None:

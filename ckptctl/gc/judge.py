@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ckptctl import staging
+from ckptctl.format.names import HIDDEN_GRACE, is_hidden_staging
 from ckptctl.gc.model import Candidate, Decision, GcOptions
 from ckptctl.staging import State, StagingState
 
@@ -32,6 +33,10 @@ def judge_staging(c: Candidate, st: StagingState, opts: GcOptions) -> None:
     if st.state is State.WRITING:
         c.decide(Decision.KEPT, alive_reason(st.live))
         c.error = st.live.error
+        return
+    if is_hidden_staging(c.path.name) and c.age < HIDDEN_GRACE:
+        c.decide(Decision.KEPT, f"staging directory not made visible yet, modified {format_age(c.age)} ago: its "
+                                f"writer may be starting (kept {format_age(HIDDEN_GRACE)}, whatever --min-age)")
         return
     if st.state is State.STUB:
         if c.age < opts.min_age:
