@@ -111,6 +111,8 @@ def from_oserror(exc: OSError, what: str, *, phase: str | None = None) -> Ckptct
     err = exc.errno
     at = f": {exc.filename}" if exc.filename else ""
     reason = exc.strerror or str(exc)
+    if getattr(exc, "input_problem", False):  # format.small: a FIFO, a device, a huge file
+        return InputError(f"{what}: {reason}{at}", "replace it with the regular file it should be", phase=phase)
     if err in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
         return DiskFullError(
             f"{what}: {_FULL[errno.errorcode[err]]}{at}",

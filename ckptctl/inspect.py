@@ -6,7 +6,6 @@ not imported). Pickles and DCP checkpoints need torch to read their metadata.
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
@@ -17,6 +16,7 @@ from ckptctl import layout as L
 from ckptctl.config_fields import ConfigFields
 from ckptctl.errors import InputError
 from ckptctl.findings import Finding
+from ckptctl.format import small
 from ckptctl.format.header import load_header
 from ckptctl.format.tensor import SpecFields, TensorSpec
 
@@ -126,7 +126,7 @@ def config_summary(cfg: dict[str, Any]) -> dict[str, Any]:
 def read_config(root: Path) -> dict[str, Any] | None:
     """config.json as a dict, or None when it is missing, unreadable or not a JSON object."""
     try:
-        cfg = json.loads((root / "config.json").read_text(encoding="utf-8"))
+        cfg = small.read_json(root / "config.json", follow=True)
     except (OSError, ValueError):
         return None
     return cfg if isinstance(cfg, dict) else None

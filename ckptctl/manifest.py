@@ -24,6 +24,7 @@ from typing import Any
 
 from ckptctl._version import __version__
 from ckptctl.findings import ERROR, Finding
+from ckptctl.format import small
 
 MANIFEST_NAME = "ckptctl.manifest.json"
 SCHEMA_VERSION = 1
@@ -79,7 +80,7 @@ def read_manifest(path: Path) -> tuple[dict[str, Any] | None, list[Finding]]:
     """Parse a manifest; returns (doc or None, findings about its own form)."""
     shown = str(path)
     try:
-        doc = json.loads(path.read_bytes())
+        doc = small.read_json(path, follow=True)
     except FileNotFoundError:
         return None, []
     except (OSError, ValueError) as exc:

@@ -3,13 +3,13 @@ models (``modules.json``), each component with its own layout."""
 
 from __future__ import annotations
 
-import json
 import os
 import stat
 from typing import TYPE_CHECKING
 
 from ckptctl.findings import ERROR
 from ckptctl.format import names as N
+from ckptctl.format import small
 from ckptctl.layout.model import MODEL_INDEX, MODULES_JSON, PIPELINE, SENTENCE_TRANSFORMERS, Component
 
 if TYPE_CHECKING:
@@ -63,8 +63,7 @@ def _manifest(scanner: "_Scanner", name: str, want: type) -> object:
     try:
         if not _regular(path) or os.path.getsize(path) > _MAX_MANIFEST:
             raise ValueError("not a regular file of at most 1 MiB")
-        with open(path, "rb") as f:
-            doc = json.loads(f.read(_MAX_MANIFEST + 1))
+        doc = small.read_json(path, limit=_MAX_MANIFEST, follow=True)
         if not isinstance(doc, want):
             raise ValueError(f"not a JSON {'object' if want is dict else 'array'}")
     except (OSError, ValueError, RecursionError) as exc:

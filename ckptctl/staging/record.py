@@ -6,16 +6,15 @@ The directory name itself (``_tmp_<dest>.<stamp>-<rand>``) is a file-name rule a
 
 from __future__ import annotations
 
-import json
 import os
 import socket
-import stat
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
 from ckptctl._version import __version__
+from ckptctl.format import small
 from ckptctl.format.names import parse_staging_name
 from ckptctl.staging.liveness import boot_id, process_start_time
 
@@ -26,8 +25,6 @@ OLD = "old"  # during an exchange-less publish: the previous version, moved asid
 TOOL = "ckptctl"
 
 MAX_OWNER_BYTES = 1 << 16
-# Never follow a link, never block on a FIFO someone put in our place.
-FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 
 
 def owner_record(dest: Path, command: str | None = None) -> dict[str, Any]:
@@ -48,27 +45,13 @@ def owner_record(dest: Path, command: str | None = None) -> dict[str, Any]:
 
 def _read_record(path: Path) -> dict[str, Any] | None:
     """A small JSON document of ours (``"tool": "ckptctl"``), or None when it is missing,
-    unreadable, not a regular file, not JSON or not ours. Opened with ``O_NOFOLLOW | O_NONBLOCK``
-    and read up to 64 KiB: a link, a FIFO or a huge file put in its place is not a record."""
+    unreadable, not a regular file, not JSON (or nested too deeply) or not ours. Read by
+    :mod:`ckptctl.format.small` without following a link or blocking on a FIFO, up to 64 KiB: a
+    link, a FIFO or a huge file put in its place is not a record."""
     try:
-        fd = os.open(path, FILE_FLAGS)
-    except OSError:
-        return None
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            return None
-        chunks, left = [], MAX_OWNER_BYTES
-        while left:
-            chunk = os.read(fd, left)
-            if not chunk:
-                break
-            chunks.append(chunk)
-            left -= len(chunk)
-        doc = json.loads(b"".join(chunks))
+        doc = small.read_json(path, limit=MAX_OWNER_BYTES)
     except (OSError, ValueError):
         return None
-    finally:
-        os.close(fd)
     if not isinstance(doc, dict) or doc.get("tool") != TOOL:
         return None
     return doc

@@ -10,7 +10,6 @@ document go through :func:`ckptctl.format.names.member_problem` and the symlink 
 
 from __future__ import annotations
 
-import json
 import os
 import stat
 from dataclasses import dataclass
@@ -20,6 +19,7 @@ from typing import Any, Callable
 from ckptctl.errors import CkptctlError
 from ckptctl.findings import ERROR, Finding
 from ckptctl.format import names as N
+from ckptctl.format import small
 from ckptctl.format.header import Header
 from ckptctl.format.tensor import TensorSpec
 from ckptctl.layout import Family, Layout
@@ -219,14 +219,13 @@ class Context:
         if self.regular_size(name, "replace it with the file") is None:
             return False, None
         try:
-            with open(self.root / name, "rb") as f:
-                raw = f.read(MAX_JSON_BYTES + 1)
+            raw = small.read_small(self.root / name, limit=MAX_JSON_BYTES, follow=True)
         except OSError as exc:
             self.io(name, exc)
             return False, None
         try:
-            return True, json.loads(raw.decode("utf-8"))
-        except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+            return True, small.loads(raw.decode("utf-8"))
+        except ValueError as exc:  # bad UTF-8, bad JSON, nested too deeply
             self.add(code_bad, ERROR, self.disp(name), f"{self.disp(name)} is not valid JSON ({type(exc).__name__})",
                      "fix the file (or copy it again from the source model)")
             return False, None

@@ -1,6 +1,7 @@
 """The small files written beside the weights (config.json, tokenizer files, adapter_config.json).
 
-They are read into memory (they are small) when the job is planned; config.json's
+They are read into memory (they are small; :mod:`ckptctl.format.small` bounds the read and never
+blocks on a FIFO or reads a device) when the job is planned; config.json's
 ``dtype``/``torch_dtype`` follow the stored dtype when ``--dtype`` converted tensors.
 """
 
@@ -12,7 +13,10 @@ from typing import Iterable
 
 from ckptctl.errors import from_oserror
 from ckptctl.format import dtypes as dt
+from ckptctl.format import small
 from ckptctl.write.inputs import Entry
+
+EXTRA_LIMIT = 1 << 30  # bytes: the largest tokenizer/processor file we carry (real ones are < 40 MB)
 
 
 def read_extras(extras: dict[str, Path | bytes], entries: list[Entry]) -> dict[str, bytes]:
@@ -25,7 +29,7 @@ def read_extras(extras: dict[str, Path | bytes], entries: list[Entry]) -> dict[s
             blob = src
         else:
             try:
-                blob = Path(src).read_bytes()
+                blob = small.read_small(src, limit=EXTRA_LIMIT, follow=True)  # a cache snapshot links
             except OSError as exc:
                 raise from_oserror(exc, f"cannot read {name}", phase="plan") from None
         if name == "config.json" and stored:
@@ -47,7 +51,7 @@ def sync_config_dtype(raw: bytes, stored: str) -> bytes:
     """config.json with its ``dtype``/``torch_dtype`` fields (top level, and each sub-config with
     a ``model_type``) set to the stored dtype; unchanged when it is not a JSON object."""
     try:
-        cfg = json.loads(raw)
+        cfg = small.loads(raw)
     except ValueError:
         return raw
     name = dt.CONFIG_NAMES.get(stored)
