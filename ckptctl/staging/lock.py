@@ -25,6 +25,11 @@ _HELD = (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES)
 _READ_ONLY = (errno.EACCES, errno.EPERM, errno.EROFS)
 
 
+class NotALock(OSError):
+    """The lock's name holds a symbolic link or something other than a regular file. No writer's
+    lock is ever one (a writer creates it as a regular file and keeps it), so nobody holds it."""
+
+
 class StagingLock:
     """A held flock on ``<staging>/lock``. ``release()`` (or leaving a ``with`` block) drops it."""
 
@@ -57,13 +62,13 @@ def _open_lock(dir_fd: int, where: Path, *, create: bool) -> int:
             fd = os.open(LOCK, os.O_RDONLY | _LOCK_FLAGS, dir_fd=dir_fd)
     except OSError as exc:
         if exc.errno == errno.ELOOP:
-            raise OSError(errno.ELOOP, "the lock is a symbolic link", str(where)) from None
+            raise NotALock(errno.ELOOP, "the lock is a symbolic link", str(where)) from None
         if exc.filename == LOCK:
             exc.filename = str(where)
         raise
     if not stat.S_ISREG(os.fstat(fd).st_mode):
         os.close(fd)
-        raise OSError(errno.EINVAL, "the lock is not a regular file", str(where))
+        raise NotALock(errno.EINVAL, "the lock is not a regular file", str(where))
     return fd
 
 
@@ -110,10 +115,11 @@ def acquire(staging: Path, *, parent_fd: int | None = None, create: bool = True,
 
 def probe(staging: Path) -> bool:
     """True when some process holds the staging directory's lock. Never blocks, never creates the
-    lock; a missing lock (or directory) is a free one."""
+    lock, never follows a link; a missing lock (or directory) is a free one, and so is a link or
+    a FIFO in its place (:class:`NotALock`)."""
     try:
         lock = acquire(staging, create=False)
-    except FileNotFoundError:
+    except (FileNotFoundError, NotALock):
         return False
     if lock is None:
         return True
