@@ -35,6 +35,7 @@ import ctypes
 import errno
 import json
 import os
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -77,6 +78,9 @@ class Stage:
         self.lock: staging.StagingLock | None = None
         self.published = False
         self.kept = False  # a failed publish left the staging directory for recovery (said so)
+        self.known: dict[str, int] = {}  # the destination's entries (name -> inode) when staging began
+        self.late: list[str] = []  # entries that appeared in the destination while we wrote: carried
+        self.kept_aside: list[str] = []  # ... under another name, where the new version has that name
 
     @property
     def data(self) -> Path:
@@ -89,6 +93,7 @@ class Stage:
         data/), then rename it to its visible name: gc-tmp never sees a staging directory whose
         writer has not taken its lock yet, whatever ``--min-age`` it is given."""
         _faults.point("stage-create")
+        self.known = _entries(self.dest)
         hidden = self.parent / staging_name(self.dest.name, hidden=True)
         try:
             os.mkdir(hidden, 0o755)
@@ -142,6 +147,7 @@ class Stage:
         holds the publish journal (what the destination and ``data/`` are now)."""
         assert self.dir is not None
         try:
+            keep_permissions(self.dest, self.data)
             if self.fsync:
                 for root, dirs, _files in os.walk(self.data):
                     for d in dirs:
@@ -197,6 +203,8 @@ class Stage:
         except OSError as exc:
             self._undo_half_publish()
             raise from_oserror(exc, "cannot publish the checkpoint", phase="publish") from None
+        if how != "rename":
+            self._carry_late(data if how == "exchange" else self.dir / staging.OLD)
         try:
             _faults.point("published")
             if self.fsync:
@@ -209,6 +217,53 @@ class Stage:
                 "the storage reported an error: check the device; after a power cut the destination may hold "
                 "the previous version", phase="publish") from None
         return how
+
+    def _carry_late(self, old: Path) -> None:
+        """Move into the published version what appeared in the old one while we wrote (eval
+        results, logs, a README a teammate wrote: the carried-file list was fixed before the
+        shards were written), and what was replaced there meanwhile (a file rewritten by
+        rename: we carried its previous inode). Where the new version has an entry of that name
+        of its own, the user's is kept beside it as ``<name>.ckptctl-kept`` (listed in
+        ``kept_aside``). Nothing the user put in the destination is deleted with the old version."""
+        try:
+            now = _entries(old)
+        except OSError as exc:
+            raise self._late_failed(exc, old) from None
+        for name, ino in sorted(now.items()):
+            if self.known.get(name) == ino:
+                continue  # there when we began: dropped or carried by plan
+            src, dst = old / name, self.dest / name
+            try:
+                there = os.lstat(dst)
+            except FileNotFoundError:
+                there = None
+            if there is not None and there.st_ino == ino:
+                continue  # carried already (linked when the extras were written)
+            try:
+                if there is not None and there.st_ino == self.known.get(name):
+                    staging.remove_tree(dst)  # we carried its previous inode: the user's is newer
+                    there = None
+                if there is None:
+                    staging.rename(src, dst)
+                    self.late.append(name)
+                else:
+                    aside = _free_name(self.dest, f"{name}.ckptctl-kept")
+                    staging.rename(src, self.dest / aside)
+                    self.kept_aside.append(aside)
+            except OSError as exc:
+                raise self._late_failed(exc, src) from None
+
+    def _late_failed(self, exc: OSError, where: Path) -> OperationalError:
+        """The new version is published but something added meanwhile could not be moved over:
+        keep the staging directory (and so the old version with it) and say where."""
+        self.kept = True
+        assert self.dir is not None
+        cause = exc.strerror or str(exc)
+        return OperationalError(
+            f"{self.dest} holds the new version, but what was added to it while we wrote could not be carried "
+            f"over ({cause}: {where}); the previous version, with those files, is kept in {self.dir}",
+            f"move what you need from {self.dir} into {self.dest}, then remove it "
+            f"(`ckptctl gc-tmp {self.parent}` does once it is yours to drop)", phase="publish")
 
     def _two_rename(self) -> None:
         """The exchange-less publish (journaled in ``ready`` by :meth:`seal`): ``dest -> old/``,
@@ -254,7 +309,8 @@ class Stage:
         if self.dir is None:
             return
         try:
-            staging.remove_staging(self.dir, lock=self.lock)
+            if not self.kept:
+                staging.remove_staging(self.dir, lock=self.lock)
         except OSError:
             pass  # leftovers are the next run's or gc-tmp's job
         finally:
@@ -273,6 +329,68 @@ class Stage:
             except CkptctlError:
                 pass  # the staging directory stays (its removal is refused): recovery's job
         self.finish()
+
+
+def _entries(directory: Path) -> dict[str, int]:
+    """A directory's entries, name -> inode (never following a link); {} when it does not exist."""
+    try:
+        with os.scandir(directory) as it:
+            return {e.name: e.inode() for e in it}
+    except (FileNotFoundError, NotADirectoryError):
+        return {}
+
+
+def _free_name(directory: Path, name: str) -> str:
+    """``name``, or ``name.2``, ``name.3``, ... : the first that ``directory`` does not hold."""
+    candidate, n = name, 1
+    while os.path.lexists(directory / candidate):
+        n += 1
+        candidate = f"{name}.{n}"
+    return candidate
+
+
+_ACLS = ("system.posix_acl_access", "system.posix_acl_default")
+_NO_ACL = (errno.ENODATA, errno.ENOTSUP, errno.EOPNOTSUPP)
+
+
+def keep_permissions(old: Path, new: Path) -> None:
+    """Give ``new`` (the staged version) and each of its directories the permissions of the same
+    directory in ``old`` (the destination it replaces), where ``old`` has one: owner and group
+    where permitted, the mode with its setgid/sticky bits, and the POSIX ACLs (access and
+    default). A team's 2775 directory stays 2775 with its group; a carried 0700 folder stays
+    0700. Files are hard-linked (their own inode, their own permissions) or written fresh."""
+    if not os.path.isdir(old):
+        return
+    for root, dirs, _files in os.walk(new):
+        rel = os.path.relpath(root, new)
+        was = old if rel == "." else old / rel
+        try:
+            st = os.stat(was, follow_symlinks=rel == ".")  # the destination may be a link to its directory
+        except FileNotFoundError:
+            continue
+        if not stat.S_ISDIR(st.st_mode):
+            continue
+        _copy_permissions(was, st, Path(root), follow=rel == ".")
+        dirs[:] = [d for d in dirs if not os.path.islink(os.path.join(root, d))]
+
+
+def _copy_permissions(was: Path, st: os.stat_result, to: Path, *, follow: bool) -> None:
+    try:
+        os.chown(to, st.st_uid, st.st_gid)
+    except PermissionError:
+        try:
+            os.chown(to, -1, st.st_gid)  # a member of the group may give it the group
+        except PermissionError:
+            pass  # ownership only where permitted
+    os.chmod(to, stat.S_IMODE(st.st_mode))  # after chown, which clears setgid
+    for name in _ACLS:
+        try:
+            value = os.getxattr(was, name, follow_symlinks=follow)
+        except OSError as exc:
+            if exc.errno in _NO_ACL:
+                continue
+            raise
+        os.setxattr(to, name, value)
 
 
 def _appeared(dest: Path) -> LockHeldError:

@@ -99,7 +99,9 @@ def test_overwrite_drops_every_old_weight_family_and_keeps_the_rest(tmp_path):
     readme_inode = os.stat(out / "README.md").st_ino
     write_single(tmp_path / "new", state(2))
     run_ckptctl("export", str(tmp_path / "new"), str(out), "--overwrite", check=True)
-    assert sorted(os.listdir(out)) == ["README.md", "model.safetensors", "optimizer"]
+    # a *.safetensors outside the naming scheme is not provably a superseded family: carried (issue 15)
+    assert sorted(os.listdir(out)) == ["README.md", "consolidated.safetensors", "model.safetensors", "optimizer"]
+    assert (out / "consolidated.safetensors").read_bytes() == b""
     assert (out / "README.md").read_text() == "my notes"
     assert os.stat(out / "README.md").st_ino == readme_inode  # hard link, not a copy
     assert (out / "optimizer" / "state.pt").read_bytes() == b"opt"

@@ -243,7 +243,10 @@ def test_locked_inspection_ignores_the_callers_own_lock(tmp_path, dead):
 
 
 @pytest.mark.parametrize("kind", ["symlink", "fifo", "directory"])
-def test_a_lock_that_cannot_be_probed_counts_as_held_and_is_reported(tmp_path, dead, kind):
+def test_a_lock_that_is_not_a_regular_file_is_nobodys_and_never_followed(tmp_path, dead, kind):
+    """No writer's lock is a link, a FIFO or a directory (a writer creates a regular file and keeps
+    it): such a lock is free, so a dead neighbour with one never blocks anyone (issue 15); the pid
+    still speaks for a writer that is alive."""
     d = make(tmp_path, owner=dead, lock=False)
     target = tmp_path / "elsewhere.lock"
     target.touch()
@@ -254,9 +257,8 @@ def test_a_lock_that_cannot_be_probed_counts_as_held_and_is_reported(tmp_path, d
     else:
         (d / staging.LOCK).mkdir()
     st = staging.inspect(d)
-    assert st.state is State.WRITING and st.live.alive
-    assert st.live.error and st.live.error.startswith("cannot probe the staging lock: ")
-    with pytest.raises(OSError) as err:
+    assert st.state is State.ABANDONED and not st.live.alive and st.live.error is None
+    with pytest.raises(staging.NotALock) as err:
         staging.acquire(d)
     assert err.value.errno == {"symlink": errno.ELOOP, "fifo": errno.EINVAL, "directory": errno.EISDIR}[kind]
     assert target.stat().st_size == 0 and not target.is_symlink()

@@ -84,8 +84,9 @@ from ckptctl.format.names import parse_staging_name, staging_name
 from ckptctl.staging.actions import (competitor_error, conflict_message, recover, recover_destination,
                                      remove_staging, remove_staging_at, roll)
 from ckptctl.staging.fs import Deferred, fsync_path, listing, moved, open_beneath, remove_at, remove_tree, rename, write_small
-from ckptctl.staging.liveness import Liveness, boot_id, judge_owner, on_this_host, process_start_time, process_state
-from ckptctl.staging.lock import LOCK, StagingLock, acquire, probe
+from ckptctl.staging.liveness import (Liveness, boot_id, judge_owner, on_this_host, open_elsewhere, process_start_time,
+                                      process_state)
+from ckptctl.staging.lock import LOCK, NotALock, StagingLock, acquire, probe
 from ckptctl.staging.record import (DATA, OLD, OWNER, READY, TOOL, journal_record, owner_record, read_journal,
                                     read_owner, siblings)
 from ckptctl.staging.state import State, StagingState, inspect, is_stub, phase
@@ -95,9 +96,9 @@ parse_name = parse_staging_name
 
 __all__ = [
     "DATA", "LOCK", "OLD", "OWNER", "READY", "TOOL",
-    "Deferred", "Liveness", "StagingLock", "StagingState", "State",
+    "Deferred", "Liveness", "NotALock", "StagingLock", "StagingState", "State",
     "acquire", "boot_id", "competitor_error", "conflict_message", "fsync_path", "inspect", "is_stub",
-    "journal_record", "judge_owner", "listing", "moved", "on_this_host", "open_beneath", "owner_record",
+    "journal_record", "judge_owner", "listing", "moved", "on_this_host", "open_elsewhere", "open_beneath", "owner_record",
     "parse_name", "parse_staging_name", "phase", "probe", "process_start_time", "process_state", "read_journal",
     "read_owner", "recover", "recover_destination", "remove_at", "remove_staging", "remove_staging_at",
     "remove_tree", "rename", "roll", "siblings", "staging_name", "write_small",

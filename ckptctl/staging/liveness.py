@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 from dataclasses import dataclass
 from pathlib import Path
@@ -84,3 +85,38 @@ def judge_owner(staging: Path, owner: dict[str, Any] | None, *, locked: bool = F
     # Same process still running but its lock is free: it is between creating the directory and
     # taking the lock, or it is finishing up. Treat as alive; never race a live writer.
     return Liveness(True, f"pid {pid} still running")
+
+
+def open_elsewhere(paths: list[Path]) -> set[Path]:
+    """Those of ``paths`` that a process (other than this one) holds open, or has as its working
+    directory, or holds a file open below (for a directory): from every readable
+    ``/proc/PID/fd`` and ``/proc/PID/cwd``. Processes whose entries cannot be read (another user's,
+    without privileges) are not seen: docs/GC_TMP.md says so."""
+    if not paths:
+        return set()
+    wanted = {os.path.realpath(p): p for p in paths}
+    held: set[Path] = set()
+    me = str(os.getpid())
+    try:
+        pids = [p for p in os.listdir("/proc") if p.isdigit() and p != me]
+    except OSError:
+        return held
+    for pid in pids:
+        targets = []
+        try:
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                try:
+                    targets.append(os.readlink(f"/proc/{pid}/fd/{fd}"))
+                except OSError:
+                    continue
+        except OSError:
+            pass
+        try:
+            targets.append(os.readlink(f"/proc/{pid}/cwd"))
+        except OSError:
+            pass
+        for t in targets:
+            for real, p in wanted.items():
+                if t == real or t.startswith(real + os.sep):
+                    held.add(p)
+    return held

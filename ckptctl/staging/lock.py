@@ -63,6 +63,8 @@ def _open_lock(dir_fd: int, where: Path, *, create: bool) -> int:
     except OSError as exc:
         if exc.errno == errno.ELOOP:
             raise NotALock(errno.ELOOP, "the lock is a symbolic link", str(where)) from None
+        if exc.errno == errno.EISDIR:
+            raise NotALock(errno.EISDIR, "the lock is a directory", str(where)) from None
         if exc.filename == LOCK:
             exc.filename = str(where)
         raise

@@ -279,6 +279,7 @@ class ExportJob:
         if self.opts.progress:
             self.opts.progress(ProgressEvent("publish"))
         self.result.publish = self.stage_.publish(replace=self.dest_existed)
+        self.result.carried += self.stage_.late + self.stage_.kept_aside  # added to dest while we wrote
         _faults.point("after-publish")
         self.stage_.finish()
         self.result.seconds = time.monotonic() - self.started

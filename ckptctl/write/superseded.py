@@ -6,7 +6,7 @@ import os
 from pathlib import Path
 
 from ckptctl import layout as L
-from ckptctl.format import names as N
+from ckptctl import staging
 from ckptctl.manifest import MANIFEST_NAME
 
 MAIN = ("model", None)  # the slot of a transformers model without a variant
@@ -15,29 +15,29 @@ MAIN = ("model", None)  # the slot of a transformers model without a variant
 def superseded(dest: Path, *, slot: tuple[str, str | None] = MAIN) -> tuple[list[str], list[str]]:
     """(files the new version drops, files carried over) among ``dest``'s top-level entries.
 
-    The new version fills one slot (:func:`ckptctl.layout.slot_of`: the library stem and the
-    variant it writes). It drops exactly the weights families of that slot (safetensors and
-    pickle, single or sharded, with their indexes) and leftovers. Writing the main model slot
-    also drops what a loader of the main model could pick instead: DCP files, any other
-    top-level ``*.safetensors`` outside the naming scheme (a glob-loader would pick it up) and
-    unnamed indexes. Other variants, other components (diffusers, PEFT adapters) and every other
-    file are kept. The old manifest is always dropped: it describes the old version.
+    A file is dropped only when it is provably superseded; everything else of the user's is
+    carried. The new version fills one slot (:func:`ckptctl.layout.slot_of`: the library stem
+    and the variant it writes). It drops exactly the weights families of that slot (safetensors
+    and pickle, single or sharded, with their indexes, and a shard of the slot that no index
+    names) and the leftovers ``layout`` recognises (only the exact patterns of
+    :data:`ckptctl.format.names.LEFTOVERS`, the gc-tmp presets' own rules; one that a process
+    holds open, such as a download still running, is carried). Writing the main model slot also
+    drops DCP files. Any other file is carried, whatever its name: ``optimizer.safetensors``,
+    LLaVA's ``mm_projector.safetensors``, a ``consolidated.safetensors``, a ``.tmpl/`` or a
+    user's ``_tmp_scratch/`` directory. Other variants, other components (diffusers, PEFT
+    adapters) are kept. The old manifest is always dropped: it describes the old version.
     """
     if not os.path.isdir(dest):
         return [], []
     lay = L.scan(dest)
-    drop: set[str] = set(lay.leftovers)
+    live = staging.open_elsewhere([dest / n for n in lay.leftovers])
+    drop: set[str] = {n for n in lay.leftovers if dest / n not in live}
     main = slot == MAIN
     for fam in lay.families:
         if fam.slot == slot or (main and fam.kind == L.DCP):
             drop.update(fam.all_files)
     names = sorted(os.listdir(dest))
-    for n in names:
-        named = L.named_slot(n)
-        if named == slot:  # a file of the slot no index names (an unreferenced shard)
-            drop.add(n)
-        elif main and named is None and (n.endswith(".safetensors") or n.endswith(N.INDEX_SUFFIXES)):
-            drop.add(n)
+    drop.update(n for n in names if L.named_slot(n) == slot)  # a file of the slot no index names
     drop.add(MANIFEST_NAME)
     keep = [n for n in names if n not in drop]
     return sorted(drop & set(names)), keep
