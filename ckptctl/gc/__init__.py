@@ -13,14 +13,20 @@ Two kinds of candidates:
   lock and ``older_than``. A half-done exchange-less publish inside is rolled forward or back
   (:func:`ckptctl.staging.recover`, as the state says) before anything goes.
 - **foreign**: an entry whose *name* matches an opt-in preset (``format.names.LEFTOVERS``: each
-  preset matches files or directories) or ``--pattern`` glob (any entry). Judged by age only (the
-  newest mtime in its tree), since nothing proves its writer dead.
+  preset matches files or directories) or ``--pattern`` glob (any entry). Judged by age (the
+  newest mtime in its tree), since nothing proves its writer dead, and kept whatever its age while
+  a running process holds it (or, for a directory, a file in it) open or works in it
+  (``staging.open_elsewhere`` over ``/proc/*/fd``): a huggingface_hub download still writing its
+  ``*.incomplete`` blob, a Trainer still saving into ``tmp-checkpoint-N``.
 
 A ``_tmp_*`` directory without a valid owner record is not ours (Orbax #394: never delete by "no
 marker"); it is listed as ``unknown`` and kept unless a foreign pattern (``--preset miles``) takes it.
 The one exception is an empty *stub* (nothing inside but empty ``lock``/``owner.json``: a writer
 killed between ``mkdir`` and its owner record): it holds no data, so it goes once its lock is
-free and it is older than ``min_age``.
+free and it is older than ``min_age``. A writer creates its staging directory under a hidden name
+(``.`` + the name) and renames it visible once its lock is held and its owner record written, so
+a visible stub is never a writer starting; a hidden one is kept for ``HIDDEN_GRACE`` (1 h)
+whatever ``min_age``. A staging-named directory that cannot be read is kept and reported (exit 3).
 
 Safety: the scan never follows a symlink nor descends into a candidate; removal works on
 directory file descriptors opened with ``O_NOFOLLOW`` from the root down, so it cannot leave the

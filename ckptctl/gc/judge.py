@@ -104,6 +104,10 @@ def judge_foreign(c: Candidate, opts: GcOptions, nested: list[str]) -> None:
     elif c.age < threshold:
         c.decide(Decision.KEPT, f"foreign ({c.match}), judged by age only: modified {format_age(c.age)} ago "
                                 f"(< {format_age(threshold)})")
+    elif staging.open_elsewhere([c.path]):
+        # a download huggingface_hub is still writing, a Trainer still saving: old is not dead
+        c.decide(Decision.KEPT, f"foreign ({c.match}): a running process holds it open"
+                                + (" (or a file in it)" if c.is_dir else ""))
     else:
         c.decide(Decision.WOULD_REMOVE, f"foreign ({c.match}), judged by age only: idle for {format_age(c.age)} "
                                         f"(>= {format_age(threshold)})")

@@ -165,12 +165,29 @@ def _staging_candidate(path: Path, root: Path, st: os.stat_result, opts: GcOptio
         c, _ = _candidate(path, root, Kind.OURS, st, now, owner=state.owner)
         judge_staging(c, state, opts)
         return c
-    if foreign:
+    unreadable = _unreadable(path)
+    if foreign and not unreadable:
         return None  # the foreign path takes it, by age (it is not provably ours)
     c, _ = _candidate(path, root, Kind.UNKNOWN, st, now)
+    if unreadable:
+        c.decide(Decision.KEPT, f"named like ckptctl staging but cannot be read ({unreadable}): whether it "
+                                "leaked cannot be told")
+        c.error = f"cannot read this staging directory: {unreadable}"
+        return c
     c.decide(Decision.KEPT, "named like ckptctl staging but has no ckptctl owner record: not provably ours "
                             "(--preset miles removes such directories by age)")
     return c
+
+
+def _unreadable(path: Path) -> str | None:
+    """Why a directory cannot be listed (permission denied, I/O error), or None."""
+    try:
+        os.listdir(path)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        return exc.strerror or str(exc)
+    return None
 
 
 def _entry_candidate(e: os.DirEntry[str], root: Path, opts: GcOptions, now: float, staging_like: bool,
