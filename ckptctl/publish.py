@@ -35,7 +35,6 @@ import ctypes
 import errno
 import json
 import os
-import stat
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +42,7 @@ from ckptctl import _faults, staging
 from ckptctl.errors import CkptctlError, LockHeldError, OperationalError, UsageError, from_oserror
 from ckptctl.format.names import destination_problem, parse_staging_name, staging_name, visible_staging_name
 from ckptctl.staging import fsync_path
+from ckptctl.staging.keep import carry_late, entries, keep_permissions
 
 AT_FDCWD = -100
 RENAME_NOREPLACE = 1
@@ -93,7 +93,7 @@ class Stage:
         data/), then rename it to its visible name: gc-tmp never sees a staging directory whose
         writer has not taken its lock yet, whatever ``--min-age`` it is given."""
         _faults.point("stage-create")
-        self.known = _entries(self.dest)
+        self.known = entries(self.dest)
         hidden = self.parent / staging_name(self.dest.name, hidden=True)
         try:
             os.mkdir(hidden, 0o755)
@@ -219,39 +219,13 @@ class Stage:
         return how
 
     def _carry_late(self, old: Path) -> None:
-        """Move into the published version what appeared in the old one while we wrote (eval
-        results, logs, a README a teammate wrote: the carried-file list was fixed before the
-        shards were written), and what was replaced there meanwhile (a file rewritten by
-        rename: we carried its previous inode). Where the new version has an entry of that name
-        of its own, the user's is kept beside it as ``<name>.ckptctl-kept`` (listed in
-        ``kept_aside``). Nothing the user put in the destination is deleted with the old version."""
+        """Move into the published version what appeared in the old one while we wrote
+        (:func:`ckptctl.staging.keep.carry_late`); when that fails, keep the staging directory
+        (the old version with those files) and say where."""
         try:
-            now = _entries(old)
+            self.late, self.kept_aside = carry_late(old, self.dest, self.known)
         except OSError as exc:
-            raise self._late_failed(exc, old) from None
-        for name, ino in sorted(now.items()):
-            if self.known.get(name) == ino:
-                continue  # there when we began: dropped or carried by plan
-            src, dst = old / name, self.dest / name
-            try:
-                there = os.lstat(dst)
-            except FileNotFoundError:
-                there = None
-            if there is not None and there.st_ino == ino:
-                continue  # carried already (linked when the extras were written)
-            try:
-                if there is not None and there.st_ino == self.known.get(name):
-                    staging.remove_tree(dst)  # we carried its previous inode: the user's is newer
-                    there = None
-                if there is None:
-                    staging.rename(src, dst)
-                    self.late.append(name)
-                else:
-                    aside = _free_name(self.dest, f"{name}.ckptctl-kept")
-                    staging.rename(src, self.dest / aside)
-                    self.kept_aside.append(aside)
-            except OSError as exc:
-                raise self._late_failed(exc, src) from None
+            raise self._late_failed(exc, Path(exc.filename) if exc.filename else old) from None
 
     def _late_failed(self, exc: OSError, where: Path) -> OperationalError:
         """The new version is published but something added meanwhile could not be moved over:
@@ -329,68 +303,6 @@ class Stage:
             except CkptctlError:
                 pass  # the staging directory stays (its removal is refused): recovery's job
         self.finish()
-
-
-def _entries(directory: Path) -> dict[str, int]:
-    """A directory's entries, name -> inode (never following a link); {} when it does not exist."""
-    try:
-        with os.scandir(directory) as it:
-            return {e.name: e.inode() for e in it}
-    except (FileNotFoundError, NotADirectoryError):
-        return {}
-
-
-def _free_name(directory: Path, name: str) -> str:
-    """``name``, or ``name.2``, ``name.3``, ... : the first that ``directory`` does not hold."""
-    candidate, n = name, 1
-    while os.path.lexists(directory / candidate):
-        n += 1
-        candidate = f"{name}.{n}"
-    return candidate
-
-
-_ACLS = ("system.posix_acl_access", "system.posix_acl_default")
-_NO_ACL = (errno.ENODATA, errno.ENOTSUP, errno.EOPNOTSUPP)
-
-
-def keep_permissions(old: Path, new: Path) -> None:
-    """Give ``new`` (the staged version) and each of its directories the permissions of the same
-    directory in ``old`` (the destination it replaces), where ``old`` has one: owner and group
-    where permitted, the mode with its setgid/sticky bits, and the POSIX ACLs (access and
-    default). A team's 2775 directory stays 2775 with its group; a carried 0700 folder stays
-    0700. Files are hard-linked (their own inode, their own permissions) or written fresh."""
-    if not os.path.isdir(old):
-        return
-    for root, dirs, _files in os.walk(new):
-        rel = os.path.relpath(root, new)
-        was = old if rel == "." else old / rel
-        try:
-            st = os.stat(was, follow_symlinks=rel == ".")  # the destination may be a link to its directory
-        except FileNotFoundError:
-            continue
-        if not stat.S_ISDIR(st.st_mode):
-            continue
-        _copy_permissions(was, st, Path(root), follow=rel == ".")
-        dirs[:] = [d for d in dirs if not os.path.islink(os.path.join(root, d))]
-
-
-def _copy_permissions(was: Path, st: os.stat_result, to: Path, *, follow: bool) -> None:
-    try:
-        os.chown(to, st.st_uid, st.st_gid)
-    except PermissionError:
-        try:
-            os.chown(to, -1, st.st_gid)  # a member of the group may give it the group
-        except PermissionError:
-            pass  # ownership only where permitted
-    os.chmod(to, stat.S_IMODE(st.st_mode))  # after chown, which clears setgid
-    for name in _ACLS:
-        try:
-            value = os.getxattr(was, name, follow_symlinks=follow)
-        except OSError as exc:
-            if exc.errno in _NO_ACL:
-                continue
-            raise
-        os.setxattr(to, name, value)
 
 
 def _appeared(dest: Path) -> LockHeldError:

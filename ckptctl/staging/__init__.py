@@ -19,7 +19,8 @@ Modules: ``record`` (entry names, owner record, journal, siblings), ``lock`` (th
 acquire, probe, release), ``liveness`` (is the writer alive), ``state`` (:func:`inspect`: the one
 state function), ``actions`` (roll forward/back, remove, recover a destination), ``fs`` (the one
 removal, never following links, NFS-aware; fsync; the uncached directory listing and the checked
-rename that survive a lost reply).
+rename that survive a lost reply), ``keep`` (what a replaced destination keeps: files that
+appeared in it while we wrote, its permissions).
 
 Every decision about ``old/``, ``data/`` and the destination is made from the directories
 themselves (``fs.listing``: ``getdents``, which NFS revalidates and FUSE always asks the
