@@ -20,13 +20,16 @@ def carry_late(old: Path, dest: Path, known: dict[str, int]) -> tuple[list[str],
     appeared in the destination while the new version was written, and what was replaced there
     meanwhile (a file an editor saved by rename: the new version carried its previous inode).
     ``known`` is the destination as it was when staging began (name -> inode): an entry with the
-    same inode was there then, and the plan dropped or carried it. Where the new version has an
+    same inode was there then, and the plan dropped or carried it. When the destination was a
+    symbolic link (replaced as a link), ``old`` is that link: nothing is taken from its target. Where the new version has an
     entry of that name of its own, the user's is kept beside it as ``<name>.ckptctl-kept``.
 
     Returns (names moved in, names kept aside). Raises OSError (with the path that failed) when
     something cannot be moved: the caller keeps ``old``."""
     moved: list[str] = []
     aside: list[str] = []
+    if os.path.islink(old):
+        return moved, aside  # the destination was a link: its target is not ours to move from
     for name, ino in sorted(entries(old).items()):
         if known.get(name) == ino:
             continue  # there when we began: dropped or carried by plan
