@@ -176,6 +176,7 @@ def test_dead_siblings_with_a_symlinked_lock_or_fifo_owner_never_block_or_get_fo
         assert by_name[d.name]["decision"] == "kept" and by_name[d.name]["kind"] == "unknown", by_name[d.name]
     assert not target.exists() and os.listdir(target.parent) == []
     # the dead writer's own directory with a symlinked lock: its lock is nobody's, so it is dead;
-    # it is reported (its lock cannot be taken to remove it under), never followed
-    assert by_name[siblings[0].name]["decision"] != "removed" or not siblings[0].exists()
-    assert r.returncode in (0, 3) and (tmp_path / "out" / "model.safetensors").is_file()
+    # it is not removed (gc-tmp removes only under the directory's own lock) and reported, exit 3
+    assert by_name[siblings[0].name]["kind"] == "ours" and by_name[siblings[0].name]["decision"] == "failed"
+    assert [e["path"] for e in doc["errors"]] == [str(siblings[0])] and "symbolic link" in doc["errors"][0]["message"]
+    assert r.returncode == 3 and siblings[0].is_dir() and (tmp_path / "out" / "model.safetensors").is_file()
