@@ -92,12 +92,13 @@ def _usage_error(exc: typer.TyperException, args: list[str]) -> int:
 
 
 def _interrupted(args: list[str]) -> int:
+    """Ctrl-C or a handled signal outside a command's own guard (while Typer parsed the command
+    line, or after the command reported): one error line / JSON document, exit 130 or 128 + N."""
     from ckptctl.errors import Interrupted
 
     out = Output(_command(args), json_mode=_json_wanted(args))
     try:
-        out.fail(Signals.interruption(Interrupted("interrupted; nothing was changed",
-                                                           "run the command again")))
+        out.fail(Signals.interruption(Interrupted("interrupted; nothing was changed", "run the command again")))
     except typer.Exit as done:
         return done.exit_code
     return 130
