@@ -174,7 +174,9 @@ def resave_root(root: str | os.PathLike[str], opts: ExportOptions, *, output: st
         probe = replace(opts, dry_run=True)
         checked = {f: write(root_p / f if f else root_p, root_p / f if f else root_p, probe)
                    for f in weighted_folders(lay)}
-        if all(r.unchanged for r in checked.values()) and not superseded(root_p)[0]:
+        # at the root itself: leftovers, stray weights (module 0's own files are its resave's)
+        stale = set(superseded(root_p)[0]) - {MANIFEST_NAME} - (lay.weight_files if "" in checked else set())
+        if all(r.unchanged for r in checked.values()) and not stale:
             return RootResult(str(Path(os.path.abspath(root_p))), opts.dry_run, lay.kind, checked, unchanged=True)
     return write_root(root_p, lay, root_p if in_place else Path(output), opts, write,  # type: ignore[arg-type]
                       link=in_place or link, from_source=True)
