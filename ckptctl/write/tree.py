@@ -178,6 +178,9 @@ def resave_root(root: str | os.PathLike[str], opts: ExportOptions, *, output: st
         stale = set(superseded(root_p)[0]) - {MANIFEST_NAME} - (lay.weight_files if "" in checked else set())
         if all(r.unchanged for r in checked.values()) and not stale:
             return RootResult(str(Path(os.path.abspath(root_p))), opts.dry_run, lay.kind, checked, unchanged=True)
+        # a sound component folder is carried as it is (hard links), never rewritten
+        sound = {f: r for f, r in checked.items() if r.unchanged and f}
+        return write_root(root_p, lay, root_p, opts, write, link=True, from_source=True, sound=sound)
     return write_root(root_p, lay, root_p if in_place else Path(output), opts, write,  # type: ignore[arg-type]
                       link=in_place or link, from_source=True)
 
@@ -186,12 +189,15 @@ def resave_root(root: str | os.PathLike[str], opts: ExportOptions, *, output: st
 
 
 def write_root(src: Path, lay: L.Layout, dst: str | os.PathLike[str], opts: ExportOptions,
-               write: ComponentWriter, *, link: bool, from_source: bool = False) -> RootResult:
+               write: ComponentWriter, *, link: bool, from_source: bool = False,
+               sound: dict[str, Any] | None = None) -> RootResult:
     """Build the root ``src`` (scanned as ``lay``) at ``dst`` with ``write`` for each component
     with weights, in one staging directory, and publish it once (see the module docstring).
     ``link``: the source's files are hard-linked (resave in place) instead of copied.
     ``from_source``: a component folder the destination does not have starts as a copy of the
-    source's (resave keeps what the component's writer does not write: another variant)."""
+    source's (resave keeps what the component's writer does not write: another variant).
+    ``sound``: component folders (and their results) carried as they are, not written."""
+    sound = sound or {}
     started = time.monotonic()
     dest = Path(os.path.abspath(dst))
     folders = weighted_folders(lay)
@@ -221,7 +227,7 @@ def write_root(src: Path, lay: L.Layout, dst: str | os.PathLike[str], opts: Expo
                 origin = dest / f if existed and (dest / f).is_dir() else (src / f if from_source else None)
                 if origin is not None:  # the component's writer decides what of it to keep
                     _carry(origin, data / f, link=link or origin.parent == dest, fsync=opts.fsync)
-                result.components[f] = write(src / f, data / f, sub)
+                result.components[f] = sound[f] if f in sound else write(src / f, data / f, sub)
             else:
                 result.components[f] = write(src, data / ROOT_MODULE, sub)
                 _move_up(data / ROOT_MODULE, data)
