@@ -77,3 +77,15 @@ def test_dry_runs_of_a_root_write_nothing(name: str, build_one, tmp_path: Path) 
 def test_is_root(build_one) -> None:
     assert is_root(build_one("diffusers/pipeline")) and is_root(build_one("sentence-transformers/root"))
     assert not is_root(build_one("diffusers/unet")) and not is_root(build_one("diffusers/pipeline") / "unet")
+
+
+def test_the_one_model_writer_refuses_a_root_with_the_command_that_writes_it(build_one, tmp_path: Path) -> None:
+    """``open_inputs`` (the multi-rank export's reader) writes one model: a root is sent to
+    ``ckptctl export`` in one process, and nothing is written."""
+    from ckptctl.write.inputs import open_inputs
+
+    src = build_one("diffusers/pipeline")
+    with pytest.raises(UsageError) as info:
+        open_inputs(src, tmp_path / "out", ExportOptions())
+    assert "unet" in info.value.message and "without torchrun" in (info.value.hint or "")
+    assert not (tmp_path / "out").exists()

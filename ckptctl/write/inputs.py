@@ -175,8 +175,9 @@ def state_dict_inputs(state_dict: Mapping[str, Any], dest: str | os.PathLike[str
 
 
 def _refuse_multi_component(src: Path) -> None:
-    """A diffusers pipeline or sentence-transformers root is several models: exporting one of
-    them as the whole would silently change what the directory computes."""
+    """A diffusers pipeline or sentence-transformers root is several models, written whole by
+    ``ckptctl.write.tree.export_root`` (``api.export`` sends it there); this writer of one model
+    (``export_distributed`` under torchrun) refuses it rather than write one of them as the whole."""
     from ckptctl import layout as L
 
     if not src.is_dir():
@@ -186,7 +187,9 @@ def _refuse_multi_component(src: Path) -> None:
         return
     parts = [c.path or "(root)" for c in lay.components if c.has_weights or (c.path == "" and lay.families)]
     raise UsageError(f"{src} is a {lay.kind} root with several components ({', '.join(parts) or 'none with weights'}): "
-                     "export writes one model", "export each component folder on its own, or copy the root as a whole")
+                     "this writer writes one model",
+                     f"run `ckptctl export {src} DST` in one process (without torchrun): it writes the whole root, "
+                     "each component under its own names")
 
 
 def _inside(child: Path, parent: Path) -> bool:
