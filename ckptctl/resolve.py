@@ -1,5 +1,6 @@
 """Resolve a command-line path: a local path, a Hugging Face cache repo folder
-(``models--org--name/``), or a repo id present in the local HF cache."""
+(``models--org--name/``: the snapshot ``refs/main`` names), or a repo id present in the local HF
+cache."""
 
 from __future__ import annotations
 
@@ -22,26 +23,28 @@ class Resolved:
 
 
 def resolve_path(text: str) -> Path:
-    """A local path as given, the snapshot of a cache repo folder, or the snapshot directory of a
-    cached repo id (offline)."""
-    return resolve(text).path
-
-
-def resolve(text: str) -> Resolved:
-    """:func:`resolve_path` with a note saying which snapshot a cache repo folder stands for."""
+    """A local path as given, or the snapshot directory of a cached repo id (offline)."""
     p = Path(text)
     if p.exists() or p.is_symlink():
-        return cache_snapshot(p) or Resolved(p)
+        return p
     if _REPO_ID.match(text) and not text.startswith((".", "/")):
         from huggingface_hub import snapshot_download
         from huggingface_hub.errors import LocalEntryNotFoundError
 
         try:
-            return Resolved(Path(snapshot_download(text, local_files_only=True)))
+            return Path(snapshot_download(text, local_files_only=True))
         except (LocalEntryNotFoundError, OSError, ValueError):
             raise InputError(f"{text} is neither a local path nor a repo id in the local Hugging Face cache",
                              f"download it first (`hf download {text}`) or pass a directory") from None
     raise InputError(f"no such file or directory: {text}", "check the path")
+
+
+def resolve(text: str) -> Resolved:
+    """:func:`resolve_path`, where a cache repo folder (``models--org--name/``) stands for one of
+    its snapshots (see :func:`cache_snapshot`), with a note saying which. For the commands that
+    read one checkpoint (inspect, export); ``verify --recursive`` walks the folder instead."""
+    p = resolve_path(text)
+    return cache_snapshot(p) or Resolved(p)
 
 
 def cache_snapshot(p: Path) -> Resolved | None:

@@ -32,7 +32,7 @@ def export(
     out = Output("export", json_mode=json_, quiet=quiet + (1 if json_ else 0), verbose=verbose)
     with out.guard():
         from ckptctl.api import export as run_export
-        from ckptctl.resolve import resolve_path
+        from ckptctl.resolve import resolve
         from ckptctl.write.options import ExportOptions
 
         if label and not manifest:
@@ -41,13 +41,16 @@ def export(
         opts = ExportOptions(max_shard_size=max_shard_size, dtype=dtype, overwrite=overwrite, fsync=not no_fsync,
                              manifest=manifest, label=label, dry_run=dry_run, progress=reporter,
                              command=" ".join(["ckptctl", "export", src, dst]))
+        where = resolve(src)
+        if where.note:
+            out.info(f"exporting {where.note}")
         try:
             if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-                result, rank = _export_under_torchrun(resolve_path(src), dst, opts, key, only)
+                result, rank = _export_under_torchrun(where.path, dst, opts, key, only)
                 if rank != 0:
                     return  # rank 0 reports for everyone
             else:
-                result = run_export(resolve_path(src), dst, opts, key=key, only=only)
+                result = run_export(where.path, dst, opts, key=key, only=only)
         finally:
             reporter.close()
         if json_:
