@@ -30,12 +30,17 @@ from ckptctl.sources.safetensors_source import SafetensorsSource
 from ckptctl.write.inputs import Entry, build_inputs, entries_for, open_inputs, state_dict_inputs
 from ckptctl.write.job import ExportResult, write_inputs
 from ckptctl.write.options import ExportOptions, validate
+from ckptctl.write.tree import RootResult, export_root, is_root
 
 
 def export(src: str | os.PathLike[str], dst: str | os.PathLike[str], opts: ExportOptions | None = None, *,
-           key: str | None = None, only: str | None = None) -> ExportResult:
+           key: str | None = None, only: str | None = None) -> ExportResult | RootResult:
     """Export the checkpoint at ``src`` to ``dst``. ``key`` selects a nested state dict (pickles,
-    DCP); ``only`` the family to read when ``src`` holds several."""
+    DCP); ``only`` the family to read when ``src`` holds several. A multi-component root (a
+    diffusers pipeline, a sentence-transformers model) is exported whole, each component under
+    its own library's names, and published once: the result is then a :class:`RootResult`."""
+    if is_root(src):
+        return export_root(src, dst, opts or ExportOptions(), key=key, only=only)
     with open_inputs(src, dst, opts or ExportOptions(), key=key, only=only) as inputs:
         return write_inputs(inputs, dst)
 

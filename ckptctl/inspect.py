@@ -196,6 +196,9 @@ def _add_family(res: Inspection, p: Path, lay: L.Layout, fam: L.Family, *, only:
     if fam.index:
         res.files.append(file_row(fam.index, "index"))
     if lay.single_file is None:
+        for other in lay.variants:  # another variant beside the family read: listed, not counted
+            if other is not fam:
+                res.files.extend(file_row(n, "variant") for n in other.all_files)
         for n in lay.extras:
             res.files.append(file_row(n, "extra"))
         for n in lay.leftovers:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 
 import pytest
 import torch
@@ -247,6 +248,25 @@ def test_repo_id_from_local_hf_cache(tmp_path):
                     env={"HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1"}, check=True)
     assert p.returncode == 0
     assert same(load_dir(tmp_path / "out"), state(12))
+
+
+def test_hf_cache_repo_folder_exports_the_snapshot_refs_main_names(tmp_path):
+    repo = tmp_path / "hub" / "models--org--tiny"
+    write_single(repo / "snapshots" / ("a" * 40), state(12))
+    write_single(repo / "snapshots" / ("b" * 40), state(13))
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("b" * 40)
+    p = run_ckptctl("export", repo, tmp_path / "out", check=True)
+    assert f"snapshot {'b' * 40} (refs/main)" in p.stderr
+    assert same(load_dir(tmp_path / "out"), state(13))
+    (repo / "refs" / "main").unlink()  # two snapshots, no ref: never a guess
+    p = run_ckptctl("export", repo, tmp_path / "out2")
+    assert p.returncode == 2 and "a" * 40 in p.stderr and "b" * 40 in p.stderr, p.stderr
+    assert not (tmp_path / "out2").exists()
+    shutil.rmtree(repo / "snapshots" / ("a" * 40))  # the only snapshot
+    p = run_ckptctl("export", repo, tmp_path / "out3", check=True)
+    assert f"snapshot {'b' * 40} (the only one)" in p.stderr
+    assert same(load_dir(tmp_path / "out3"), state(13))
 
 
 # --- options and bad input ---------------------------------------------------------------------

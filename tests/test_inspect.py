@@ -290,3 +290,15 @@ def test_dcp_checkpoint(cli, models, tmp_path: Path) -> None:
     assert doc["format"] == "dcp"
     assert doc["parameters"] == models["llama"].num_parameters()
     assert {t["name"] for t in doc["tensors"]} == set(models["llama"].state_dict())
+
+
+def test_variants_beside_the_family_read_are_listed_not_counted(tmp_path):
+    """``model.fp16.safetensors`` beside ``model.safetensors``: the main family is counted, the
+    variant listed with role ``variant`` (it is another slot, never part of the count)."""
+    main = {"a": torch.zeros(4, 4), "b": torch.zeros(3)}
+    save_file(main, str(tmp_path / "model.safetensors"))
+    save_file({k: v.half() for k, v in main.items()}, str(tmp_path / "model.fp16.safetensors"))
+    doc = inspect_path(tmp_path).to_dict()
+    assert doc["parameters"] == 19 and doc["tensor_count"] == 2
+    assert {f["name"]: f["role"] for f in doc["files"]} == {"model.safetensors": "weights",
+                                                            "model.fp16.safetensors": "variant"}

@@ -32,7 +32,7 @@ def export(
     out = Output("export", json_mode=json_, quiet=quiet + (1 if json_ else 0), verbose=verbose)
     with out.guard():
         from ckptctl.api import export as run_export
-        from ckptctl.resolve import resolve_path
+        from ckptctl.resolve import resolve
         from ckptctl.write.options import ExportOptions
 
         if label and not manifest:
@@ -41,13 +41,16 @@ def export(
         opts = ExportOptions(max_shard_size=max_shard_size, dtype=dtype, overwrite=overwrite, fsync=not no_fsync,
                              manifest=manifest, label=label, dry_run=dry_run, progress=reporter,
                              command=" ".join(["ckptctl", "export", src, dst]))
+        where = resolve(src)
+        if where.note:
+            out.info(f"exporting {where.note}")
         try:
             if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-                result, rank = _export_under_torchrun(resolve_path(src), dst, opts, key, only)
+                result, rank = _export_under_torchrun(where.path, dst, opts, key, only)
                 if rank != 0:
                     return  # rank 0 reports for everyone
             else:
-                result = run_export(resolve_path(src), dst, opts, key=key, only=only)
+                result = run_export(where.path, dst, opts, key=key, only=only)
         finally:
             reporter.close()
         if json_:
@@ -76,16 +79,14 @@ def _export_under_torchrun(src, dst, opts, key, only):
 
 
 def render_result(out: Output, result) -> None:
+    if hasattr(result, "components"):  # a multi-component root (write/tree.py RootResult)
+        render_root(out, result)
+        return
     verb = "would write" if result.dry_run else "wrote"
     table = Table(title=f"{verb} {result.dest}", title_justify="left")
     for col in ("file", "size", "tensors"):
         table.add_column(col, justify="left" if col == "file" else "right")
-    for f in result.files:
-        table.add_row(f["name"], human_size(f["size"]), f"{f['tensors']:,}")
-    if result.index:
-        table.add_row(result.index, "", "")
-    for name in result.extras:
-        table.add_row(name, "", "")
+    _file_rows(table, result)
     out.print(table)
     space = f" ({human_size(result.space_available)} free)" if result.space_available is not None else ""
     lines = [f"{result.tensors:,} tensors, {result.parameters:,} parameters, "
@@ -104,6 +105,40 @@ def render_result(out: Output, result) -> None:
         lines.append(f"{human_size(result.bytes_cloned)} cloned (shared with the source), "
                      f"{human_size(result.bytes_copied_by_kernel)} copied by the kernel, "
                      f"{human_size(result.bytes_streamed)} streamed")
+        lines.append(f"published by {result.publish} in {result.seconds:.2f}s")
+    for line in lines:
+        out.print(line)
+
+
+def _file_rows(table: Table, result, folder: str = "") -> None:
+    """One row per file an export writes (``folder/`` before each name for a root's component)."""
+    for f in result.files:
+        table.add_row(folder + f["name"], human_size(f["size"]), f"{f['tensors']:,}")
+    for name in ([result.index] if result.index else []) + result.extras + result.variants:
+        table.add_row(folder + name, "", "")
+
+
+def render_root(out: Output, result) -> None:
+    """A multi-component root: each component's files under its folder, then the root's summary."""
+    verb = "would write" if result.dry_run else "wrote"
+    table = Table(title=f"{verb} {result.dest} ({result.kind} root)", title_justify="left")
+    for col in ("file", "size", "tensors"):
+        table.add_column(col, justify="left" if col == "file" else "right")
+    for folder, res in sorted(result.exports.items()):
+        _file_rows(table, res, f"{folder}/" if folder else "")
+    out.print(table)
+    lines = [f"{len(result.components)} components with weights, {result.tensors:,} tensors, "
+             f"{result.parameters:,} parameters"]
+    if result.copied:
+        lines.append(("would copy" if result.dry_run else "copied") + " from the root: " + ", ".join(result.copied))
+    if result.removed:
+        lines.append(("would remove" if result.dry_run else "removed") + " from the old version: "
+                     + ", ".join(result.removed))
+    if result.kept:
+        lines.append(("would keep" if result.dry_run else "kept") + ": " + ", ".join(result.kept))
+    if result.recovered:
+        lines.append("recovered an interrupted publish: " + "; ".join(result.recovered))
+    if not result.dry_run:
         lines.append(f"published by {result.publish} in {result.seconds:.2f}s")
     for line in lines:
         out.print(line)

@@ -27,7 +27,7 @@ def inspect(
         from ckptctl import layout as L
         from ckptctl.errors import UsageError
         from ckptctl.inspect import inspect_path
-        from ckptctl.resolve import resolve_path
+        from ckptctl.resolve import resolve
         from ckptctl.write.options import check_key
 
         kinds = (L.SAFETENSORS, L.PYTORCH, L.PEFT, L.DCP)
@@ -36,7 +36,10 @@ def inspect(
                              f"run `ckptctl inspect {path}` to see which families it holds")
 
         check_key(key)
-        res = inspect_path(resolve_path(path), only=only, name_filter=filter_, key=key or None)
+        where = resolve(path)
+        if where.note:
+            out.info(f"inspecting {where.note}")
+        res = inspect_path(where.path, only=only, name_filter=filter_, key=key or None)
         if json_:
             doc = out.document(True, **res.to_dict(with_tensors=True))
             out.emit_json(doc)

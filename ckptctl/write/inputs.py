@@ -58,6 +58,9 @@ class ExportInputs:
     aliases: dict[str, str] = field(default_factory=dict)
     is_adapter: bool = False
     source: Source | None = None
+    # Files of the source's other complete variant families (``model.fp16.safetensors`` beside
+    # ``model.safetensors``), carried verbatim: another slot, never rewritten nor dropped.
+    variants: dict[str, Path] = field(default_factory=dict)
 
     def close(self) -> None:
         if self.source is not None:
@@ -94,13 +97,16 @@ def build_inputs(entries: list[Entry], opts: ExportOptions, settings: ExportSett
 
 
 def open_inputs(src: str | os.PathLike[str], dst: str | os.PathLike[str], opts: ExportOptions, *,
-                key: str | None = None, only: str | None = None) -> ExportInputs:
+                key: str | None = None, only: str | None = None, root_module: bool = False) -> ExportInputs:
     """Validate the options, check the two paths, open the source at ``src``; the inputs of its
-    export to ``dst``. The caller closes the result."""
+    export to ``dst``. The caller closes the result. A multi-component root is refused (its
+    export is ``ckptctl.write.tree.export_root``), unless ``root_module``: then its own root
+    module (a sentence-transformers root's module 0) is what is opened."""
     settings = validate(opts, only=only, key=key)
     src_p, dst_p = Path(src), Path(dst)
-    _check_paths(src_p, dst_p)
-    _refuse_multi_component(src_p)
+    check_paths(src_p, dst_p)
+    if not root_module:
+        _refuse_multi_component(src_p)
     try:
         source = open_source(src_p, key=settings.key, only=settings.only)
     except CkptctlError as exc:
@@ -115,11 +121,46 @@ def open_inputs(src: str | os.PathLike[str], dst: str | os.PathLike[str], opts: 
                                  f"copy the {N.ADAPTER_CONFIG} that belongs to the adapter next to it")
         else:
             extras = {p.name: p for p in source.extras if p.name != N.ADAPTER_CONFIG}
-        return build_inputs(entries_for(source, opts.dtype), opts, settings, extras=extras, aliases=source.aliases,
-                            adapter=source.is_adapter, metadata=source.metadata, source=source)
+        inputs = build_inputs(entries_for(source, opts.dtype), opts, settings, extras=extras,
+                              aliases=source.aliases, adapter=source.is_adapter, metadata=source.metadata,
+                              source=source)
+        if src_p.is_dir() and not source.is_adapter:
+            inputs.variants = other_variants(src_p, (source.stem or "model", source.variant))
+        return inputs
     except BaseException:
         source.close()
         raise
+
+
+def other_variants(src: Path, slot: tuple[str, str | None]) -> dict[str, Path]:
+    """The files of ``src``'s complete variant families outside ``slot`` (the slot an export
+    writes): name -> path. A family with a layout error, a missing shard or a header error is
+    not complete and is left out (an export never publishes a broken family)."""
+    from ckptctl import layout as L
+    from ckptctl.findings import ERROR
+    from ckptctl.format.header import read_header
+
+    lay = L.scan(src)
+    damaged = {Path(f.path).name for f in lay.findings if f.severity == ERROR}
+    per_slot: dict[tuple[str, str | None], int] = {}
+    for fam in lay.families:
+        per_slot[fam.slot] = per_slot.get(fam.slot, 0) + 1
+    out: dict[str, Path] = {}
+    for fam in lay.variants:
+        if fam.slot == L.slot_of(*slot) or fam.container != L.SAFETENSORS or damaged & set(fam.all_files) \
+                or per_slot[fam.slot] > 1:
+            continue  # two families in one slot (both containers, index and single) is not one variant
+        doc = fam.index_doc
+        if (fam.index is None and len(fam.files) > 1) or (
+                fam.index is not None and (doc is None or not doc.ok or set(doc.shards) != set(fam.files))):
+            continue
+        headers = [read_header(src / n, display=str(src / n)) for n in fam.files]
+        if any(f.severity == ERROR for h in headers for f in h.findings):
+            continue
+        if doc is not None and set(doc.weight_map) != {t for h in headers for t in h.tensors}:
+            continue
+        out.update({n: src / n for n in fam.all_files})
+    return out
 
 
 def state_dict_inputs(state_dict: Mapping[str, Any], dest: str | os.PathLike[str], opts: ExportOptions, *,
@@ -134,8 +175,9 @@ def state_dict_inputs(state_dict: Mapping[str, Any], dest: str | os.PathLike[str
 
 
 def _refuse_multi_component(src: Path) -> None:
-    """A diffusers pipeline or sentence-transformers root is several models: exporting one of
-    them as the whole would silently change what the directory computes."""
+    """A diffusers pipeline or sentence-transformers root is several models, written whole by
+    ``ckptctl.write.tree.export_root`` (``api.export`` sends it there); this writer of one model
+    (``export_distributed`` under torchrun) refuses it rather than write one of them as the whole."""
     from ckptctl import layout as L
 
     if not src.is_dir():
@@ -145,7 +187,9 @@ def _refuse_multi_component(src: Path) -> None:
         return
     parts = [c.path or "(root)" for c in lay.components if c.has_weights or (c.path == "" and lay.families)]
     raise UsageError(f"{src} is a {lay.kind} root with several components ({', '.join(parts) or 'none with weights'}): "
-                     "export writes one model", "export each component folder on its own, or copy the root as a whole")
+                     "this writer writes one model",
+                     f"run `ckptctl export {src} DST` in one process (without torchrun): it writes the whole root, "
+                     "each component under its own names")
 
 
 def _inside(child: Path, parent: Path) -> bool:
@@ -153,7 +197,7 @@ def _inside(child: Path, parent: Path) -> bool:
     return c == p or c.startswith(p.rstrip(os.sep) + os.sep)
 
 
-def _check_paths(src: Path, dst: Path) -> None:
+def check_paths(src: Path, dst: Path) -> None:
     """Refuse a destination that is the source, inside it, or that contains it."""
     if os.path.isdir(src) and os.path.realpath(src) == os.path.realpath(dst):
         raise UsageError(f"source and destination are the same directory: {src}",

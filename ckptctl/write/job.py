@@ -14,6 +14,7 @@ the staging directory and leaves the destination untouched.
 from __future__ import annotations
 
 import os
+import stat
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,8 +31,8 @@ from ckptctl.staging import recover_destination
 from ckptctl.write.extras import read_extras
 from ckptctl.write.inputs import Entry, ExportInputs, build_inputs
 from ckptctl.write.options import ExportOptions, ProgressEvent, validate
-from ckptctl.write.shards import (TensorWriter, clone_block, fsync_and_close, link_or_copy, source_range,
-                                  write_shard)
+from ckptctl.write.shards import (TensorWriter, clone_block, copy_file, fsync_and_close, link_or_copy,
+                                  source_range, write_shard)
 from ckptctl.write.superseded import superseded
 
 BLOCK_MARGIN = 4096  # per file written: the last partial block, directory entries
@@ -53,6 +54,7 @@ class ExportResult:
     bytes_streamed: int = 0
     header_padding: int = 0  # spaces added to headers so that tensors can be cloned
     extras: list[str] = field(default_factory=list)
+    variants: list[str] = field(default_factory=list)  # the source's other variant families, copied as they are
     linked: list[str] = field(default_factory=list)  # shards hard-linked from unchanged files
     carried: list[str] = field(default_factory=list)  # dest's non-weight files kept
     removed: list[str] = field(default_factory=list)  # dest's files the new version drops
@@ -138,15 +140,22 @@ class ExportJob:
         result.tensors = len(self.entries)
         result.parameters = plan.total_parameters
         result.total_size = plan.total_size
-        result.bytes_to_write = plan.bytes_to_write + sum(len(b) for b in self.extra_blobs.values())
+        result.bytes_to_write = (plan.bytes_to_write + sum(len(b) for b in self.extra_blobs.values())
+                                 + sum(_size(p) for p in self.inputs.variants.values()))
         result.files = [{"name": s.name, "size": s.file_size, "tensors": len(s.specs),
                          "linked_from": s.link_from} for s in plan.shards]
         result.linked = [s.name for s in plan.shards if s.link_from]
         result.extras = sorted(self.extra_blobs)
-        result.carried = [n for n in carried if n not in self.extra_blobs]
+        variants = self.inputs.variants
+        result.variants = sorted(variants)
+        # the source's variants replace the old version's families of the same slots whole
+        # (never a variant index kept beside shards it no longer names)
+        replaced = set(self.extra_blobs) | {n for n in carried if L.named_slot(n) in
+                                            {L.named_slot(v) for v in variants}} | set(variants)
+        result.carried = [n for n in carried if n not in replaced]
         # the old version's files that the new one does not replace by name
-        result.removed = sorted((set(removed) | {n for n in carried if n in self.extra_blobs})
-                                - set(plan.files) - set(self.extra_blobs))
+        result.removed = sorted((set(removed) | (set(carried) & replaced)) - set(plan.files)
+                                - set(self.extra_blobs) - set(variants))
         result.converted = sum(1 for e in self.entries if e.converted)
         result.manifest = MANIFEST_NAME if opts.manifest else None
         result.space_available = _free_space_near(dest)
@@ -169,23 +178,9 @@ class ExportJob:
     def stage(self) -> Path:
         """Check the parent and its free space, create the staging directory; returns its data/."""
         assert self.plan is not None
-        dest = self.dest
-        if not dest.parent.is_dir():
-            try:
-                dest.parent.mkdir(parents=True, exist_ok=True)
-            except OSError as exc:
-                raise from_oserror(exc, "cannot create the destination's parent", phase="plan") from None
-        check_writable(dest.parent)
-        avail = free_space(dest.parent)
-        need = self.result.bytes_to_write + BLOCK_MARGIN * (len(self.plan.files) + len(self.extra_blobs) + 4)
-        if avail < need:
-            raise DiskFullError(
-                f"not enough free space in {dest.parent}: need {self.result.bytes_to_write:,} bytes, "
-                f"{avail:,} available", "free space or write elsewhere; nothing was written", phase="plan")
-        self.stage_ = Stage(dest, fsync=self.opts.fsync, command=self.opts.command)
-        data = self.stage_.create()
-        self.stage_.check_competitors()
-        return data
+        self.stage_ = Stage(self.dest, fsync=self.opts.fsync, command=self.opts.command)
+        return create_stage(self.stage_, self.result.bytes_to_write,
+                            files=len(self.plan.files) + len(self.extra_blobs) + 4)
 
     def write_shards(self, data: Path) -> None:
         """Create and fill (or link) every shard. Each written shard is fsynced on a background
@@ -263,6 +258,8 @@ class ExportJob:
                 stage.write_file(name, blob)
             for name in self.result.carried:
                 link_or_copy(self.dest / name, data / name, fsync=opts.fsync)
+            for name, path in sorted(self.inputs.variants.items()):
+                copy_verbatim(path, data / name, fsync=opts.fsync)
             _faults.point("extras-written")
             if opts.manifest:
                 stage.write_file(MANIFEST_NAME, encode_manifest(build_manifest(data, list_files(data),
@@ -292,6 +289,26 @@ class ExportJob:
             self.stage_.abort()
 
 
+def create_stage(stage: Stage, bytes_to_write: int, *, files: int) -> Path:
+    """Check the destination's parent (created when missing), that it is writable and has room
+    for ``bytes_to_write`` bytes in ``files`` files, then create ``stage``; returns its data/."""
+    parent = stage.dest.parent
+    if not parent.is_dir():
+        try:
+            parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise from_oserror(exc, "cannot create the destination's parent", phase="plan") from None
+    check_writable(parent)
+    avail = free_space(parent)
+    if avail < bytes_to_write + BLOCK_MARGIN * files:
+        raise DiskFullError(
+            f"not enough free space in {parent}: need {bytes_to_write:,} bytes, "
+            f"{avail:,} available", "free space or write elsewhere; nothing was written", phase="plan")
+    data = stage.create()
+    stage.check_competitors()
+    return data
+
+
 def write_inputs(inputs: ExportInputs, dest: str | os.PathLike[str], *, plan: Plan | None = None) -> ExportResult:
     """Write ``inputs`` as a safetensors checkpoint and publish it at ``dest`` atomically (all of
     :class:`ExportJob`'s steps in this process). Errors name the step they failed in."""
@@ -310,15 +327,23 @@ def write_inputs(inputs: ExportInputs, dest: str | os.PathLike[str], *, plan: Pl
         phase = "publish"
         return job.publish()
     except BaseException as exc:
-        published = job.stage_ is not None and job.stage_.published
-        job.abort()
-        if isinstance(exc, KeyboardInterrupt) and published:
-            raise Interrupted(f"interrupted after publishing: {job.dest} holds the new version",
-                              "nothing to redo; `ckptctl gc-tmp` removes anything left behind",
-                              phase="cleanup") from None
-        if isinstance(exc, CkptctlError) and exc.phase is None:
-            exc.phase = phase
+        failed(job.stage_, job.dest, exc, phase)
         raise
+
+
+def failed(stage: Stage | None, dest: Path, exc: BaseException, phase: str) -> None:
+    """After ``exc`` in ``phase``: remove the staging directory (never a half-published one), turn
+    a Ctrl-C after the publish into :class:`Interrupted` (the new version is in place), name the
+    phase on an error that has none. The caller re-raises."""
+    published = stage is not None and stage.published
+    if stage is not None:
+        stage.abort()
+    if isinstance(exc, KeyboardInterrupt) and published:
+        raise Interrupted(f"interrupted after publishing: {dest} holds the new version",
+                          "nothing to redo; `ckptctl gc-tmp` removes anything left behind",
+                          phase="cleanup") from None
+    if isinstance(exc, CkptctlError) and exc.phase is None:
+        exc.phase = phase
 
 
 def write_checkpoint(entries: list[Entry], dest: str | os.PathLike[str], opts: ExportOptions, *,
@@ -329,6 +354,22 @@ def write_checkpoint(entries: list[Entry], dest: str | os.PathLike[str], opts: E
     settings = validate(opts)
     return write_inputs(build_inputs(entries, opts, settings, extras=extras, aliases=aliases, adapter=adapter),
                         dest, plan=plan)
+
+
+def copy_verbatim(src: Path, dst: Path, *, fsync: bool) -> str:
+    """An independent copy of the source's file ``src`` at ``dst``: a link (an HF cache snapshot's
+    link to its blob) is followed and the regular file it names copied (cloned where possible)."""
+    real = Path(os.path.realpath(src))
+    if not stat.S_ISREG(os.stat(real).st_mode):
+        raise InputError(f"{src} is not a regular file", "replace it with the file itself")
+    return copy_file(real, dst, fsync=fsync)
+
+
+def _size(path: Path) -> int:
+    try:
+        return os.stat(path).st_size
+    except OSError as exc:
+        raise from_oserror(exc, f"cannot read {path}", phase="plan") from None
 
 
 def _free_space_near(dest: Path) -> int | None:
