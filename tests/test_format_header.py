@@ -33,7 +33,7 @@ from ckptctl.format.header import (
     read_header,
 )
 from ckptctl.format.tensor import TensorSpec
-from ckptctl.errors import InputError
+from ckptctl.errors import InputError, OperationalError
 
 FUZZ = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -478,8 +478,11 @@ def test_valid_tensors_are_returned_in_offset_order() -> None:
 
 
 def test_read_header_missing_file_raises(tmp_path: Path) -> None:
-    with pytest.raises(InputError):
+    # a file missing when its header is read vanished mid-operation (a missing input is refused
+    # before, exit 2): an I/O failure, exit 3 (issue 15)
+    with pytest.raises(OperationalError) as err:
         read_header(tmp_path / "absent.safetensors")
+    assert err.value.exit_code == 3 and "no such file or directory" in err.value.message
 
 
 # ------------------------------------------------------------------------------------------
