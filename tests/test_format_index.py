@@ -9,7 +9,7 @@ import pytest
 import torch
 from huggingface_hub import save_torch_state_dict
 
-from ckptctl.errors import InputError
+from ckptctl.errors import OperationalError
 from ckptctl.findings import ERROR
 from ckptctl.format.index import MAX_INDEX_SIZE, encode_index, read_index
 
@@ -101,8 +101,10 @@ def test_too_large_is_refused_without_reading(tmp_path: Path) -> None:
 
 
 def test_missing_file_raises(tmp_path: Path) -> None:
-    with pytest.raises(InputError):
+    # missing when it is read: it vanished mid-operation, an I/O failure, exit 3 (issue 15)
+    with pytest.raises(OperationalError) as err:
         read_index(tmp_path / "absent.index.json")
+    assert err.value.exit_code == 3 and "no such file or directory" in err.value.message
 
 
 def test_encode_round_trip(tmp_path: Path) -> None:
