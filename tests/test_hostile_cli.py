@@ -16,7 +16,7 @@ import pytest
 
 from ckptctl import errors as E
 from tests.support import (CKPTCTL, clean_env, popen_ckptctl, run_ckptctl, state, wait_stopped, write_config,
-                           write_sharded, write_single)
+                           write_sharded)
 
 
 @pytest.fixture
