@@ -110,13 +110,14 @@ class AmbiguousFamilies(InputError):
     code = "ambiguous_families"
 
     def __init__(self, lay: Layout, judged: list[tuple[Family, Assessment]]) -> None:
+        judged = sorted(judged, key=lambda fa: -fa[1].mtime)  # the newest first
         self.families = [a.to_dict(f) for f, a in judged]
         lines = "".join(f"\n  {a.describe(f)}" for f, a in judged)
-        choices = " or ".join(f"--prefer {label(f)}" for f, _ in judged)
+        choices = [f"`ckptctl resave --repair {lay.root} --prefer {label(f)}`" for f, _ in judged]
         super().__init__(f"{lay.root} holds {len(judged)} complete weight families that agree with config.json; "
-                         f"which one is the checkpoint is not certain:{lines}",
-                         f"keep one with `ckptctl resave --repair {lay.root} {choices.split(' or ')[0]}` "
-                         f"({choices}); nothing was changed")
+                         f"which one is the checkpoint is not certain (newest first):{lines}",
+                         f"keep the newest with {choices[0]}, or another with " + " or ".join(choices[1:])
+                         + "; nothing was changed")
 
     def to_dict(self) -> dict:
         return {**super().to_dict(), "families": self.families}
