@@ -156,7 +156,7 @@ def test_two_complete_saves_that_agree_are_refused_with_the_prefer_values(tmp_pa
         assert text in p.stderr, (text, p.stderr)
     assert p.stderr.count(", written 20") == 2  # each family's mtime
     doc = json.loads(run_ckptctl("resave", "--repair", "--json", d).stdout)
-    assert doc["ok"] is False and doc["error"]["code"] == "ambiguous_families"
+    assert doc["ok"] is False and doc["error"]["code"] == "input" and doc["error"]["exit_code"] == 2
     fams = {f["prefer"]: f for f in doc["error"]["families"]}
     assert set(fams) == {INDEX, "model.safetensors"}
     assert all(f["complete"] and f["agrees_with_config"] and f["tensors"] == len(want) and f["mtime"] > 0
@@ -226,7 +226,7 @@ def test_prefer_must_name_a_family_of_the_directory(tmp_path):
 
 # --- a repair ends with verify ------------------------------------------------------------------
 
-def test_a_repair_that_would_publish_a_loss_is_refused(tmp_path):
+def test_a_repair_that_would_rebuild_the_index_around_a_loss_is_refused(tmp_path):
     """An untied model whose lm_head is gone from its shard (the index still names it): rebuilding
     the index around the loss would publish a checkpoint transformers fills with a random head."""
     d = tmp_path / "c"
@@ -235,7 +235,22 @@ def test_a_repair_that_would_publish_a_loss_is_refused(tmp_path):
     kept = {k: v for k, v in load_file(str(d / shard)).items() if k != "lm_head.weight"}
     save_file(kept, str(d / shard), metadata={"format": "pt"})
     p = _refused(d, 1)
-    assert "would still fail verify" in p.stderr and "lm_head.weight" in p.stderr, p.stderr
+    assert "1 tensor(s) the index names are in no file: lm_head.weight" in p.stderr, p.stderr
+
+
+def test_a_repair_whose_result_fails_verify_is_refused(tmp_path):
+    """Nothing names the lost head any more (a single file saved without it); the repair's own fix
+    (a leftover removed) is certain, but its result would still fail verify: refused, and the
+    staged version is never published."""
+    d = tmp_path / "c"
+    model = tiny_llama(seed=3, tie=False)
+    model.config.save_pretrained(d)
+    save_file({k: v for k, v in _state(model).items() if k != "lm_head.weight"}, str(d / "model.safetensors"),
+              metadata={"format": "pt"})
+    (d / "model.safetensors.incomplete").write_bytes(b"")  # huggingface_hub's partial download
+    p = _refused(d, 1)
+    assert "would still fail verify with 1 error(s)" in p.stderr and "'lm_head.weight'" in p.stderr, p.stderr
+    assert "(phase: verify)" in p.stderr
 
 
 # --- a symlinked checkpoint ---------------------------------------------------------------------

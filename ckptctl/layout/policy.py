@@ -107,8 +107,6 @@ class AmbiguousFamilies(InputError):
     user's call (exit 2). The message lists each (files, tensor count, mtime, agreement with
     config.json); the hint gives the exact ``--prefer`` values; ``--json`` carries them."""
 
-    code = "ambiguous_families"
-
     def __init__(self, lay: Layout, judged: list[tuple[Family, Assessment]]) -> None:
         judged = sorted(judged, key=lambda fa: -fa[1].mtime)  # the newest first
         self.families = [a.to_dict(f) for f, a in judged]

@@ -122,6 +122,11 @@ def resave(root: str | os.PathLike[str], opts: ExportOptions, *, output: str | o
         if plan.index_name and chosen.index is not None:
             metadata = own_metadata(chosen.index)
             note_index_changes(chosen.index, plan, rep)
+        if rep.lost:  # DESIGN.md I9: no tensor lost
+            raise UnrepairableError(
+                f"{root}: {len(rep.lost)} tensor(s) the index names are in no file: {', '.join(rep.lost[:8])}"
+                + (" ..." if len(rep.lost) > 8 else "") + "; rebuilding the index around them would lose them",
+                "restore the files that hold them from a copy; nothing was changed")
         inputs = build_inputs(entries, opts, settings, extras=extras, metadata=metadata)
         if repair and not output and already_so(root, chosen, plan, rep):
             return _unchanged(dest, opts, rep, chosen.errors)
@@ -142,13 +147,10 @@ def _verified(dest: Path, rep: Repair) -> Callable[[Path], None]:
             return
         staged = str(data)
         what = [f.message.replace(staged, str(dest)) for f in errors[:4]]
-        lost = f"; the old index named {len(rep.lost)} tensors no file holds (e.g. {', '.join(rep.lost[:3])})" \
-            if rep.lost else ""
         raise UnrepairableError(
-            f"{dest}: the repaired checkpoint would still fail verify ({len(errors)} error(s)): "
-            + "; ".join(what) + lost,
-            "the data is not there: restore the missing tensors from a copy (run `ckptctl verify` for the "
-            "details); nothing was changed", phase="verify")
+            f"{dest}: the repaired checkpoint would still fail verify with {len(errors)} error(s): " + "; ".join(what),
+            "the data is not there: restore what is missing from a copy (`ckptctl verify` shows the details); "
+            "nothing was changed", phase="verify")
 
     return check
 
