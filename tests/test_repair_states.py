@@ -311,3 +311,47 @@ def test_a_clean_pickle_checkpoint_is_not_converted(build, tmp_path):
     doc = json.loads(p.stdout)
     assert doc["unchanged"] is True and doc["fixes"] == [] and doc["publish"] is None
     assert _tree(d) == before
+
+
+def test_a_sharded_bart_index_is_left_as_transformers_wrote_it(tmp_path):
+    """transformers' total_parameters of BART does not count its final_logits_bias buffer; a
+    repair that rewrote the index would change it. Nothing is wrong, so nothing is written."""
+    import transformers
+
+    cfg = transformers.BartConfig(vocab_size=96, d_model=32, encoder_layers=1, decoder_layers=1,
+                                  encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=64,
+                                  decoder_ffn_dim=64, max_position_embeddings=64)
+    torch.manual_seed(0)
+    d = tmp_path / "c"
+    transformers.BartForConditionalGeneration(cfg).save_pretrained(d, max_shard_size="40KB")
+    meta = json.loads((d / INDEX).read_text())["metadata"]
+    assert len(_shards(d)) > 1 and "total_parameters" in meta
+    before = _tree(d)
+    p = run_ckptctl("resave", "--repair", d)
+    assert p.returncode == 0 and "nothing to repair" in p.stdout, p.stderr
+    assert _tree(d) == before
+
+
+# --- what resave does not rewrite says what does ----------------------------------------------------
+
+def _peft(d: Path) -> None:
+    from peft import LoraConfig, get_peft_model
+
+    get_peft_model(tiny_llama(seed=6), LoraConfig(r=2, target_modules=["q_proj"])).save_pretrained(d)
+
+
+def _dcp(d: Path) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save(_state(tiny_llama(seed=7)), checkpoint_id=str(d), no_dist=True)
+
+
+@pytest.mark.parametrize("build,what", [(_peft, "holds a PEFT adapter"), (_dcp, "is a torch DCP checkpoint")])
+def test_resave_refuses_adapters_and_dcp_with_the_command_to_use(build, what, tmp_path):
+    d = tmp_path / "c"
+    build(d)
+    before = _tree(d)
+    for extra in ([], ["--repair"]):
+        p = run_ckptctl("resave", d, *extra)
+        assert p.returncode == 2 and what in p.stderr and f"hint: use `ckptctl export {d} OUT`" in p.stderr, p.stderr
+    assert _tree(d) == before
