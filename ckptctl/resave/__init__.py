@@ -11,9 +11,19 @@ Two ways to build the new version:
   already exist in a file of the directory is hard-linked, other bytes are copied by the kernel,
   converted tensors stream through Python in bounded chunks.
 
+Which family is kept (``analyze``): the saves the directory holds (``saves.split``: the index
+with its shards, each ``-of-N`` shard set the index does not name, the single file) ranked by
+``layout.choose``: the one complete save consistent with config.json is kept; two such saves are
+refused (exit 2) with each listed and the ``--prefer`` that names it; ``--prefer`` takes a kind,
+``index``/``single`` or any file of a family.
+
 What cannot be repaired without data that is not there (a truncated or missing shard, a corrupt
-header, a tensor stored twice with different bytes) is refused with exit 1 and a list of what is
-lost; nothing is changed.
+header, a tensor stored twice with different bytes, tensors the index names that no file holds)
+is refused with exit 1 and a list of what is lost; nothing is changed. A repair's staged result is
+verified before it is published: any error left refuses it the same way.
+
+Modules: ``analyze`` (the choice and its fixes), ``saves`` (splitting and assessing saves),
+``keep`` (the keep-layout plan and the nothing-to-do test), this module (``resave``).
 """
 
 from __future__ import annotations
