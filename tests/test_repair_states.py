@@ -355,3 +355,38 @@ def test_resave_refuses_adapters_and_dcp_with_the_command_to_use(build, what, tm
         p = run_ckptctl("resave", d, *extra)
         assert p.returncode == 2 and what in p.stderr and f"hint: use `ckptctl export {d} OUT`" in p.stderr, p.stderr
     assert _tree(d) == before
+
+
+def test_shard_sets_without_an_index(tmp_path):
+    """No index: each -of-N count is a save. One complete set beside an incomplete one is kept
+    (an index written for it); two complete sets are refused with both listed; an index alone (no
+    weights file of it left) is refused as a loss."""
+    a, b = _state(tiny_llama(seed=1)), _state(tiny_llama(seed=2))
+    names = sorted(a)
+
+    def shards(d: Path, sd: dict, n: int, only: int | None = None) -> None:
+        d.mkdir(exist_ok=True)
+        per = -(-len(names) // n)
+        for k in range(n):
+            if only is None or k + 1 == only:
+                save_file({t: sd[t] for t in names[k * per:(k + 1) * per]},
+                          str(d / f"model-{k + 1:05d}-of-{n:05d}.safetensors"), metadata={"format": "pt"})
+
+    d = tmp_path / "one"
+    shards(d, a, 3)
+    shards(d, b, 2, only=1)
+    doc = _repaired(d, a)
+    assert f"wrote an index for {', '.join(f'model-0000{k}-of-00003.safetensors' for k in (1, 2, 3))} from their " \
+           "headers" in doc["fixes"], doc["fixes"]
+    d = tmp_path / "two"
+    shards(d, a, 3)
+    shards(d, b, 2)
+    p = _refused(d, 2)
+    assert "--prefer model-00001-of-00002.safetensors" in p.stderr and "--prefer model-00001-of-00003" in p.stderr
+    _repaired(d, b, "--prefer", "model-00002-of-00002.safetensors")
+    d = tmp_path / "index-only"
+    tiny_llama(seed=1).save_pretrained(d, max_shard_size="40KB")
+    for n in _shards(d):
+        (d / n).unlink()
+    p = _refused(d, 1)
+    assert "model.safetensors.index.json cannot be made whole: missing model-00001-of-" in p.stderr, p.stderr

@@ -14,7 +14,7 @@ from ckptctl.errors import InputError, UnrepairableError, UsageError
 from ckptctl.findings import ERROR, Finding
 from ckptctl.format.index import Index
 from ckptctl.layout.policy import label
-from ckptctl.resave.saves import Save, assess, read_all, split
+from ckptctl.resave.saves import Save, assess, read_all, split, usable_index
 
 
 @dataclass
@@ -129,10 +129,11 @@ def _choose_save(root: Path, lay: L.Layout, fams: list[L.Family], prefer: str | 
         rep.fixes.append(f"kept {label(chosen)} ({chosen.describe()}, {verdict.tensors} tensors); dropped "
                          f"{', '.join(s.family.all_files)} ({reason})")
         rep.dropped.extend(n for n in s.family.all_files if n not in chosen.all_files)
-    if chosen.index is not None and (chosen.index_doc is None or not chosen.index_doc.ok):
-        rep.fixes.append(f"rebuilt the unreadable index {chosen.index} from the shard headers")
+    broken = [f.index for f in fams if f.index and not usable_index(f)]
+    if broken:
+        rep.fixes.append(f"replaced the unreadable index {broken[0]} (rebuilt from the headers of the shards kept)")
     elif chosen.index is None and len(chosen.files) > 1:
-        rep.fixes.append("wrote the missing index from the shard headers")
+        rep.fixes.append(f"wrote an index for {', '.join(chosen.files)} from their headers")
     return chosen
 
 
@@ -144,6 +145,7 @@ def _incomplete(root: Path, save: Save) -> UnrepairableError:
     if doc is not None and doc.ok:
         lost = sorted(k for k, v in doc.weight_map.items() if v not in headers)
     what = [f"missing {', '.join(save.missing)}"] if save.missing else []
+    what += [] if save.family.files else ["none of its weights files exists"]
     what += [p.message for p in problems[:3]]
     return UnrepairableError(
         f"{root}: {label(save.family)} cannot be made whole: " + "; ".join(what)

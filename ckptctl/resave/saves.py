@@ -78,15 +78,15 @@ def split(root: Path, fam: L.Family, names: list[str]) -> list[Save]:
     key = _shard_key(fam)
     shards = sorted(n for n in names if (w := N.parse_weights_name(n)) is not None and w.shard
                     and (w.stem, w.ext, w.variant) == key)
-    doc = fam.index_doc if fam.index_doc is not None and fam.index_doc.ok else None
+    doc = fam.index_doc if usable_index(fam) else None
     saves: list[Save] = []
     claimed: set[str] = set()
-    if doc is not None and doc.weight_map:
+    if doc is not None:
         named = list(doc.shards)
         counts = {w.shard[1] for n in named if (w := N.parse_weights_name(n)) is not None and w.shard}
         same = [n for n in shards if n not in named and _count(n) in counts]
         files = [n for n in named if n in fam.files] + same
-        missing = [n for n in named if n not in fam.files] + _gaps(files, counts)
+        missing = [n for n in named if n not in fam.files] + _gaps(key, files, counts)
         saves.append(Save(L.Family(fam.kind, sorted(files), index=fam.index, container=fam.container,
                                    stem=fam.stem, variant=fam.variant, index_doc=fam.index_doc), sorted(set(missing))))
         claimed.update(named)
@@ -95,15 +95,19 @@ def split(root: Path, fam: L.Family, names: list[str]) -> list[Save]:
     for n in shards:
         if n not in claimed:
             by_count.setdefault(_count(n), []).append(n)
-    broken_index = fam.index if doc is None else None  # an unreadable index: rebuilt for the save kept
     for count, files in sorted(by_count.items()):
-        gaps = _gaps(files, {count})
+        gaps = _gaps(key, files, {count})
         saves.append(Save(L.Family(fam.kind, sorted(files), index=None, container=fam.container, stem=fam.stem,
                                    variant=fam.variant), gaps, gaps_only=bool(gaps)))
-    if broken_index is not None and len(saves) == 0:
+    if not saves and fam.index is not None:  # an index and none of its shards
         saves.append(Save(L.Family(fam.kind, [], index=fam.index, container=fam.container, stem=fam.stem,
-                                   variant=fam.variant), [broken_index]))
+                                   variant=fam.variant, index_doc=fam.index_doc), []))
     return saves
+
+
+def usable_index(fam: L.Family) -> bool:
+    """The family's index was read and maps tensors to files."""
+    return fam.index_doc is not None and fam.index_doc.ok and bool(fam.index_doc.weight_map)
 
 
 def _shard_key(fam: L.Family) -> tuple[str | None, str, str | None]:
@@ -117,10 +121,12 @@ def _count(name: str) -> int:
     return w.shard[1]
 
 
-def _gaps(files: list[str], counts: set[int]) -> list[str]:
-    """The ``k-of-N`` shard numbers of each count that no file in ``files`` has (as ``k-of-N``)."""
+def _gaps(key: tuple[str | None, str, str | None], files: list[str], counts: set[int]) -> list[str]:
+    """The shard names of each ``-of-N`` count that no file in ``files`` has."""
     have = {w.shard for n in files if (w := N.parse_weights_name(n)) is not None and w.shard}
-    return [f"{k:05d}-of-{c:05d}" for c in sorted(counts) for k in range(1, c + 1) if (k, c) not in have]
+    stem, ext, variant = key
+    return [N.weights_file_name(stem or "model", ext, variant=variant, shard=(k, c))
+            for c in sorted(counts) for k in range(1, c + 1) if (k, c) not in have]
 
 
 def assess(root: Path, save: Save, cfg: dict[str, Any] | None) -> L.Assessment:
