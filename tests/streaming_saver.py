@@ -11,7 +11,7 @@ It saves the tensors of one safetensors file into DIR in place, the way those sa
 3. the index is written (sharded saves only);
 4. the previous save's files that the new one did not overwrite are removed, one at a time.
 
-``--stop-at POINT`` (``written``, ``renamed``, ``indexed``, ``cleanup-1``) prints ``STOPPED POINT``
+``--stop-at POINT`` (``written``, ``renamed-K``, ``renamed``, ``indexed``, ``cleanup-K``) prints ``STOPPED POINT``
 and waits there to be killed.
 
 usage: python tests/streaming_saver.py SOURCE.safetensors DIR --per-shard K [--stop-at POINT]
@@ -54,8 +54,9 @@ def main() -> None:
     _stop("written", args.stop_at)
     n = len(groups)
     final = ["model.safetensors"] if n == 1 else [f"model-{k:05d}-of-{n:05d}.safetensors" for k in range(1, n + 1)]
-    for src, dst in zip(temp, final):
+    for k, (src, dst) in enumerate(zip(temp, final), start=1):
         os.replace(src, os.path.join(args.dir, dst))
+        _stop(f"renamed-{k}", args.stop_at)
     _stop("renamed", args.stop_at)
     if n > 1:
         weight_map = {t: final[k] for k, group in enumerate(groups) for t in group}

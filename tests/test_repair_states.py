@@ -390,3 +390,28 @@ def test_shard_sets_without_an_index(tmp_path):
         (d / n).unlink()
     p = _refused(d, 1)
     assert "model.safetensors.index.json cannot be made whole: missing model-00001-of-" in p.stderr, p.stderr
+
+
+def test_a_writer_killed_while_renaming_in_place_is_refused_not_mixed(tmp_path):
+    """The streaming saver re-saves with the same shard count, so its renames replace the old
+    shards by name; killed after the first rename, the family looks complete but its first shard
+    is the new save's and the others the old one's (the temp shards left say so). Refused."""
+    d = tmp_path / "c"
+    tiny_llama(seed=1).save_pretrained(d, max_shard_size="30KB")
+    count = len(_shards(d))
+    per = -(-21 // count)
+    assert -(-21 // per) == count  # the new save has the same -of-N names
+    _stream(tiny_llama(seed=2), d, per_shard=per, stop_at="renamed-1", tmp=tmp_path)
+    assert len([n for n in os.listdir(d) if n.endswith("-of-?????.safetensors")]) == count - 1
+    p = _refused(d, 1)
+    assert f"model-00001-of-{count:05d}.safetensors were written after the index" in p.stderr, p.stderr
+    assert "mix two saves" in p.stderr
+    # killed after every rename (before the index): every shard is the new save's, the old index
+    # maps their tensors (same names, same split): the repair keeps them, as the newest complete save
+    d2 = tmp_path / "c2"
+    tiny_llama(seed=1).save_pretrained(d2, max_shard_size="30KB")
+    new = tiny_llama(seed=2)
+    _stream(new, d2, per_shard=per, stop_at="renamed", tmp=tmp_path)
+    p = run_ckptctl("resave", "--repair", d2)
+    assert p.returncode == 0, p.stderr
+    assert differences(load_hub(d2), _state(new)) == [] and differences(load_glob(d2), _state(new)) == []

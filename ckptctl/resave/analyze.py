@@ -12,9 +12,10 @@ from pathlib import Path
 from ckptctl import layout as L
 from ckptctl.errors import InputError, UnrepairableError, UsageError
 from ckptctl.findings import ERROR, Finding
+from ckptctl.format import names as N
 from ckptctl.format.index import Index
 from ckptctl.layout.policy import label
-from ckptctl.resave.saves import Save, assess, read_all, split, usable_index
+from ckptctl.resave.saves import Save, assess, mtime_ns, read_all, split, usable_index
 
 
 @dataclass
@@ -120,6 +121,7 @@ def _choose_save(root: Path, lay: L.Layout, fams: list[L.Family], prefer: str | 
     renumber = save.gaps_only and len(saves) == 1 and not read_all(root, chosen.files)[1]
     if not verdict.complete and not renumber:
         raise _incomplete(root, save)
+    _refuse_a_mix(root, lay, chosen)
     why = f"--prefer {prefer}" if prefer else None
     for s in saves:
         if s.family is chosen:
@@ -135,6 +137,27 @@ def _choose_save(root: Path, lay: L.Layout, fams: list[L.Family], prefer: str | 
     elif chosen.index is None and len(chosen.files) > 1:
         rep.fixes.append(f"wrote an index for {', '.join(chosen.files)} from their headers")
     return chosen
+
+
+def _refuse_a_mix(root: Path, lay: L.Layout, chosen: L.Family) -> None:
+    """An in-place streaming writer (temp shards ``-of-?????``, then renamed to the final names)
+    that died while renaming leaves a family that looks complete but mixes two saves: the shards
+    it renamed are newer than the index, the others are not. Which save is right is not there to
+    know: refused."""
+    if chosen.index is None:
+        return
+    prefix = f"{chosen.stem}.{chosen.variant}-" if chosen.variant else f"{chosen.stem}-"
+    temps = [n for n in lay.leftovers if n.startswith(prefix) and N.leftover_kind(n, is_dir=False) == "temp-shards"]
+    if not temps:
+        return
+    written = mtime_ns(root / chosen.index)
+    newer = [n for n in chosen.files if mtime_ns(root / n) > written]
+    if 0 < len(newer) < len(chosen.files):
+        raise UnrepairableError(
+            f"{root}: {chosen.index} and its shards mix two saves: {', '.join(newer)} were written after the index "
+            f"by the writer whose temp shards remain ({', '.join(temps)}), the other shards are the earlier save's",
+            "neither save is whole here: restore the checkpoint from a copy or run the interrupted save again; "
+            "nothing was changed")
 
 
 def _incomplete(root: Path, save: Save) -> UnrepairableError:

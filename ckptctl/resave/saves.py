@@ -141,7 +141,12 @@ def assess(root: Path, save: Save, cfg: dict[str, Any] | None) -> L.Assessment:
 
 
 def _mtime(p: Path) -> float:
+    return mtime_ns(p) / 1e9
+
+
+def mtime_ns(p: Path) -> int:
+    """When ``p`` was last written (0 when it cannot be read)."""
     try:
-        return os.stat(p).st_mtime
+        return os.stat(p).st_mtime_ns
     except OSError:
-        return 0.0
+        return 0
