@@ -209,6 +209,13 @@ def test_temp_shards_of_a_killed_streaming_save_repair_to_the_newest_complete_sa
     doc = _repaired(d, old)
     assert any(f.startswith("removed leftovers: ") for f in doc["fixes"])
     assert not set(temps) & set(os.listdir(d))
+    # killed between its renames: its first shard has its final name, the second is still a temp
+    # shard; the new save is incomplete, the old one is the newest complete save
+    d = tmp_path / "c2"
+    old, _ = _crashed_resave(d, tmp_path, stop_at="renamed-1")
+    assert "model-00001-of-00002.safetensors" in os.listdir(d) and "model-00002-of-?????.safetensors" in os.listdir(d)
+    doc = _repaired(d, old)
+    assert any("dropped model-00001-of-00002.safetensors (incomplete)" in f for f in doc["fixes"]), doc["fixes"]
 
 
 def test_prefer_must_name_a_family_of_the_directory(tmp_path):
