@@ -17,7 +17,7 @@ def resave(
     max_shard_size: Annotated[Optional[str], typer.Option("--max-shard-size", help="Re-shard: 5GB (decimal) or 2GiB.")] = None,
     dtype: DtypeOpt = "keep",
     repair: Annotated[bool, typer.Option("--repair", help="Fix what verify finds when the fix is certain.")] = False,
-    prefer: Annotated[Optional[str], typer.Option("--prefer", help="Which family to keep when two are complete: index, single, safetensors, pytorch.")] = None,
+    prefer: Annotated[Optional[str], typer.Option("--prefer", help="Which family to keep when two are complete: index, single, safetensors, pytorch, or a file of the family (e.g. model-00001-of-00002.safetensors), as the refusal lists them.")] = None,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="With --output: replace an existing OUT.")] = False,
     link: Annotated[bool, typer.Option("--link", help="With --output: hard-link unchanged shards instead of cloning or copying them (OUT then shares inodes with DIR).")] = False,
     manifest: ManifestOpt = False,
