@@ -9,7 +9,7 @@ import typer
 from ckptctl.cli._options import (DryRunOpt, DtypeOpt, JsonOpt, LabelOpt, ManifestOpt, NoFsyncOpt, QuietOpt,
                                   VerboseOpt)
 from ckptctl.cli._output import Output, ProgressReporter
-from ckptctl.cli.export_cmd import render_result
+from ckptctl.cli.export_cmd import render_result, render_root
 
 def resave(
     directory: Annotated[str, typer.Argument(metavar="DIR", help="Checkpoint directory to rewrite in place.")],
@@ -47,6 +47,12 @@ def resave(
             return
         if result.unchanged:
             out.print(f"nothing to repair: {directory} is sound; nothing was written")
+            return
+        if not hasattr(result, "repair"):  # a multi-component root
+            for folder, res in sorted(result.components.items()):
+                for fix in res.repair.fixes:
+                    out.print(("to fix: " if dry_run else "fixed: ") + f"{folder or '.'}: {fix}")
+            render_root(out, result)
             return
         for fix in result.repair.fixes:
             out.print(("to fix: " if dry_run else "fixed: ") + fix)

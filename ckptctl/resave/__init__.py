@@ -31,7 +31,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from ckptctl import layout as L
 from ckptctl.errors import InputError, UnrepairableError, UsageError
@@ -44,6 +44,9 @@ from ckptctl.sources.safetensors_source import SafetensorsSource
 from ckptctl.write.inputs import Entry, build_inputs, entries_for
 from ckptctl.write.job import ExportResult, write_inputs
 from ckptctl.write.options import ExportOptions, ExportSettings, validate
+
+if TYPE_CHECKING:
+    from ckptctl.write.tree import RootResult
 
 __all__ = ["PREFER", "Chosen", "Repair", "ResaveResult", "analyze", "resave"]
 
@@ -77,7 +80,7 @@ def _check_prefer(prefer: str | None) -> None:
 
 
 def resave(root: str | os.PathLike[str], opts: ExportOptions, *, output: str | os.PathLike[str] | None = None,
-           repair: bool = False, prefer: str | None = None, link: bool = False) -> ResaveResult:
+           repair: bool = False, prefer: str | None = None, link: bool = False) -> ResaveResult | RootResult:
     """Rewrite the checkpoint at ``root`` (in place, or into ``output``): re-plan when a shard
     size or dtype is given, else keep its layout and repair what is certain. ``link``: into
     ``output``, hard-link unchanged shards instead of cloning or copying them. ``prefer``: a kind,
@@ -87,6 +90,10 @@ def resave(root: str | os.PathLike[str], opts: ExportOptions, *, output: str | o
     root = Path(root)
     # Every option is checked before anything touches the filesystem (a recovery renames).
     _check_prefer(prefer)
+    from ckptctl.write.tree import is_root, resave_root
+
+    if is_root(root):  # a diffusers pipeline or sentence-transformers root: every component, one publish
+        return resave_root(root, opts, output=output, repair=repair, prefer=prefer, link=link)
     # In place, unchanged shards are hard-linked (one name survives the publish); into --output
     # they are cloned or copied (an independent copy) unless the caller asked for links.
     opts = replace(opts, overwrite=True if not output else opts.overwrite, link_unchanged=not output or link)
