@@ -9,7 +9,9 @@ place of a shard, a tensor named ``__metadata__``, unaligned offsets). Every pro
 from __future__ import annotations
 
 import json
+import operator
 import os
+import re
 import stat
 import struct
 from dataclasses import dataclass, field
@@ -107,6 +109,25 @@ def _int_or_negative_zero(text: str) -> int | float:
         raise _BadJson(f"number out of range: {text[:40]}...") from None
     # serde_json reads "-0" as the float -0.0, which is not a valid size or offset.
     return -0.0 if value == 0 and text.startswith("-") else value
+
+
+_STRICT = json.JSONDecoder(object_pairs_hook=no_duplicate_keys, parse_constant=_reject_constant,
+                           parse_float=_finite_float, parse_int=_int_or_negative_zero)
+# Python's own int() for integers: the same value wherever no number is a negative zero
+_FAST = json.JSONDecoder(object_pairs_hook=no_duplicate_keys, parse_constant=_reject_constant,
+                         parse_float=_finite_float)
+_NEGATIVE_ZERO = re.compile(r"[\[,:]\s*-0")
+
+
+def _decode(text: str) -> tuple[Any, int]:
+    """``raw_decode`` with serde_json's rules. Any failure of the fast decoder (an integer over
+    Python's digit limit, bad JSON) is decided again by the strict one, which names the problem."""
+    if not _NEGATIVE_ZERO.search(text):
+        try:
+            return _FAST.raw_decode(text)
+        except (ValueError, RecursionError, _BadJson, DuplicateKey):
+            pass
+    return _STRICT.raw_decode(text)
 
 
 # serde_json's default recursion limit: the 128th nested array/object is refused.
@@ -256,10 +277,8 @@ def _parse_into(hdr: Header, raw: bytes) -> None:
         hdr.add("header.leading_whitespace",
                 f"{shown}: header has {len(text) - len(stripped)} bytes of whitespace before '{{'",
                 severity=WARNING, hint="the format says the header MUST begin with '{'; re-save the file")
-    decoder = json.JSONDecoder(object_pairs_hook=no_duplicate_keys, parse_constant=_reject_constant,
-                               parse_float=_finite_float, parse_int=_int_or_negative_zero)
     try:
-        obj, end = decoder.raw_decode(stripped)
+        obj, end = _decode(stripped)
     except DuplicateKey as exc:
         hdr.add("header.duplicate_key", f"{shown}: key {exc.key!r} appears more than once in the header",
                 tensor=exc.key, hint="parsers disagree on which copy wins: re-export the file")
@@ -269,7 +288,16 @@ def _parse_into(hdr: Header, raw: bytes) -> None:
                else "nesting too deep" if isinstance(exc, RecursionError) else str(exc))
         hdr.add("header.bad_json", f"{shown}: header is not valid JSON: {msg}", hint=_REDOWNLOAD)
         return
-    problem = _serde_problem(obj) if isinstance(obj, (dict, list)) else None
+    plain: dict[str, TensorInfo] = {}
+    if isinstance(obj, dict):
+        # Entries of the usual shape are checked in one tight loop first; they cannot hold
+        # anything serde_json refuses (depth 3, and no string escape in the whole header means no
+        # lone surrogate), so the serde walk only visits the rest.
+        plain = {} if "\\u" in stripped else _plain_entries(obj)
+        rest = obj if not plain else {k: v for k, v in obj.items() if k not in plain}
+        problem = _serde_problem(rest)
+    else:
+        problem = _serde_problem(obj) if isinstance(obj, list) else None
     if problem:
         hdr.add("header.bad_json", f"{shown}: header is not valid JSON for safetensors: {problem}",
                 hint=_REDOWNLOAD)
@@ -289,10 +317,38 @@ def _parse_into(hdr: Header, raw: bytes) -> None:
         hdr.add("header.not_object", f"{shown}: header is a JSON {type(obj).__name__}, not an object",
                 hint=_REDOWNLOAD)
         return
-    _validate_entries(hdr, obj)
+    _validate_entries(hdr, obj, plain)
 
 
-def _validate_entries(hdr: Header, obj: dict[str, Any]) -> None:
+def _plain_entries(obj: dict[str, Any]) -> dict[str, TensorInfo]:
+    """The entries that :func:`_check_entry` would accept without a finding, each built the same
+    way, found with exact type checks and no per-entry call; anything unusual (an unknown key or
+    dtype, a zero dimension, a size that does not match) is left to :func:`_check_entry`."""
+    out: dict[str, TensorInfo] = {}
+    by_name, limit = dt.BY_NAME, MAX_DIM_PRODUCT
+    for name, entry in obj.items():
+        if type(entry) is not dict or len(entry) != 3:
+            continue
+        dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
+        if (type(dtype) is not str or type(shape) is not list or type(offsets) is not list
+                or len(offsets) != 2 or dtype not in by_name):
+            continue
+        begin, end = offsets
+        if type(begin) is not int or type(end) is not int or not 0 <= begin <= end:
+            continue
+        numel = 1
+        for x in shape:
+            if type(x) is not int or x < 1:
+                break
+            numel *= x
+        else:  # every dimension >= 1: the running product only grows, so the last one is the largest
+            bits = numel * by_name[dtype].bits
+            if numel <= limit and not bits % 8 and end - begin == bits >> 3 and name != METADATA_KEY:
+                out[name] = TensorInfo(TensorSpec(name, dtype, tuple(shape)), begin, end)
+    return out
+
+
+def _validate_entries(hdr: Header, obj: dict[str, Any], plain: dict[str, TensorInfo]) -> None:
     shown = hdr.path
     meta = obj.get(METADATA_KEY)
     if METADATA_KEY in obj:
@@ -319,10 +375,10 @@ def _validate_entries(hdr: Header, obj: dict[str, Any]) -> None:
     for name, entry in obj.items():
         if name == METADATA_KEY:
             continue
-        info = _check_entry(hdr, name, entry)
+        info = plain.get(name) or _check_entry(hdr, name, entry)
         if info is not None:
             entries.append(info)
-    entries.sort(key=lambda t: (t.begin, t.end))
+    entries.sort(key=_offsets)
     expected = 0
     for t in entries:
         if t.begin > expected:
@@ -353,14 +409,18 @@ def _validate_entries(hdr: Header, obj: dict[str, Any]) -> None:
                 f"{shown}: header length {hdr.header_len} is not a multiple of 8", severity=WARNING,
                 hint="tensors may be misaligned for zero-copy loaders; ckptctl resave aligns them")
     else:
+        start, by_name = hdr.data_start, dt.BY_NAME
         for t in entries:
-            d = dt.get(t.dtype)
-            if d and d.bits >= 8 and (hdr.data_start + t.begin) % d.itemsize:
+            d = by_name.get(t.spec.dtype)  # type: ignore[arg-type]  # "?" for an unknown one
+            if d and d.bits >= 8 and (start + t.begin) % (d.bits >> 3):
                 hdr.add("header.unaligned_tensor",
                         f"{shown}: tensor {t.name!r} starts at byte {hdr.data_start + t.begin}, "
                         f"not a multiple of its {d.itemsize}-byte element", severity=WARNING,
                         tensor=t.name, hint="ckptctl resave lays tensors out aligned")
     hdr.tensors = {t.name: t for t in entries}
+
+
+_offsets = operator.attrgetter("begin", "end")
 
 
 def _check_entry(hdr: Header, name: str, entry: Any) -> TensorInfo | None:
