@@ -16,7 +16,8 @@ import re
 import stat
 import struct
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from contextlib import contextmanager
+from typing import Any, Iterable, Iterator
 
 from ckptctl.errors import InputError, from_oserror
 from ckptctl.findings import ERROR, WARNING, Finding, has_errors
@@ -262,16 +263,23 @@ def parse_header_bytes(data: bytes, *, path: str = "<bytes>") -> Header:
     return hdr
 
 
-def _parse_into(hdr: Header, raw: bytes) -> None:
-    # A header decodes into hundreds of thousands of acyclic objects: the cyclic collector would
-    # only re-scan them (a third of the parse time at 90k tensors), so it waits until we are done.
+@contextmanager
+def _no_cyclic_gc() -> Iterator[None]:
+    """A header decodes (or encodes) into hundreds of thousands of acyclic objects: the cyclic
+    collector would only re-scan them (a third of the parse time at 90k tensors), so it waits
+    until the header is done."""
     enabled = gc.isenabled()
     gc.disable()
     try:
-        _parse_text(hdr, raw)
+        yield
     finally:
         if enabled:
             gc.enable()
+
+
+def _parse_into(hdr: Header, raw: bytes) -> None:
+    with _no_cyclic_gc():
+        _parse_text(hdr, raw)
 
 
 def _parse_text(hdr: Header, raw: bytes) -> None:
@@ -527,7 +535,12 @@ def encode_header(specs: Iterable[TensorSpec], metadata: dict[str, str] | None =
     kernel can clone them)."""
     if extra_pad < 0 or extra_pad % 8:
         raise ValueError("extra header padding must be a non-negative multiple of 8")
-    ordered = layout_order(specs)
+    with _no_cyclic_gc():
+        return _encode(layout_order(specs), metadata, extra_pad)
+
+
+def _encode(ordered: list[TensorSpec], metadata: dict[str, str] | None, extra_pad: int
+            ) -> tuple[bytes, list[TensorInfo]]:
     obj: dict[str, Any] = {}
     if metadata is not None:
         for k, v in metadata.items():
@@ -537,13 +550,16 @@ def encode_header(specs: Iterable[TensorSpec], metadata: dict[str, str] | None =
     infos: list[TensorInfo] = []
     offset = 0
     for s in ordered:
-        if s.name == METADATA_KEY:
+        name = s.name
+        if name == METADATA_KEY:
             raise ValueError(f"a tensor cannot be named {METADATA_KEY!r}")
-        if s.name in obj:
-            raise ValueError(f"duplicate tensor name {s.name!r}")
+        if name in obj:
+            raise ValueError(f"duplicate tensor name {name!r}")
         n = s.nbytes
-        obj[s.name] = {"dtype": s.dtype, "shape": list(s.shape), "data_offsets": [offset, offset + n]}
-        infos.append(TensorInfo(TensorSpec(s.name, s.dtype, tuple(s.shape)), offset, offset + n))
+        obj[name] = {"dtype": s.dtype, "shape": list(s.shape), "data_offsets": [offset, offset + n]}
+        # a plain spec is immutable: the layout shares it instead of building an equal one
+        spec = s if type(s) is TensorSpec and type(s.shape) is tuple else TensorSpec(name, s.dtype, tuple(s.shape))
+        infos.append(TensorInfo(spec, offset, offset + n))
         offset += n
     text = json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
     pad = (-len(text)) % 8 + extra_pad
