@@ -25,6 +25,42 @@ _CORRUPT = (EOFError, ValueError, KeyError, IndexError, TypeError, AttributeErro
 _DISCARD_SUFFIXES = ("lm_head.weight", "embed_out.weight", "output.weight", "decoder.weight")
 
 
+MAX_CONFIG_BYTES = 64 * 1024 * 1024  # as verify reads JSON files
+
+
+def heads_tied(config: Any) -> bool:
+    """Whether transformers ties the output head to the input embedding for this config.json
+    document: unless it says ``tie_word_embeddings: false`` (its default is true, so a missing
+    config or field ties too)."""
+    from ckptctl.config_fields import ConfigFields
+
+    return not isinstance(config, dict) or ConfigFields(config).get("tie_word_embeddings") is not False
+
+
+def read_config(root: Path) -> Any:
+    """``root/config.json`` parsed, or None when there is none (or it is not a regular file, or
+    not JSON: the model's loader would not read it either). A link is followed (a Hugging Face
+    cache snapshot links every file); a FIFO is never waited on and the read is bounded."""
+    import json
+    import stat
+
+    try:
+        fd = os.open(root / "config.json", os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return None
+    with os.fdopen(fd, "rb") as f:
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                return None
+            raw = f.read(MAX_CONFIG_BYTES + 1)
+        except OSError:
+            return None
+    try:
+        return json.loads(raw) if len(raw) <= MAX_CONFIG_BYTES else None
+    except (ValueError, RecursionError):
+        return None
+
+
 def _keep_name(names: list[str]) -> str:
     preferred = [n for n in sorted(names) if not n.endswith(_DISCARD_SUFFIXES)]
     return (preferred or sorted(names))[0]
@@ -105,20 +141,23 @@ class TorchSource(Source):
             for k, v in load_pickle(root / name, key).items():
                 src.claim(k, name)
                 state[k] = v
-        src._fill(state)
+        src._fill(state, tie_heads=heads_tied(read_config(root)))
         src._file_backed = True
         return src
 
     @classmethod
     def from_state_dict(cls, state: Mapping[str, Any], *, path: Path | None = None,
-                        kind: str = "state_dict") -> "TorchSource":
+                        kind: str = "state_dict", tie_heads: bool = True) -> "TorchSource":
         src = cls(path=path or Path("."), kind=kind)
-        src._fill(state)
+        src._fill(state, tie_heads=tie_heads)
         return src
 
-    def _fill(self, state: Mapping[str, Any]) -> None:
+    def _fill(self, state: Mapping[str, Any], *, tie_heads: bool = True) -> None:
         """List ``state``'s tensors in its order; tensors that share storage exactly are listed
-        once (the name :func:`_keep_name` picks) and the others recorded as aliases."""
+        once (the name :func:`_keep_name` picks) and the others recorded as aliases. With
+        ``tie_heads`` False (config.json says ``tie_word_embeddings: false``) an output head
+        (``lm_head.weight`` ...) is never an alias: the loader would leave it randomly
+        initialised, so it is stored with its own copy of the shared bytes."""
         import torch
 
         groups: dict[tuple, list[str]] = {}
@@ -143,6 +182,12 @@ class TorchSource(Source):
             else:
                 groups.setdefault((id(t),), []).append(name)
         keep: dict[str, Any] = {}
+        if not tie_heads:
+            split: dict[tuple, list[str]] = {}
+            for ident, names in groups.items():
+                for n in names:
+                    split.setdefault((*ident, n) if n.endswith(_DISCARD_SUFFIXES) else ident, []).append(n)
+            groups = split
         for names in groups.values():
             kept = _keep_name(names)
             keep[kept] = state[kept]
