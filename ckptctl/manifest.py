@@ -52,15 +52,33 @@ def list_files(root: Path) -> list[str]:
     return sorted(out)
 
 
-def build_manifest(root: Path, files: list[str], *, label: str | None = None) -> dict[str, Any]:
+def _as_published(root: Path, name: str, final: Path | None) -> Path:
+    """Where ``root/name`` reads from once ``root`` is published at ``final``: a relative
+    symbolic link (a Hugging Face cache snapshot's ``config.json -> ../../blobs/...``, carried
+    as the link itself) resolves from the published directory, not from the staging one."""
+    p = root / name
+    if final is None or not p.is_symlink():
+        return p
+    target = os.readlink(p)
+    return p if os.path.isabs(target) else final / os.path.dirname(name) / target
+
+
+def build_manifest(root: Path, files: list[str], *, label: str | None = None,
+                   final: Path | None = None) -> dict[str, Any]:
     """Manifest for ``files`` (names relative to ``root``): each one's size and sha256, read
-    from disk (the manifest itself is never listed)."""
-    entries: dict[str, Any] = {}
-    for name in sorted(files):
-        if name == MANIFEST_NAME:
-            continue
-        p = root / name
-        entries[name] = {"size": p.stat().st_size, "sha256": sha256_file(p)}
+    from disk (the manifest itself is never listed). ``final`` is where ``root`` will be
+    published, for relative links. Files are hashed two at a time (hashlib and the reads release
+    the GIL), so a multi-shard checkpoint keeps both cores busy."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    names = sorted(n for n in files if n != MANIFEST_NAME)
+    paths = [_as_published(root, n, final) for n in names]
+
+    def entry(p: Path) -> dict[str, Any]:
+        return {"size": p.stat().st_size, "sha256": sha256_file(p)}
+
+    with ThreadPoolExecutor(max_workers=2, thread_name_prefix="ckptctl-manifest") as pool:
+        entries = dict(zip(names, pool.map(entry, paths)))
     return {
         "schema_version": SCHEMA_VERSION,
         "tool": "ckptctl",
