@@ -61,6 +61,79 @@ def read_config(root: Path) -> Any:
         return None
 
 
+def stored_records(path: Path) -> dict[int, int]:
+    """The storage records of a ``torch.save`` zip archive that are stored uncompressed (as
+    torch writes them): file offset of the record's data -> its size. Read from the zip's own
+    directory and local headers (no pickle is involved); empty when the file is not such an
+    archive or is not little-endian."""
+    import zipfile
+
+    out: dict[int, int] = {}
+    try:
+        with open(path, "rb") as f, zipfile.ZipFile(f) as z:
+            for info in z.infolist():
+                parts = info.filename.split("/")
+                if len(parts) == 2 and parts[1] == "byteorder" and info.file_size < 64:
+                    if z.read(info).strip() != b"little":
+                        return {}
+                if (len(parts) != 3 or parts[1] != "data" or not parts[2].isdigit()
+                        or info.compress_type != zipfile.ZIP_STORED):
+                    continue
+                f.seek(info.header_offset)
+                local = f.read(30)
+                if len(local) != 30 or local[:4] != b"PK\x03\x04":
+                    return {}
+                name_len, extra_len = struct.unpack("<HH", local[26:30])
+                out[info.header_offset + 30 + name_len + extra_len] = info.file_size
+    except (OSError, zipfile.BadZipFile, EOFError, ValueError, struct.error):
+        return {}
+    return out
+
+
+def archive_offsets(path: Path, tensors: Mapping[str, Any]) -> dict[str, int]:
+    """Where each contiguous tensor's bytes sit in the ``torch.save`` archive ``path`` that
+    ``torch.load(mmap=True)`` mapped them from: {name: absolute file offset}.
+
+    The records of the zip (:func:`stored_records`) are matched against what torch reports: every
+    storage must start at one mapping base plus a record's offset and have that record's size,
+    and each tensor's first bytes as torch reads them must equal the file's bytes at the offset
+    found. Anything else (a record compressed, a base that does not fit every storage, a
+    mismatch) gives no offsets: those tensors stream as before. Non-contiguous views stream."""
+    import torch
+
+    records = stored_records(path)
+    storages: dict[int, int] = {}
+    for t in tensors.values():
+        st = t.untyped_storage()
+        if st.nbytes() and t.device.type == "cpu":
+            storages[st.data_ptr()] = st.nbytes()
+    if not records or not storages:
+        return {}
+    first = min(storages)
+    base = None
+    for off, size in sorted(records.items()):  # the lowest storage is one of the records
+        if size == storages[first] and all(records.get(p - (first - off)) == n for p, n in storages.items()):
+            base = first - off
+            break
+    if base is None:
+        return {}
+    out: dict[str, int] = {}
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        for name, t in tensors.items():
+            if t.device.type != "cpu" or not t.numel() or not t.is_contiguous():
+                continue
+            item = t.element_size()
+            offset = t.untyped_storage().data_ptr() - base + t.storage_offset() * item
+            probe = min(64, t.numel() * item)
+            if os.pread(fd, probe, offset) != t.reshape(-1).view(torch.uint8)[:probe].numpy().tobytes():
+                return {}
+            out[name] = offset
+    finally:
+        os.close(fd)
+    return out
+
+
 def _keep_name(names: list[str]) -> str:
     preferred = [n for n in sorted(names) if not n.endswith(_DISCARD_SUFFIXES)]
     return (preferred or sorted(names))[0]
@@ -137,12 +210,19 @@ class TorchSource(Source):
              ) -> "TorchSource":
         src = cls(path=root, kind=kind)
         state: dict[str, Any] = {}
+        per_file: list[tuple[Path, dict[str, Any]]] = []
         for name in files:
-            for k, v in load_pickle(root / name, key).items():
+            loaded = load_pickle(root / name, key)
+            for k, v in loaded.items():
                 src.claim(k, name)
                 state[k] = v
+            per_file.append((root / name, loaded))
         src._fill(state, tie_heads=heads_tied(read_config(root)))
         src._file_backed = True
+        ranges = {k: (str(path), off) for path, loaded in per_file for k, off in archive_offsets(path, loaded).items()}
+        for t in src.tensors:  # these bytes are copied by the kernel straight from the archive
+            if t.name in ranges and t.dtype != "F4":
+                t.file, t.offset = ranges[t.name]
         return src
 
     @classmethod
