@@ -309,13 +309,12 @@ def _parse_text(hdr: Header, raw: bytes) -> None:
                else "nesting too deep" if isinstance(exc, RecursionError) else str(exc))
         hdr.add("header.bad_json", f"{shown}: header is not valid JSON: {msg}", hint=_REDOWNLOAD)
         return
-    plain: dict[str, TensorInfo] = {}
     if isinstance(obj, dict):
         # Entries of the usual shape are checked in one tight loop first; they cannot hold
         # anything serde_json refuses (depth 3, and no string escape in the whole header means no
         # lone surrogate), so the serde walk only visits the rest.
-        plain = {} if "\\u" in stripped else _plain_entries(obj)
-        rest = obj if not plain else {k: v for k, v in obj.items() if k not in plain}
+        plain = 0 if "\\u" in stripped else _plain_entries(obj)
+        rest = obj if not plain else {k: v for k, v in obj.items() if type(v) is not TensorInfo}
         problem = _serde_problem(rest)
     else:
         problem = _serde_problem(obj) if isinstance(obj, list) else None
@@ -338,14 +337,16 @@ def _parse_text(hdr: Header, raw: bytes) -> None:
         hdr.add("header.not_object", f"{shown}: header is a JSON {type(obj).__name__}, not an object",
                 hint=_REDOWNLOAD)
         return
-    _validate_entries(hdr, obj, plain)
+    _validate_entries(hdr, obj)
 
 
-def _plain_entries(obj: dict[str, Any]) -> dict[str, TensorInfo]:
-    """The entries that :func:`_check_entry` would accept without a finding, each built the same
-    way, found with exact type checks and no per-entry call; anything unusual (an unknown key or
-    dtype, a zero dimension, a size that does not match) is left to :func:`_check_entry`."""
-    out: dict[str, TensorInfo] = {}
+def _plain_entries(obj: dict[str, Any]) -> int:
+    """Replace, in ``obj``, each entry that :func:`_check_entry` would accept without a finding
+    by the :class:`TensorInfo` it would build (found with exact type checks and no per-entry
+    call; the entry's dict and lists are freed at once, so a huge header never holds both forms
+    of every entry); returns how many. Anything unusual (an unknown key or dtype, a zero
+    dimension, a size that does not match) is left to :func:`_check_entry`."""
+    out = 0
     by_name, limit = dt.BY_NAME, MAX_DIM_PRODUCT
     for name, entry in obj.items():
         if type(entry) is not dict or len(entry) != 3:
@@ -365,11 +366,12 @@ def _plain_entries(obj: dict[str, Any]) -> dict[str, TensorInfo]:
         else:  # every dimension >= 1: the running product only grows, so the last one is the largest
             bits = numel * by_name[dtype].bits
             if numel <= limit and not bits % 8 and end - begin == bits >> 3 and name != METADATA_KEY:
-                out[name] = TensorInfo(TensorSpec(name, dtype, tuple(shape)), begin, end)
+                obj[name] = TensorInfo(TensorSpec(name, dtype, tuple(shape)), begin, end)  # same keys: safe
+                out += 1
     return out
 
 
-def _validate_entries(hdr: Header, obj: dict[str, Any], plain: dict[str, TensorInfo]) -> None:
+def _validate_entries(hdr: Header, obj: dict[str, Any]) -> None:
     shown = hdr.path
     meta = obj.get(METADATA_KEY)
     if METADATA_KEY in obj:
@@ -396,7 +398,7 @@ def _validate_entries(hdr: Header, obj: dict[str, Any], plain: dict[str, TensorI
     for name, entry in obj.items():
         if name == METADATA_KEY:
             continue
-        info = plain.get(name) or _check_entry(hdr, name, entry)
+        info = entry if type(entry) is TensorInfo else _check_entry(hdr, name, entry)
         if info is not None:
             entries.append(info)
     entries.sort(key=_offsets)
