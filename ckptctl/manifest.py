@@ -18,24 +18,29 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import threading
 import time
 from pathlib import Path
 from typing import Any
 
 from ckptctl._version import __version__
 from ckptctl.findings import ERROR, Finding
+from ckptctl.threads import check, ordered_map
 
 MANIFEST_NAME = "ckptctl.manifest.json"
 SCHEMA_VERSION = 1
 HASH_CHUNK = 8 * 1024 * 1024
 
 
-def sha256_file(path: str | os.PathLike[str], chunk: int = HASH_CHUNK) -> str:
+def sha256_file(path: str | os.PathLike[str], chunk: int = HASH_CHUNK, *, stop: threading.Event | None = None) -> str:
+    """The file's sha256; with ``stop``, raises :class:`~ckptctl.threads.Stopped` between chunks
+    once it is set."""
     h = hashlib.sha256()
     with open(path, "rb", buffering=0) as f:
         buf = bytearray(chunk)
         view = memoryview(buf)
         while True:
+            check(stop)
             n = f.readinto(buf)
             if not n:
                 break
@@ -69,16 +74,14 @@ def build_manifest(root: Path, files: list[str], *, label: str | None = None,
     from disk (the manifest itself is never listed). ``final`` is where ``root`` will be
     published, for relative links. Files are hashed two at a time (hashlib and the reads release
     the GIL), so a multi-shard checkpoint keeps both cores busy."""
-    from concurrent.futures import ThreadPoolExecutor
-
     names = sorted(n for n in files if n != MANIFEST_NAME)
     paths = [_as_published(root, n, final) for n in names]
 
-    def entry(p: Path) -> dict[str, Any]:
-        return {"size": p.stat().st_size, "sha256": sha256_file(p)}
+    def entry(p: Path, stop: threading.Event) -> dict[str, Any]:
+        return {"size": p.stat().st_size, "sha256": sha256_file(p, stop=stop)}
 
-    with ThreadPoolExecutor(max_workers=2, thread_name_prefix="ckptctl-manifest") as pool:
-        entries = dict(zip(names, pool.map(entry, paths)))
+    with ordered_map(entry, paths) as results:
+        entries = dict(zip(names, results))
     return {
         "schema_version": SCHEMA_VERSION,
         "tool": "ckptctl",

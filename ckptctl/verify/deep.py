@@ -24,6 +24,7 @@ from typing import Any, BinaryIO, Callable, Iterator
 
 from ckptctl.findings import ERROR, INFO, WARNING, Finding
 from ckptctl.format.header import Header, TensorInfo
+from ckptctl.threads import check, ordered_map
 from ckptctl.verify.context import Context
 
 CHUNK_BYTES = 8 * 1024 * 1024
@@ -166,10 +167,11 @@ def _plan(header: Header | None) -> list[tuple[int, int, TensorInfo]]:
 
 
 def scan_file(path: str, display: str, header: Header | None = None, *, chunk_bytes: int = CHUNK_BYTES,
-              progress: Callable[[int], None] | None = None) -> DeepResult:
+              progress: Callable[[int], None] | None = None, stop: threading.Event | None = None) -> DeepResult:
     """Hash ``path`` and, when ``header`` is a valid safetensors header, check its floats.
 
-    Raises OSError when the file cannot be read (or shrinks while it is read).
+    Raises OSError when the file cannot be read (or shrinks while it is read), and
+    :class:`~ckptctl.threads.Stopped` between two chunks once ``stop`` is set.
     """
     plan = _plan(header)
     scanners = {t.name: _TensorScanner(t) for _, _, t in plan}
@@ -222,6 +224,7 @@ def scan_file(path: str, display: str, header: Header | None = None, *, chunk_by
         try:
             while True:
                 buf = free.get()
+                check(stop)
                 n = f.readinto(buf)
                 if not n:
                     free.put(buf)
@@ -298,8 +301,6 @@ def deep_step(ctx: Context) -> str | None:
     floats decoded (safetensors), the digest compared with the manifest's."""
     if not ctx.options.deep:
         return NOT_ASKED
-    from concurrent.futures import ThreadPoolExecutor
-
     queue = dict(ctx.deep_queue)
     manifest = ctx.manifest or {}
     for name in manifest:
@@ -312,12 +313,13 @@ def deep_step(ctx: Context) -> str | None:
             with lock:  # two files are read at once: one caller at a time
                 outer(event, shown, amount)
 
-    def scan(name: str, hdr: Header | None, size: int) -> DeepResult | OSError:
+    def scan(job: tuple[str, Header | None, int], stop: threading.Event) -> DeepResult | OSError:
+        name, hdr, size = job
         shown = ctx.disp(name)
         progress("file", shown, size)
         try:
             return scan_file(str(ctx.root / name), shown, hdr, chunk_bytes=ctx.options.chunk_bytes,
-                             progress=(lambda n: progress("bytes", shown, n)) if outer else None)
+                             progress=(lambda n: progress("bytes", shown, n)) if outer else None, stop=stop)
         except OSError as exc:
             return exc
         finally:
@@ -330,15 +332,15 @@ def deep_step(ctx: Context) -> str | None:
     for name, hdr in queue.items():
         rec = ctx.record(name, "extra")
         if rec.sha256 is None:
-            todo.append((name, hdr, rec))
-    with ThreadPoolExecutor(max_workers=2, thread_name_prefix="ckptctl-deep") as pool:
-        futures = {name: pool.submit(scan, name, hdr, rec.size or 0) for name, hdr, rec in todo}
+            todo.append((name, hdr, rec.size or 0))
+    with ordered_map(scan, todo) as results:
+        scanned = dict(zip((name for name, _, _ in todo), results))
         for name in queue:
             rec = ctx.record(name, "extra")
-            if name not in futures:  # a component's file the root's manifest lists: read once
+            if name not in scanned:  # a component's file the root's manifest lists: read once
                 _compare(ctx, name, rec.sha256, manifest)  # type: ignore[arg-type]
                 continue
-            dr = futures[name].result()
+            dr = scanned[name]
             if isinstance(dr, OSError):
                 ctx.io(name, dr)
                 continue
