@@ -109,3 +109,27 @@ def test_not_an_archive_gives_no_offsets(tmp_path):
     path = tmp_path / "x.bin"
     path.write_bytes(b"PK\x03\x04 truncated")
     assert stored_records(path) == {}
+
+
+def test_keep_writes_one_safetensors_per_pickle_shard(tmp_path):
+    """``--max-shard-size keep`` groups by the file a tensor is stored in: each pickle shard's
+    tensors (contiguous ones copied, the transposed view streamed) become one safetensors shard."""
+    from safetensors.torch import load_file
+
+    sd = _state()
+    src = tmp_path / "src"
+    src.mkdir()
+    names = list(sd)
+    wm = {}
+    for i in range(2):
+        part = {k: sd[k] for k in names[i::2]}
+        fname = f"pytorch_model-{i + 1:05d}-of-00002.bin"
+        torch.save(part, src / fname)
+        wm.update(dict.fromkeys(part, fname))
+    (src / "pytorch_model.bin.index.json").write_text(json.dumps({"metadata": {}, "weight_map": wm}))
+    _export_json(src, tmp_path / "out", "--max-shard-size", "keep")
+    for i in range(2):
+        got = load_file(tmp_path / "out" / f"model-{i + 1:05d}-of-00002.safetensors")
+        assert set(got) == set(names[i::2])
+        for k, v in got.items():
+            assert torch.equal(v.view(torch.uint8), sd[k].contiguous().view(torch.uint8)), k

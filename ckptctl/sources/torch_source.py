@@ -219,10 +219,12 @@ class TorchSource(Source):
             per_file.append((root / name, loaded))
         src._fill(state, tie_heads=heads_tied(read_config(root)))
         src._file_backed = True
-        ranges = {k: (str(path), off) for path, loaded in per_file for k, off in archive_offsets(path, loaded).items()}
-        for t in src.tensors:  # these bytes are copied by the kernel straight from the archive
-            if t.name in ranges and t.dtype != "F4":
-                t.file, t.offset = ranges[t.name]
+        offsets = {k: off for path, loaded in per_file for k, off in archive_offsets(path, loaded).items()}
+        origin = {k: str(path) for path, loaded in per_file for k in loaded}
+        for t in src.tensors:  # the file each tensor is stored in (``--max-shard-size keep`` groups by it)
+            t.file = origin[t.name]
+            if t.name in offsets and t.dtype != "F4":  # copied by the kernel straight from the archive
+                t.offset = offsets[t.name]
         return src
 
     @classmethod
