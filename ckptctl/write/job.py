@@ -263,7 +263,7 @@ class ExportJob:
             _faults.point("extras-written")
             if opts.manifest:
                 stage.write_file(MANIFEST_NAME, encode_manifest(build_manifest(data, list_files(data),
-                                                                               label=opts.label)))
+                                                                               label=opts.label, final=self.dest)))
             _faults.point("manifest-written")
         except OSError as exc:
             raise from_oserror(exc, "cannot write the index and extras", phase="finalize") from None
