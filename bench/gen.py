@@ -4,6 +4,7 @@
     python -m bench.gen OUT --size 500MB --single                   # one model.safetensors
     python -m bench.gen OUT --size 500MB --bin                      # pytorch_model.bin
     python -m bench.gen OUT --tiny-shards 1000 --layers 1000        # 1,000 shards of tiny tensors
+    python -m bench.gen OUT --moe                                   # DeepSeek-V3's 163 shards, tiny tensors
 
 Safetensors files are written here, byte by byte (header from ckptctl's encoder, then the data
 streamed from one reusable block of normally distributed values), so memory stays bounded at any
@@ -187,9 +188,90 @@ def write_bin(out: Path, specs: list[TensorSpec], block: memoryview, itemsize: i
         scratch.unlink()
 
 
-def generate(out: str | os.PathLike[str], spec: Spec) -> Path:
+@dataclass(frozen=True)
+class MoeSpec:
+    """DeepSeek-V3's tensor names and shard count (61 layers, the first 3 dense, 256 routed
+    experts, fp8 weights each with its F32 ``weight_scale_inv``, the MTP layer 61), every tensor
+    tiny: the metadata of a 671B checkpoint (91,929 tensors in 163 shards) with about 20 MB of
+    data. ``width`` is the side of each square weight."""
+
+    layers: int = 61
+    dense: int = 3
+    experts: int = 256
+    shards: int = 163
+    width: int = 20
+    seed: int = 0
+
+    def name(self) -> str:
+        return f"moe-{self.layers}L-{self.experts}E-{self.shards}shards-w{self.width}"
+
+    def tensors(self) -> list[TensorSpec]:
+        w, out = self.width, [TensorSpec("model.embed_tokens.weight", "BF16", (4 * self.width, self.width))]
+
+        def fp8(name: str) -> list[TensorSpec]:
+            return [TensorSpec(name + ".weight", "F8_E4M3", (w, w)),
+                    TensorSpec(name + ".weight_scale_inv", "F32", (1, 1))]
+
+        for n in range(self.layers + 1):  # + the MTP layer
+            p = f"model.layers.{n}."
+            out += [*fp8(p + "self_attn.q_a_proj"), TensorSpec(p + "self_attn.q_a_layernorm.weight", "BF16", (w,)),
+                    *fp8(p + "self_attn.q_b_proj"), *fp8(p + "self_attn.kv_a_proj_with_mqa"),
+                    TensorSpec(p + "self_attn.kv_a_layernorm.weight", "BF16", (w,)),
+                    *fp8(p + "self_attn.kv_b_proj"), *fp8(p + "self_attn.o_proj"),
+                    TensorSpec(p + "input_layernorm.weight", "BF16", (w,)),
+                    TensorSpec(p + "post_attention_layernorm.weight", "BF16", (w,))]
+            if n < self.dense:
+                out += [t for x in ("gate", "up", "down") for t in fp8(p + f"mlp.{x}_proj")]
+                continue
+            out += [TensorSpec(p + "mlp.gate.weight", "BF16", (self.experts, w)),
+                    TensorSpec(p + "mlp.gate.e_score_correction_bias", "F32", (self.experts,))]
+            out += [t for e in range(self.experts) for x in ("gate", "up", "down")
+                    for t in fp8(p + f"mlp.experts.{e}.{x}_proj")]
+            out += [t for x in ("gate", "up", "down") for t in fp8(p + f"mlp.shared_experts.{x}_proj")]
+            if n == self.layers:
+                out += [TensorSpec(p + "enorm.weight", "BF16", (w,)), TensorSpec(p + "hnorm.weight", "BF16", (w,)),
+                        TensorSpec(p + "eh_proj.weight", "BF16", (w, 2 * w)),
+                        TensorSpec(p + "embed_tokens.weight", "BF16", (4 * w, w)),
+                        TensorSpec(p + "shared_head.norm.weight", "BF16", (w,)),
+                        TensorSpec(p + "shared_head.head.weight", "BF16", (4 * w, w))]
+        return out + [TensorSpec("model.norm.weight", "BF16", (w,)),
+                      TensorSpec("lm_head.weight", "BF16", (4 * w, w))]
+
+    def config(self) -> dict:
+        w = self.width
+        return {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
+                "hidden_size": w, "intermediate_size": w, "moe_intermediate_size": w,
+                "num_hidden_layers": self.layers, "num_nextn_predict_layers": 1,
+                "first_k_dense_replace": self.dense, "n_routed_experts": self.experts, "n_shared_experts": 1,
+                "num_attention_heads": 1, "num_key_value_heads": 1, "vocab_size": 4 * w,
+                "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+                "quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                        "weight_block_size": [128, 128]}}
+
+
+def write_sharded(out: Path, specs: list[TensorSpec], n: int, block: memoryview, itemsize: int) -> None:
+    """``n`` shards named and indexed as ``save_pretrained`` does."""
+    weight_map = {}
+    for k, group in enumerate(split(specs, n), 1):
+        name = f"model-{k:05d}-of-{n:05d}.safetensors"
+        write_safetensors(out / name, group, block, itemsize)
+        weight_map.update((s.name, name) for s in group)
+    index = {"metadata": {"total_size": sum(s.nbytes for s in specs)},
+             "weight_map": dict(sorted(weight_map.items()))}
+    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+
+
+def generate(out: str | os.PathLike[str], spec: Spec | MoeSpec) -> Path:
     """Write the checkpoint described by ``spec`` to ``out`` (which must not exist) and stamp it."""
     out = Path(out)
+    if isinstance(spec, MoeSpec):
+        out.mkdir(parents=True)
+        (out / "config.json").write_text(json.dumps(spec.config(), indent=2) + "\n")
+        # the data are bytes of a finite bf16 block: as fp8 e4m3 some of them read as NaN (0x7f,
+        # 0xff), as real fp8 checkpoints never hold; deep verify's scan is not what this measures
+        write_sharded(out, spec.tensors(), spec.shards, data_block("BF16", spec.seed), 4)
+        _stamp(out).write_text(json.dumps(_stamp_data(spec)) + "\n")
+        return out
     dtype = DTYPES[spec.dtype]
     itemsize = dt.BY_NAME[dtype].itemsize
     if spec.tiny_shards:
@@ -205,19 +287,12 @@ def generate(out: str | os.PathLike[str], spec: Spec) -> Path:
     elif spec.single:
         write_safetensors(out / "model.safetensors", specs, block, itemsize)
     else:
-        weight_map = {}
-        for k, group in enumerate(split(specs, n), 1):
-            name = f"model-{k:05d}-of-{n:05d}.safetensors"
-            write_safetensors(out / name, group, block, itemsize)
-            weight_map.update((s.name, name) for s in group)
-        index = {"metadata": {"total_size": sum(s.nbytes for s in specs)},
-                 "weight_map": dict(sorted(weight_map.items()))}
-        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+        write_sharded(out, specs, n, block, itemsize)
     _stamp(out).write_text(json.dumps(_stamp_data(spec)) + "\n")
     return out
 
 
-def ensure(spec: Spec, out: str | os.PathLike[str] | None = None) -> Path:
+def ensure(spec: Spec | MoeSpec, out: str | os.PathLike[str] | None = None) -> Path:
     """The checkpoint for ``spec`` (default ``bench/work/<spec.name()>``), generated if its stamp
     is missing or differs; a directory without a matching stamp is removed first."""
     out = Path(out) if out else WORK / spec.name()
@@ -235,7 +310,7 @@ def _stamp(out: Path) -> Path:
     return out.with_name(out.name + ".stamp.json")
 
 
-def _stamp_data(spec: Spec) -> dict:
+def _stamp_data(spec: Spec | MoeSpec) -> dict:
     return {"gen_version": GEN_VERSION, **asdict(spec)}
 
 
@@ -249,12 +324,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--bin", action="store_true", help="pytorch_model.bin (torch.save) instead")
     ap.add_argument("--layers", type=int, help="number of decoder layers (default from the size)")
     ap.add_argument("--tiny-shards", type=int, default=0, metavar="N", help="N shards of tiny tensors")
+    ap.add_argument("--moe", action="store_true", help="DeepSeek-V3's names and 163 shards, tiny tensors")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--reuse", action="store_true", help="keep OUT if its stamp matches")
     a = ap.parse_args(argv)
     if a.single and a.bin:
         ap.error("--single and --bin are exclusive")
-    spec = Spec(parse_size(a.size), a.dtype, a.shards, a.single, a.bin, a.layers, a.tiny_shards, a.seed)
+    spec: Spec | MoeSpec = (MoeSpec(seed=a.seed) if a.moe else
+                            Spec(parse_size(a.size), a.dtype, a.shards, a.single, a.bin, a.layers, a.tiny_shards, a.seed))
     if a.reuse:
         ensure(spec, a.out)
     elif a.out.exists():

@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -25,18 +26,22 @@ from typing import Any
 from ckptctl._version import __version__
 from ckptctl.findings import ERROR, Finding
 from ckptctl.format import small
+from ckptctl.threads import check, ordered_map
 
 MANIFEST_NAME = "ckptctl.manifest.json"
 SCHEMA_VERSION = 1
 HASH_CHUNK = 8 * 1024 * 1024
 
 
-def sha256_file(path: str | os.PathLike[str], chunk: int = HASH_CHUNK) -> str:
+def sha256_file(path: str | os.PathLike[str], chunk: int = HASH_CHUNK, *, stop: threading.Event | None = None) -> str:
+    """The file's sha256; with ``stop``, raises :class:`~ckptctl.threads.Stopped` between chunks
+    once it is set."""
     h = hashlib.sha256()
     with open(path, "rb", buffering=0) as f:
         buf = bytearray(chunk)
         view = memoryview(buf)
         while True:
+            check(stop)
             n = f.readinto(buf)
             if not n:
                 break
@@ -53,15 +58,31 @@ def list_files(root: Path) -> list[str]:
     return sorted(out)
 
 
-def build_manifest(root: Path, files: list[str], *, label: str | None = None) -> dict[str, Any]:
+def _as_published(root: Path, name: str, final: Path | None) -> Path:
+    """Where ``root/name`` reads from once ``root`` is published at ``final``: a relative
+    symbolic link (a Hugging Face cache snapshot's ``config.json -> ../../blobs/...``, carried
+    as the link itself) resolves from the published directory, not from the staging one."""
+    p = root / name
+    if final is None or not p.is_symlink():
+        return p
+    target = os.readlink(p)
+    return p if os.path.isabs(target) else final / os.path.dirname(name) / target
+
+
+def build_manifest(root: Path, files: list[str], *, label: str | None = None,
+                   final: Path | None = None) -> dict[str, Any]:
     """Manifest for ``files`` (names relative to ``root``): each one's size and sha256, read
-    from disk (the manifest itself is never listed)."""
-    entries: dict[str, Any] = {}
-    for name in sorted(files):
-        if name == MANIFEST_NAME:
-            continue
-        p = root / name
-        entries[name] = {"size": p.stat().st_size, "sha256": sha256_file(p)}
+    from disk (the manifest itself is never listed). ``final`` is where ``root`` will be
+    published, for relative links. Files are hashed two at a time (hashlib and the reads release
+    the GIL), so a multi-shard checkpoint keeps both cores busy."""
+    names = sorted(n for n in files if n != MANIFEST_NAME)
+    paths = [_as_published(root, n, final) for n in names]
+
+    def entry(p: Path, stop: threading.Event) -> dict[str, Any]:
+        return {"size": p.stat().st_size, "sha256": sha256_file(p, stop=stop)}
+
+    with ordered_map(entry, paths) as results:
+        entries = dict(zip(names, results))
     return {
         "schema_version": SCHEMA_VERSION,
         "tool": "ckptctl",

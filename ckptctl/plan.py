@@ -38,7 +38,8 @@ class ShardPlan:
 
     @property
     def data_bytes(self) -> int:
-        return sum(s.nbytes for s in self.specs)
+        # the layout (once the header is encoded) is contiguous from 0: its last end is the sum
+        return self.layout[-1].end if self.layout else sum(s.nbytes for s in self.specs)
 
     @property
     def file_size(self) -> int:

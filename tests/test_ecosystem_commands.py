@@ -123,8 +123,10 @@ def test_export_reloads_bit_exactly_with_the_library(name: str, build_one, tmp_p
 
 
 def _resave(name: str, path: Path, opts: ExportOptions, **kw):
-    """resave, or for a multi-component root its whole-root twin (``write.tree.resave_root``)."""
-    return (resave_root if by_name(name).layout in ROOTS else resave)(path, opts, **kw)
+    """resave, which hands a multi-component root to its whole-root twin (``write.tree.resave_root``)."""
+    result = resave(path, opts, **kw)
+    assert isinstance(result, RootResult) == (by_name(name).layout in ROOTS)
+    return result
 
 
 def _slots(d: Path) -> set[tuple[str, tuple[str, str | None]]]:

@@ -163,16 +163,23 @@ def test_padded_shards_load_in_transformers(clone_dir: Path) -> None:
         assert torch.equal(loaded.state_dict()[k], v), k
 
 
-def test_converted_and_pickle_sources_stream_byte_identical(clone_dir: Path, tmp_path: Path) -> None:
+def test_pickle_sources_clone_from_the_archive(clone_dir: Path, tmp_path: Path) -> None:
+    """A torch.save archive's records are byte ranges like a safetensors file's (issue 16): cloned
+    where the filesystem can, copied by the kernel elsewhere, never streamed; the converted
+    path streams and gives the same bytes as without clones."""
     tensors = big_state()
     write_pickle(clone_dir / "pk", tensors)
     write_pickle(tmp_path / "pk", tensors)
     r = export(str(clone_dir / "pk"), str(clone_dir / "out"), opts("3MB"))
     plain = export(str(tmp_path / "pk"), str(tmp_path / "out"), opts("3MB"))
-    assert (r.bytes_cloned, r.header_padding, r.bytes_copied_by_kernel) == (0, 0, 0)
-    assert r.bytes_streamed == plain.bytes_streamed == r.total_size
-    for f in r.files:
-        assert (clone_dir / "out" / f["name"]).read_bytes() == (tmp_path / "out" / f["name"]).read_bytes()
+    assert r.bytes_cloned > 0 and r.header_padding > 0 and r.bytes_streamed == plain.bytes_streamed == 0
+    assert r.bytes_cloned + r.bytes_copied_by_kernel == plain.bytes_copied_by_kernel == r.total_size
+    assert same(load_glob(clone_dir / "out"), tensors) and same(load_glob(tmp_path / "out"), tensors)
+    c = export(str(clone_dir / "pk"), str(clone_dir / "fp16"), opts("3MB", dtype="fp16"))
+    c_plain = export(str(tmp_path / "pk"), str(tmp_path / "fp16"), opts("3MB", dtype="fp16"))
+    assert (c.bytes_cloned, c.header_padding) == (0, 0) and c.bytes_streamed == c_plain.bytes_streamed > 0
+    for f in c.files:
+        assert (clone_dir / "fp16" / f["name"]).read_bytes() == (tmp_path / "fp16" / f["name"]).read_bytes()
 
 
 def test_unchanged_files_copied_instead_of_linked(clone_dir: Path, tmp_path: Path) -> None:
@@ -219,10 +226,12 @@ def test_plain_filesystem_keeps_save_file_headers(tmp_path: Path) -> None:
 
 
 def test_keep_layout_needs_files(tmp_path: Path, cli) -> None:
+    # a pickle's tensors are stored in its file (issue 16): keep writes one safetensors file for it
     write_pickle(tmp_path / "pk", state(1))
     res = cli("export", tmp_path / "pk", tmp_path / "out", "--max-shard-size", "keep")
-    assert res.exit_code == 2 and "keep needs a source stored in files" in res.stderr
-    assert not (tmp_path / "out").exists()
+    assert res.exit_code == 0, res.stderr
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["model.safetensors"]
+    assert same(load_glob(tmp_path / "out"), state(1))
     from ckptctl.api import save_state_dict
     from ckptctl.errors import UsageError
 

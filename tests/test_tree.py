@@ -89,3 +89,28 @@ def test_the_one_model_writer_refuses_a_root_with_the_command_that_writes_it(bui
         open_inputs(src, tmp_path / "out", ExportOptions())
     assert "unet" in info.value.message and "without torchrun" in (info.value.hint or "")
     assert not (tmp_path / "out").exists()
+
+
+def test_the_resave_command_writes_a_root_whole(build_one, tmp_path: Path) -> None:
+    """`ckptctl resave ROOT` hands a root to resave_root: a sound root's --repair writes nothing, a
+    damaged one is repaired per component and shown per component; a re-shard reloads bit-exactly."""
+    import json
+
+    from tests.support.cli import run_ckptctl
+
+    name = "diffusers/pipeline-sharded"
+    c = fresh_copy(build_one(name), tmp_path / "c")
+    before = _files(c)
+    p = run_ckptctl("resave", c, "--repair", "--no-fsync")
+    assert (p.returncode, p.stdout.strip()) == (0, f"nothing to repair: {c} is sound; nothing was written")
+    assert _files(c) == before
+    (c / "unet" / "diffusion_pytorch_model-00001-of-?????.safetensors").write_bytes(b"x" * 10)
+    p = run_ckptctl("resave", c, "--repair", "--no-fsync")
+    assert p.returncode == 0, p.stderr
+    assert "fixed: unet: " in p.stdout and "unet/diffusion_pytorch_model" in p.stdout
+    p = run_ckptctl("resave", c, "--max-shard-size", "20KB", "--no-fsync", "--json")
+    doc = json.loads(p.stdout)
+    assert p.returncode == 0 and doc["ok"] and doc["kind"] == "diffusers-pipeline"
+    assert set(doc["components"]) == {"text_encoder", "unet", "vae"}
+    e = by_name(name)
+    assert compare(e.load(build_one(name)), e.load(c)) == []

@@ -9,7 +9,7 @@ import typer
 from ckptctl.cli._options import (DryRunOpt, DtypeOpt, JsonOpt, LabelOpt, ManifestOpt, NoFsyncOpt, QuietOpt,
                                   VerboseOpt)
 from ckptctl.cli._output import Output, ProgressReporter
-from ckptctl.cli.export_cmd import render_result
+from ckptctl.cli.export_cmd import render_result, render_root
 
 def resave(
     directory: Annotated[str, typer.Argument(metavar="DIR", help="Checkpoint directory to rewrite in place.")],
@@ -17,7 +17,7 @@ def resave(
     max_shard_size: Annotated[Optional[str], typer.Option("--max-shard-size", help="Re-shard: 5GB (decimal) or 2GiB.")] = None,
     dtype: DtypeOpt = "keep",
     repair: Annotated[bool, typer.Option("--repair", help="Fix what verify finds when the fix is certain.")] = False,
-    prefer: Annotated[Optional[str], typer.Option("--prefer", help="Which family to keep when two are complete: index, single, safetensors, pytorch.")] = None,
+    prefer: Annotated[Optional[str], typer.Option("--prefer", help="Which family to keep when two are complete: index, single, safetensors, pytorch, or a file of the family (e.g. model-00001-of-00002.safetensors), as the refusal lists them.")] = None,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="With --output: replace an existing OUT.")] = False,
     link: Annotated[bool, typer.Option("--link", help="With --output: hard-link unchanged shards instead of cloning or copying them (OUT then shares inodes with DIR).")] = False,
     manifest: ManifestOpt = False,
@@ -47,6 +47,12 @@ def resave(
             return
         if result.unchanged:
             out.print(f"nothing to repair: {directory} is sound; nothing was written")
+            return
+        if not hasattr(result, "repair"):  # a multi-component root
+            for folder, res in sorted(result.components.items()):
+                for fix in res.repair.fixes:
+                    out.print(("to fix: " if dry_run else "fixed: ") + f"{folder or '.'}: {fix}")
+            render_root(out, result)
             return
         for fix in result.repair.fixes:
             out.print(("to fix: " if dry_run else "fixed: ") + fix)

@@ -8,12 +8,16 @@ place of a shard, a tensor named ``__metadata__``, unaligned offsets). Every pro
 
 from __future__ import annotations
 
+import gc
 import json
+import operator
 import os
+import re
 import stat
 import struct
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from contextlib import contextmanager
+from typing import Any, Iterable, Iterator
 
 from ckptctl.errors import InputError, from_oserror
 from ckptctl.findings import ERROR, WARNING, Finding, has_errors
@@ -107,6 +111,25 @@ def _int_or_negative_zero(text: str) -> int | float:
         raise _BadJson(f"number out of range: {text[:40]}...") from None
     # serde_json reads "-0" as the float -0.0, which is not a valid size or offset.
     return -0.0 if value == 0 and text.startswith("-") else value
+
+
+_STRICT = json.JSONDecoder(object_pairs_hook=no_duplicate_keys, parse_constant=_reject_constant,
+                           parse_float=_finite_float, parse_int=_int_or_negative_zero)
+# Python's own int() for integers: the same value wherever no number is a negative zero
+_FAST = json.JSONDecoder(object_pairs_hook=no_duplicate_keys, parse_constant=_reject_constant,
+                         parse_float=_finite_float)
+_NEGATIVE_ZERO = re.compile(r"[\[,:]\s*-0")
+
+
+def _decode(text: str) -> tuple[Any, int]:
+    """``raw_decode`` with serde_json's rules. Any failure of the fast decoder (an integer over
+    Python's digit limit, bad JSON) is decided again by the strict one, which names the problem."""
+    if not _NEGATIVE_ZERO.search(text):
+        try:
+            return _FAST.raw_decode(text)
+        except (ValueError, RecursionError, _BadJson, DuplicateKey):
+            pass
+    return _STRICT.raw_decode(text)
 
 
 # serde_json's default recursion limit: the 128th nested array/object is refused.
@@ -240,7 +263,26 @@ def parse_header_bytes(data: bytes, *, path: str = "<bytes>") -> Header:
     return hdr
 
 
+@contextmanager
+def _no_cyclic_gc() -> Iterator[None]:
+    """A header decodes (or encodes) into hundreds of thousands of acyclic objects: the cyclic
+    collector would only re-scan them (a third of the parse time at 90k tensors), so it waits
+    until the header is done."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
 def _parse_into(hdr: Header, raw: bytes) -> None:
+    with _no_cyclic_gc():
+        _parse_text(hdr, raw)
+
+
+def _parse_text(hdr: Header, raw: bytes) -> None:
     shown = hdr.path
     try:
         text = raw.decode("utf-8")
@@ -256,10 +298,8 @@ def _parse_into(hdr: Header, raw: bytes) -> None:
         hdr.add("header.leading_whitespace",
                 f"{shown}: header has {len(text) - len(stripped)} bytes of whitespace before '{{'",
                 severity=WARNING, hint="the format says the header MUST begin with '{'; re-save the file")
-    decoder = json.JSONDecoder(object_pairs_hook=no_duplicate_keys, parse_constant=_reject_constant,
-                               parse_float=_finite_float, parse_int=_int_or_negative_zero)
     try:
-        obj, end = decoder.raw_decode(stripped)
+        obj, end = _decode(stripped)
     except DuplicateKey as exc:
         hdr.add("header.duplicate_key", f"{shown}: key {exc.key!r} appears more than once in the header",
                 tensor=exc.key, hint="parsers disagree on which copy wins: re-export the file")
@@ -269,7 +309,15 @@ def _parse_into(hdr: Header, raw: bytes) -> None:
                else "nesting too deep" if isinstance(exc, RecursionError) else str(exc))
         hdr.add("header.bad_json", f"{shown}: header is not valid JSON: {msg}", hint=_REDOWNLOAD)
         return
-    problem = _serde_problem(obj) if isinstance(obj, (dict, list)) else None
+    if isinstance(obj, dict):
+        # Entries of the usual shape are checked in one tight loop first; they cannot hold
+        # anything serde_json refuses (depth 3, and no string escape in the whole header means no
+        # lone surrogate), so the serde walk only visits the rest.
+        plain = 0 if "\\u" in stripped else _plain_entries(obj)
+        rest = obj if not plain else {k: v for k, v in obj.items() if type(v) is not TensorInfo}
+        problem = _serde_problem(rest)
+    else:
+        problem = _serde_problem(obj) if isinstance(obj, list) else None
     if problem:
         hdr.add("header.bad_json", f"{shown}: header is not valid JSON for safetensors: {problem}",
                 hint=_REDOWNLOAD)
@@ -290,6 +338,37 @@ def _parse_into(hdr: Header, raw: bytes) -> None:
                 hint=_REDOWNLOAD)
         return
     _validate_entries(hdr, obj)
+
+
+def _plain_entries(obj: dict[str, Any]) -> int:
+    """Replace, in ``obj``, each entry that :func:`_check_entry` would accept without a finding
+    by the :class:`TensorInfo` it would build (found with exact type checks and no per-entry
+    call; the entry's dict and lists are freed at once, so a huge header never holds both forms
+    of every entry); returns how many. Anything unusual (an unknown key or dtype, a zero
+    dimension, a size that does not match) is left to :func:`_check_entry`."""
+    out = 0
+    by_name, limit = dt.BY_NAME, MAX_DIM_PRODUCT
+    for name, entry in obj.items():
+        if type(entry) is not dict or len(entry) != 3:
+            continue
+        dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
+        if (type(dtype) is not str or type(shape) is not list or type(offsets) is not list
+                or len(offsets) != 2 or dtype not in by_name):
+            continue
+        begin, end = offsets
+        if type(begin) is not int or type(end) is not int or not 0 <= begin <= end:
+            continue
+        numel = 1
+        for x in shape:
+            if type(x) is not int or x < 1:
+                break
+            numel *= x
+        else:  # every dimension >= 1: the running product only grows, so the last one is the largest
+            bits = numel * by_name[dtype].bits
+            if numel <= limit and not bits % 8 and end - begin == bits >> 3 and name != METADATA_KEY:
+                obj[name] = TensorInfo(TensorSpec(name, dtype, tuple(shape)), begin, end)  # same keys: safe
+                out += 1
+    return out
 
 
 def _validate_entries(hdr: Header, obj: dict[str, Any]) -> None:
@@ -319,10 +398,10 @@ def _validate_entries(hdr: Header, obj: dict[str, Any]) -> None:
     for name, entry in obj.items():
         if name == METADATA_KEY:
             continue
-        info = _check_entry(hdr, name, entry)
+        info = entry if type(entry) is TensorInfo else _check_entry(hdr, name, entry)
         if info is not None:
             entries.append(info)
-    entries.sort(key=lambda t: (t.begin, t.end))
+    entries.sort(key=_offsets)
     expected = 0
     for t in entries:
         if t.begin > expected:
@@ -353,14 +432,18 @@ def _validate_entries(hdr: Header, obj: dict[str, Any]) -> None:
                 f"{shown}: header length {hdr.header_len} is not a multiple of 8", severity=WARNING,
                 hint="tensors may be misaligned for zero-copy loaders; ckptctl resave aligns them")
     else:
+        start, by_name = hdr.data_start, dt.BY_NAME
         for t in entries:
-            d = dt.get(t.dtype)
-            if d and d.bits >= 8 and (hdr.data_start + t.begin) % d.itemsize:
+            d = by_name.get(t.spec.dtype)  # type: ignore[arg-type]  # "?" for an unknown one
+            if d and d.bits >= 8 and (start + t.begin) % (d.bits >> 3):
                 hdr.add("header.unaligned_tensor",
                         f"{shown}: tensor {t.name!r} starts at byte {hdr.data_start + t.begin}, "
                         f"not a multiple of its {d.itemsize}-byte element", severity=WARNING,
                         tensor=t.name, hint="ckptctl resave lays tensors out aligned")
     hdr.tensors = {t.name: t for t in entries}
+
+
+_offsets = operator.attrgetter("begin", "end")
 
 
 def _check_entry(hdr: Header, name: str, entry: Any) -> TensorInfo | None:
@@ -454,7 +537,12 @@ def encode_header(specs: Iterable[TensorSpec], metadata: dict[str, str] | None =
     kernel can clone them)."""
     if extra_pad < 0 or extra_pad % 8:
         raise ValueError("extra header padding must be a non-negative multiple of 8")
-    ordered = layout_order(specs)
+    with _no_cyclic_gc():
+        return _encode(layout_order(specs), metadata, extra_pad)
+
+
+def _encode(ordered: list[TensorSpec], metadata: dict[str, str] | None, extra_pad: int
+            ) -> tuple[bytes, list[TensorInfo]]:
     obj: dict[str, Any] = {}
     if metadata is not None:
         for k, v in metadata.items():
@@ -464,13 +552,16 @@ def encode_header(specs: Iterable[TensorSpec], metadata: dict[str, str] | None =
     infos: list[TensorInfo] = []
     offset = 0
     for s in ordered:
-        if s.name == METADATA_KEY:
+        name = s.name
+        if name == METADATA_KEY:
             raise ValueError(f"a tensor cannot be named {METADATA_KEY!r}")
-        if s.name in obj:
-            raise ValueError(f"duplicate tensor name {s.name!r}")
+        if name in obj:
+            raise ValueError(f"duplicate tensor name {name!r}")
         n = s.nbytes
-        obj[s.name] = {"dtype": s.dtype, "shape": list(s.shape), "data_offsets": [offset, offset + n]}
-        infos.append(TensorInfo(TensorSpec(s.name, s.dtype, tuple(s.shape)), offset, offset + n))
+        obj[name] = {"dtype": s.dtype, "shape": list(s.shape), "data_offsets": [offset, offset + n]}
+        # a plain spec is immutable: the layout shares it instead of building an equal one
+        spec = s if type(s) is TensorSpec and type(s.shape) is tuple else TensorSpec(name, s.dtype, tuple(s.shape))
+        infos.append(TensorInfo(spec, offset, offset + n))
         offset += n
     text = json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
     pad = (-len(text)) % 8 + extra_pad

@@ -25,6 +25,115 @@ _CORRUPT = (EOFError, ValueError, KeyError, IndexError, TypeError, AttributeErro
 _DISCARD_SUFFIXES = ("lm_head.weight", "embed_out.weight", "output.weight", "decoder.weight")
 
 
+MAX_CONFIG_BYTES = 64 * 1024 * 1024  # as verify reads JSON files
+
+
+def heads_tied(config: Any) -> bool:
+    """Whether transformers ties the output head to the input embedding for this config.json
+    document: unless it says ``tie_word_embeddings: false`` (its default is true, so a missing
+    config or field ties too)."""
+    from ckptctl.config_fields import ConfigFields
+
+    return not isinstance(config, dict) or ConfigFields(config).get("tie_word_embeddings") is not False
+
+
+def read_config(root: Path) -> Any:
+    """``root/config.json`` parsed, or None when there is none (or it is not a regular file, or
+    not JSON: the model's loader would not read it either). A link is followed (a Hugging Face
+    cache snapshot links every file); a FIFO is never waited on and the read is bounded."""
+    import json
+    import stat
+
+    try:
+        fd = os.open(root / "config.json", os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return None
+    with os.fdopen(fd, "rb") as f:
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                return None
+            raw = f.read(MAX_CONFIG_BYTES + 1)
+        except OSError:
+            return None
+    try:
+        return json.loads(raw) if len(raw) <= MAX_CONFIG_BYTES else None
+    except (ValueError, RecursionError):
+        return None
+
+
+def stored_records(path: Path) -> dict[int, int]:
+    """The storage records of a ``torch.save`` zip archive that are stored uncompressed (as
+    torch writes them): file offset of the record's data -> its size. Read from the zip's own
+    directory and local headers (no pickle is involved); empty when the file is not such an
+    archive or is not little-endian."""
+    import zipfile
+
+    out: dict[int, int] = {}
+    try:
+        with open(path, "rb") as f, zipfile.ZipFile(f) as z:
+            for info in z.infolist():
+                parts = info.filename.split("/")
+                if len(parts) == 2 and parts[1] == "byteorder" and info.file_size < 64:
+                    if z.read(info).strip() != b"little":
+                        return {}
+                if (len(parts) != 3 or parts[1] != "data" or not parts[2].isdigit()
+                        or info.compress_type != zipfile.ZIP_STORED):
+                    continue
+                f.seek(info.header_offset)
+                local = f.read(30)
+                if len(local) != 30 or local[:4] != b"PK\x03\x04":
+                    return {}
+                name_len, extra_len = struct.unpack("<HH", local[26:30])
+                out[info.header_offset + 30 + name_len + extra_len] = info.file_size
+    except (OSError, zipfile.BadZipFile, EOFError, ValueError, struct.error):
+        return {}
+    return out
+
+
+def archive_offsets(path: Path, tensors: Mapping[str, Any]) -> dict[str, int]:
+    """Where each contiguous tensor's bytes sit in the ``torch.save`` archive ``path`` that
+    ``torch.load(mmap=True)`` mapped them from: {name: absolute file offset}.
+
+    The records of the zip (:func:`stored_records`) are matched against what torch reports: every
+    storage must start at one mapping base plus a record's offset and have that record's size,
+    and each tensor's first bytes as torch reads them must equal the file's bytes at the offset
+    found. Anything else (a record compressed, a base that does not fit every storage, a
+    mismatch) gives no offsets: those tensors stream as before. Non-contiguous views stream."""
+    import torch
+
+    records = stored_records(path)
+    storages: dict[int, int] = {}
+    for t in tensors.values():
+        st = t.untyped_storage()
+        if st.nbytes() and t.device.type == "cpu":
+            storages[st.data_ptr()] = st.nbytes()
+    if not records or not storages:
+        return {}
+    first = min(storages)
+    base = None
+    for off, size in sorted(records.items()):  # the lowest storage is one of the records
+        if size == storages[first] and all(records.get(p - (first - off)) == n for p, n in storages.items()):
+            base = first - off
+            break
+    if base is None:
+        return {}
+    out: dict[str, int] = {}
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        for name, t in tensors.items():
+            if t.device.type != "cpu" or not t.numel() or not t.is_contiguous():
+                continue
+            item = t.element_size()
+            offset = t.untyped_storage().data_ptr() - base + t.storage_offset() * item
+            probe = min(64, t.numel() * item)
+            if os.pread(fd, probe, offset) != t.reshape(-1).view(torch.uint8)[:probe].numpy().tobytes():
+                return {}
+            out[name] = offset
+    finally:
+        os.close(fd)
+    return out
+
+
 def _keep_name(names: list[str]) -> str:
     preferred = [n for n in sorted(names) if not n.endswith(_DISCARD_SUFFIXES)]
     return (preferred or sorted(names))[0]
@@ -101,24 +210,36 @@ class TorchSource(Source):
              ) -> "TorchSource":
         src = cls(path=root, kind=kind)
         state: dict[str, Any] = {}
+        per_file: list[tuple[Path, dict[str, Any]]] = []
         for name in files:
-            for k, v in load_pickle(root / name, key).items():
+            loaded = load_pickle(root / name, key)
+            for k, v in loaded.items():
                 src.claim(k, name)
                 state[k] = v
-        src._fill(state)
+            per_file.append((root / name, loaded))
+        src._fill(state, tie_heads=heads_tied(read_config(root)))
         src._file_backed = True
+        offsets = {k: off for path, loaded in per_file for k, off in archive_offsets(path, loaded).items()}
+        origin = {k: str(path) for path, loaded in per_file for k in loaded}
+        for t in src.tensors:  # the file each tensor is stored in (``--max-shard-size keep`` groups by it)
+            t.file = origin[t.name]
+            if t.name in offsets and t.dtype != "F4":  # copied by the kernel straight from the archive
+                t.offset = offsets[t.name]
         return src
 
     @classmethod
     def from_state_dict(cls, state: Mapping[str, Any], *, path: Path | None = None,
-                        kind: str = "state_dict") -> "TorchSource":
+                        kind: str = "state_dict", tie_heads: bool = True) -> "TorchSource":
         src = cls(path=path or Path("."), kind=kind)
-        src._fill(state)
+        src._fill(state, tie_heads=tie_heads)
         return src
 
-    def _fill(self, state: Mapping[str, Any]) -> None:
+    def _fill(self, state: Mapping[str, Any], *, tie_heads: bool = True) -> None:
         """List ``state``'s tensors in its order; tensors that share storage exactly are listed
-        once (the name :func:`_keep_name` picks) and the others recorded as aliases."""
+        once (the name :func:`_keep_name` picks) and the others recorded as aliases. With
+        ``tie_heads`` False (config.json says ``tie_word_embeddings: false``) an output head
+        (``lm_head.weight`` ...) is never an alias: the loader would leave it randomly
+        initialised, so it is stored with its own copy of the shared bytes."""
         import torch
 
         groups: dict[tuple, list[str]] = {}
@@ -143,6 +264,12 @@ class TorchSource(Source):
             else:
                 groups.setdefault((id(t),), []).append(name)
         keep: dict[str, Any] = {}
+        if not tie_heads:
+            split: dict[tuple, list[str]] = {}
+            for ident, names in groups.items():
+                for n in names:
+                    split.setdefault((*ident, n) if n.endswith(_DISCARD_SUFFIXES) else ident, []).append(n)
+            groups = split
         for names in groups.values():
             kept = _keep_name(names)
             keep[kept] = state[kept]

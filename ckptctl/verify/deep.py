@@ -24,6 +24,7 @@ from typing import Any, BinaryIO, Callable, Iterator
 
 from ckptctl.findings import ERROR, INFO, WARNING, Finding
 from ckptctl.format.header import Header, TensorInfo
+from ckptctl.threads import check, ordered_map
 from ckptctl.verify.context import Context
 
 CHUNK_BYTES = 8 * 1024 * 1024
@@ -112,8 +113,10 @@ class _TensorScanner:
         a = np.frombuffer(buf, dtype=_np_dtype(fb.bits))
         st = self.stats
         if fb.exp:
-            special = (a & fb.exp) == fb.exp
-            if special.any():
+            # the exponent bits sit just below the sign: all ones exactly when |x| >= the mask
+            mag = a & fb.absmask
+            if mag.max() >= fb.exp:
+                special = (a & fb.exp) == fb.exp
                 nan = int(np.count_nonzero(special & ((a & fb.man) != 0)))
                 st.nan += nan
                 st.inf += int(np.count_nonzero(special)) - nan
@@ -122,7 +125,10 @@ class _TensorScanner:
         elif fb.nan_is_signbit:
             st.nan += int(np.count_nonzero(a == 0x80))
         if not st.nonzero:
-            st.nonzero = bool(np.any(a & fb.absmask)) if not fb.nan_is_signbit else bool(np.any(a))
+            if fb.exp:
+                st.nonzero = bool(mag.any())
+            else:
+                st.nonzero = bool(np.any(a & fb.absmask)) if not fb.nan_is_signbit else bool(np.any(a))
 
 
 def window_bytes(chunk_bytes: int) -> int:
@@ -161,10 +167,11 @@ def _plan(header: Header | None) -> list[tuple[int, int, TensorInfo]]:
 
 
 def scan_file(path: str, display: str, header: Header | None = None, *, chunk_bytes: int = CHUNK_BYTES,
-              progress: Callable[[int], None] | None = None) -> DeepResult:
+              progress: Callable[[int], None] | None = None, stop: threading.Event | None = None) -> DeepResult:
     """Hash ``path`` and, when ``header`` is a valid safetensors header, check its floats.
 
-    Raises OSError when the file cannot be read (or shrinks while it is read).
+    Raises OSError when the file cannot be read (or shrinks while it is read), and
+    :class:`~ckptctl.threads.Stopped` between two chunks once ``stop`` is set.
     """
     plan = _plan(header)
     scanners = {t.name: _TensorScanner(t) for _, _, t in plan}
@@ -217,6 +224,7 @@ def scan_file(path: str, display: str, header: Header | None = None, *, chunk_by
         try:
             while True:
                 buf = free.get()
+                check(stop)
                 n = f.readinto(buf)
                 if not n:
                     free.put(buf)
@@ -297,29 +305,50 @@ def deep_step(ctx: Context) -> str | None:
     manifest = ctx.manifest or {}
     for name in manifest:
         queue.setdefault(name, None)
-    progress = ctx.progress
+    outer = ctx.progress
+    lock = threading.Lock()
+
+    def progress(event: str, shown: str, amount: int) -> None:
+        if outer is not None:
+            with lock:  # two files are read at once: one caller at a time
+                outer(event, shown, amount)
+
+    def scan(job: tuple[str, Header | None, int], stop: threading.Event) -> DeepResult | OSError:
+        name, hdr, size = job
+        shown = ctx.disp(name)
+        progress("file", shown, size)
+        try:
+            return scan_file(str(ctx.root / name), shown, hdr, chunk_bytes=ctx.options.chunk_bytes,
+                             progress=(lambda n: progress("bytes", shown, n)) if outer else None, stop=stop)
+        except OSError as exc:
+            return exc
+        finally:
+            progress("done", shown, 0)
+
+    # Two files at a time (each is hashed by its reader thread and decoded by another; hashlib
+    # and numpy release the GIL), so both cores stay busy; results are taken in queue order, so
+    # the findings come out as from one file at a time.
+    todo = []
     for name, hdr in queue.items():
         rec = ctx.record(name, "extra")
-        shown = ctx.disp(name)
-        if rec.sha256 is not None:  # a component's file the root's manifest lists: read once
-            _compare(ctx, name, rec.sha256, manifest)
-            continue
-        if progress:
-            progress("file", shown, rec.size or 0)
-        try:
-            dr = scan_file(str(ctx.root / name), shown, hdr, chunk_bytes=ctx.options.chunk_bytes,
-                           progress=(lambda n, s=shown: progress("bytes", s, n)) if progress else None)
-        except OSError as exc:
-            ctx.io(name, exc)
-            continue
-        finally:
-            if progress:
-                progress("done", shown, 0)
-        rec.sha256 = dr.sha256
-        ctx.result.bytes_read += dr.bytes_read
-        ctx.extend(dr.findings)
-        _compare(ctx, name, dr.sha256, manifest)
-        _compare_blob(ctx, name, dr.sha256)
+        if rec.sha256 is None:
+            todo.append((name, hdr, rec.size or 0))
+    with ordered_map(scan, todo) as results:
+        scanned = dict(zip((name for name, _, _ in todo), results))
+        for name in queue:
+            rec = ctx.record(name, "extra")
+            if name not in scanned:  # a component's file the root's manifest lists: read once
+                _compare(ctx, name, rec.sha256, manifest)  # type: ignore[arg-type]
+                continue
+            dr = scanned[name]
+            if isinstance(dr, OSError):
+                ctx.io(name, dr)
+                continue
+            rec.sha256 = dr.sha256
+            ctx.result.bytes_read += dr.bytes_read
+            ctx.extend(dr.findings)
+            _compare(ctx, name, dr.sha256, manifest)
+            _compare_blob(ctx, name, dr.sha256)
     return None
 
 

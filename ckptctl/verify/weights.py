@@ -8,6 +8,7 @@ notes, a tensor stored in two files, alias records that name nothing, shards ove
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Any
 
 from ckptctl import layout as L
@@ -41,14 +42,13 @@ def dtype_notes(hdr: Header) -> list[Finding]:
     out: list[Finding] = []
     newer: dict[str, str] = {}
     no_torch: list[str] = []
-    for t in hdr.tensors.values():
-        d = dt.get(t.dtype)
-        if d is None:
-            continue
+    counts = Counter(t.spec.dtype for t in hdr.tensors.values())  # a few dtypes, many tensors
+    for d in filter(None, map(dt.get, counts)):
         if _version(d.since) > (0, 4):
             newer[d.name] = d.since
-        if d.torch_name is None:
-            no_torch.append(t.name)
+    odd = {d for d in counts if (x := dt.get(d)) is not None and x.torch_name is None}
+    if odd:
+        no_torch = [t.name for t in hdr.tensors.values() if t.spec.dtype in odd]
     if newer:
         need = max(newer.values(), key=_version)
         out.append(Finding("header.dtype_min_version", INFO, hdr.path,
@@ -112,6 +112,10 @@ def read_file(ctx: Context, name: str, container: str) -> WeightsRead:
 def merge(ctx: Context, reads: dict[str, WeightsRead]) -> dict[str, TensorSpec]:
     """All tensors of a family; a name stored in two files is an error."""
     table: dict[str, TensorSpec] = {}
+    if len(set().union(*(r.names or () for r in reads.values()))) == sum(len(r.names or ()) for r in reads.values()):
+        for r in reads.values():  # no name in two files: the first-wins table below, in one C loop each
+            table.update(r.tensors)
+        return table
     where: dict[str, list[str]] = {}
     for name, r in reads.items():
         for t in sorted(r.names or ()):

@@ -18,7 +18,7 @@ import stat
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from ckptctl import _faults
 from ckptctl import layout as L
@@ -263,7 +263,7 @@ class ExportJob:
             _faults.point("extras-written")
             if opts.manifest:
                 stage.write_file(MANIFEST_NAME, encode_manifest(build_manifest(data, list_files(data),
-                                                                               label=opts.label)))
+                                                                               label=opts.label, final=self.dest)))
             _faults.point("manifest-written")
         except OSError as exc:
             raise from_oserror(exc, "cannot write the index and extras", phase="finalize") from None
@@ -309,9 +309,11 @@ def create_stage(stage: Stage, bytes_to_write: int, *, files: int) -> Path:
     return data
 
 
-def write_inputs(inputs: ExportInputs, dest: str | os.PathLike[str], *, plan: Plan | None = None) -> ExportResult:
+def write_inputs(inputs: ExportInputs, dest: str | os.PathLike[str], *, plan: Plan | None = None,
+                 check: Callable[[Path], None] | None = None) -> ExportResult:
     """Write ``inputs`` as a safetensors checkpoint and publish it at ``dest`` atomically (all of
-    :class:`ExportJob`'s steps in this process). Errors name the step they failed in."""
+    :class:`ExportJob`'s steps in this process). ``check`` sees the staged version before the
+    publish; what it raises aborts (resave --repair's verify). Errors name the step they failed in."""
     job = ExportJob(inputs, dest, plan=plan)
     result = job.prepare(place=True)
     if inputs.options.dry_run:
@@ -324,6 +326,8 @@ def write_inputs(inputs: ExportInputs, dest: str | os.PathLike[str], *, plan: Pl
         job.write_shards(data)
         phase = "finalize"
         job.finalize()
+        if check is not None:
+            check(data)
         phase = "publish"
         return job.publish()
     except BaseException as exc:

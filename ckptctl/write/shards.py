@@ -26,6 +26,7 @@ from typing import Any, Callable, Container, Iterable, Mapping
 
 from ckptctl import _faults
 from ckptctl.errors import InputError
+from ckptctl.format.header import TensorInfo
 from ckptctl.plan import Run, ShardPlan, runs
 from ckptctl.write.inputs import Entry
 
@@ -60,7 +61,8 @@ def write_shard(path: Path, shard: ShardPlan, entries: Mapping[str, Entry], tw: 
     shard is exactly that file's bytes and the filesystem can clone it, else :func:`create_shard`
     and :func:`write_into`. Returns the descriptor, open for writing; the caller fsyncs and
     closes it."""
-    src = whole_file_source(shard, entries)
+    parts = runs(shard.layout, source_range(entries))
+    src = whole_file_source(shard, parts)
     if src is not None:
         fd = tw.clone_file(src, path, shard.file_size)
         if fd is not None:
@@ -69,7 +71,7 @@ def write_shard(path: Path, shard: ShardPlan, entries: Mapping[str, Entry], tw: 
             return fd
     fd = create_shard(path, shard)
     try:
-        write_into(fd, shard, entries, tw, on_tensor=on_tensor)
+        write_into(fd, shard, entries, tw, on_tensor=on_tensor, parts=parts)
     except BaseException:
         os.close(fd)
         raise
@@ -89,10 +91,9 @@ def source_range(entries: Mapping[str, Entry]) -> Callable[[str], tuple[str, int
     return locate
 
 
-def whole_file_source(shard: ShardPlan, entries: Mapping[str, Entry]) -> str | None:
+def whole_file_source(shard: ShardPlan, parts: list[Run | TensorInfo]) -> str | None:
     """The source file that holds exactly ``shard``'s bytes (same size, same header bytes, every
-    tensor at the same offset), or None."""
-    parts = runs(shard.layout, source_range(entries))
+    tensor at the same offset), or None. ``parts`` are the shard's :func:`runs`."""
     if len(parts) != 1 or not isinstance(parts[0], Run):
         return None
     run = parts[0]
@@ -112,22 +113,24 @@ def whole_file_source(shard: ShardPlan, entries: Mapping[str, Entry]) -> str | N
 
 
 def write_into(fd: int, shard: ShardPlan, entries: Mapping[str, Entry], tw: "TensorWriter", *,
-               only: Container[str] | None = None, on_tensor: Callable[[int], None] | None = None) -> int:
+               only: Container[str] | None = None, on_tensor: Callable[[int], None] | None = None,
+               parts: list[Run | TensorInfo] | None = None) -> int:
     """Write ``shard``'s tensors (those named in ``only``, default all) at their planned offsets
     in the file open at ``fd``; returns the data bytes written. Runs of tensors contiguous in
-    one source file are copied as one range."""
-    layout = shard.layout if only is None else [i for i in shard.layout if i.name in only]
+    one source file are copied as one range (``parts``: the shard's :func:`runs`, when the
+    caller has them already). ``on_tensor`` gets the bytes of each run or tensor written."""
+    if parts is None or only is not None:
+        layout = shard.layout if only is None else [i for i in shard.layout if i.name in only]
+        parts = runs(layout, source_range(entries))
     written = 0
-    for part in runs(layout, source_range(entries)):
-        infos = part.infos if isinstance(part, Run) else (part,)
+    for part in parts:
         if isinstance(part, Run):
-            tw.copy_run(fd, shard.data_start + part.begin, [entries[i.name] for i in infos], part)
+            tw.copy_run(fd, shard.data_start + part.begin, [entries[i.name] for i in part.infos], part)
         else:
             tw.write(fd, shard.data_start + part.begin, entries[part.name], part.nbytes)
-        for info in infos:
-            written += info.nbytes
-            if on_tensor is not None:
-                on_tensor(info.nbytes)
+        written += part.nbytes
+        if on_tensor is not None:
+            on_tensor(part.nbytes)
     return written
 
 
@@ -207,12 +210,13 @@ class TensorWriter:
             self.copied += n
             done += n
         offset = 0
-        for e in run_entries:  # the kernel stopped at ``done``: stream from there
+        for e in run_entries if done < length else ():  # the kernel stopped at ``done``: stream from there
             n = e.tensor.nbytes
             if offset + n > done:
                 self._stream(fd, pos + offset, e, n, max(0, done - offset))
+                _faults.point("write-data")
             offset += n
-            _faults.point("write-data")
+        _faults.point("write-data")
 
     def write(self, fd: int, pos: int, e: Entry, length: int) -> None:
         """One tensor that has no source range to copy: streamed (converted on the way)."""

@@ -1,0 +1,45 @@
+"""Metadata at scale: DeepSeek-V3's 91,991 tensor names in 163 shards (about 20 MB of data), read
+by ``verify``, ``inspect --json``, a no-op ``resave --repair`` and ``export``, beside a raw stdlib
+scan of the same headers (the reference: open, read the 8-byte length and the header, ``json.loads``
+it, for every shard) and safetensors' ``safe_open`` of every key."""
+
+from __future__ import annotations
+
+import sys
+from functools import partial
+
+from bench.cases.resave import linked_copy
+from bench.gen import WORK, MoeSpec, ensure
+from bench.harness import CKPTCTL, Case, Command, clear
+
+SPEC = MoeSpec()
+RAW_SCAN = ("import sys, os, json, struct\n"
+            "d = sys.argv[1]\n"
+            "for n in sorted(os.listdir(d)):\n"
+            "    if n.endswith('.safetensors'):\n"
+            "        with open(os.path.join(d, n), 'rb') as f:\n"
+            "            json.loads(f.read(struct.unpack('<Q', f.read(8))[0]))\n")
+SAFE_OPEN = ("import sys, glob\nfrom safetensors import safe_open\n"
+             "for p in sorted(glob.glob(sys.argv[1] + '/*.safetensors')):\n"
+             "    with safe_open(p, 'np') as f:\n"
+             "        [f.get_slice(k) for k in f.keys()]\n")
+
+
+def _cases() -> list[Case]:
+    src = WORK / SPEC.name()
+    out, rep = WORK / "out" / "moe-export", WORK / "out" / "moe-repair"
+    return [
+        Case("metadata-moe", f"{SPEC.name()}: every header, the index and the plan of 91,991 tensors",
+             [Command("raw stdlib header scan", [sys.executable, "-c", RAW_SCAN, str(src)]),
+              Command("safe_open every key", [sys.executable, "-c", SAFE_OPEN, str(src)]),
+              Command("ckptctl verify", [*CKPTCTL, "verify", str(src), "-q"]),
+              Command("ckptctl inspect --json", [*CKPTCTL, "inspect", str(src), "--json"]),
+              Command("ckptctl resave --repair (no-op)", [*CKPTCTL, "resave", "--repair", str(rep), "-q"],
+                      setup=partial(linked_copy, src, rep), teardown=clear(rep)),
+              Command("ckptctl export", [*CKPTCTL, "export", str(src), str(out), "-q"],
+                      setup=clear(out), teardown=clear(out))],
+             prepare=partial(ensure, SPEC)),
+    ]
+
+
+CASES = _cases()

@@ -1,0 +1,195 @@
+"""``resave``: re-shard, re-type or repair a checkpoint in place, through the publish protocol.
+
+Two ways to build the new version:
+
+- **keep layout** (``--repair`` without ``--max-shard-size``/``--dtype``): every shard of the
+  family that is kept stays as it is and is hard-linked into the staging directory, renamed when
+  its ``-of-N`` name was wrong; only a shard that must change (a tensor stored twice, trailing
+  bytes) is rewritten, by kernel copy. The index is rebuilt from the shard headers. A repair that
+  only fixes the index or removes stale files writes no tensor data at all.
+- **re-plan** (``--max-shard-size`` or ``--dtype``): a new plan; a planned shard whose bytes
+  already exist in a file of the directory is hard-linked, other bytes are copied by the kernel,
+  converted tensors stream through Python in bounded chunks.
+
+Which family is kept (``analyze``): the saves the directory holds (``saves.split``: the index
+with its shards, each ``-of-N`` shard set the index does not name, the single file) ranked by
+``layout.choose``: the one complete save consistent with config.json is kept; two such saves are
+refused (exit 2) with each listed and the ``--prefer`` that names it; ``--prefer`` takes a kind,
+``index``/``single`` or any file of a family.
+
+What cannot be repaired without data that is not there (a truncated or missing shard, a corrupt
+header, a tensor stored twice with different bytes, tensors the index names that no file holds)
+is refused with exit 1 and a list of what is lost; nothing is changed. A repair's staged result is
+verified before it is published: any error left refuses it the same way.
+
+Modules: ``analyze`` (the choice and its fixes), ``saves`` (splitting and assessing saves),
+``keep`` (the keep-layout plan and the nothing-to-do test), this module (``resave``).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable
+
+from ckptctl import layout as L
+from ckptctl.errors import InputError, UnrepairableError, UsageError
+from ckptctl.findings import ERROR, Finding
+from ckptctl.format import names as N
+from ckptctl.plan import Plan
+from ckptctl.resave.analyze import Chosen, Repair, analyze
+from ckptctl.resave.keep import already_so, keep_layout_plan, link_matching, note_index_changes, own_metadata
+from ckptctl.sources.safetensors_source import SafetensorsSource
+from ckptctl.write.inputs import Entry, build_inputs, entries_for
+from ckptctl.write.job import ExportResult, write_inputs
+from ckptctl.write.options import ExportOptions, ExportSettings, validate
+
+if TYPE_CHECKING:
+    from ckptctl.write.tree import RootResult
+
+__all__ = ["PREFER", "Chosen", "Repair", "ResaveResult", "analyze", "resave"]
+
+
+@dataclass
+class ResaveResult:
+    export: ExportResult
+    repair: Repair
+    unchanged: bool = False  # --repair of a healthy checkpoint: nothing written, nothing published
+
+    def to_dict(self) -> dict[str, Any]:
+        doc = self.export.to_dict()
+        doc["fixes"] = self.repair.fixes
+        doc["unchanged"] = self.unchanged
+        doc["dropped"] = self.repair.dropped
+        return doc
+
+
+PREFER = ("index", "single", L.SAFETENSORS, L.PYTORCH)
+
+
+def _check_prefer(prefer: str | None) -> None:
+    """``--prefer`` is a kind, index|single, or a family's file name (checked against the
+    directory's families later, by ``layout.choose``)."""
+    if prefer is None or prefer in PREFER:
+        return
+    if "/" in prefer or not (N.parse_weights_name(prefer) or N.parse_index_name(prefer)
+                             or prefer.endswith(".safetensors")):
+        raise UsageError(f"unknown --prefer {prefer!r}",
+                         f"use {', '.join(PREFER)}, or the file name of a family as `resave --repair` lists them")
+
+
+def resave(root: str | os.PathLike[str], opts: ExportOptions, *, output: str | os.PathLike[str] | None = None,
+           repair: bool = False, prefer: str | None = None, link: bool = False) -> ResaveResult | RootResult:
+    """Rewrite the checkpoint at ``root`` (in place, or into ``output``): re-plan when a shard
+    size or dtype is given, else keep its layout and repair what is certain. ``link``: into
+    ``output``, hard-link unchanged shards instead of cloning or copying them. ``prefer``: a kind,
+    ``index``/``single``, or one family's file name. In place, a symlinked ``root`` is rewritten
+    where it points (the link stays a link). A repair publishes only a version that verifies
+    clean."""
+    root = Path(root)
+    # Every option is checked before anything touches the filesystem (a recovery renames).
+    _check_prefer(prefer)
+    from ckptctl.write.tree import is_root, resave_root
+
+    if is_root(root):  # a diffusers pipeline or sentence-transformers root: every component, one publish
+        return resave_root(root, opts, output=output, repair=repair, prefer=prefer, link=link)
+    # In place, unchanged shards are hard-linked (one name survives the publish); into --output
+    # they are cloned or copied (an independent copy) unless the caller asked for links.
+    opts = replace(opts, overwrite=True if not output else opts.overwrite, link_unchanged=not output or link)
+    settings = validate(opts)
+    if not output and os.path.islink(root):  # rewrite the target; publishing onto the link would replace it
+        root = Path(os.path.realpath(root))
+    if not opts.dry_run:  # a dead writer's half-done publish of this very directory comes first
+        from ckptctl.staging import recover_destination
+
+        recover_destination(Path(os.path.abspath(root)))
+    if not root.is_dir():
+        raise InputError(f"{root} is not a checkpoint directory", "resave works on a directory")
+    chosen, rep = analyze(root, prefer=prefer, repair=repair)
+    dest = Path(output) if output else root
+    check = _verified(dest, rep) if repair else None
+    replan = opts.dtype not in (None, "keep") or (opts.max_shard_size is not None and not settings.keep_layout)
+    extras: dict[str, Path | bytes] = {}
+    if opts.dtype not in (None, "keep") and (root / "config.json").is_file():
+        extras["config.json"] = root / "config.json"  # rewritten with the new dtype
+    if output:
+        for n in sorted(os.listdir(root)):
+            if n in L.COPIED_EXTRAS and n not in extras:
+                extras[n] = root / n
+    if not chosen.files:  # pickles: read through torch like an export
+        from ckptctl.sources.base import open_source
+
+        with open_source(root, only=L.PYTORCH) as src:  # read (weights_only) even to find it sound
+            if repair and not replan and not output and not rep.fixes:
+                return _unchanged(dest, opts, rep, chosen.errors)  # a sound pickle checkpoint
+            inputs = build_inputs(entries_for(src, opts.dtype), opts, settings, extras=extras, aliases=src.aliases,
+                                  source=src)
+            return ResaveResult(write_inputs(inputs, dest, check=check), rep)
+    opts = replace(opts, prefix=chosen.stem, variant=chosen.variant)
+    if replan:
+        src = SafetensorsSource.open(root, chosen.files)
+        entries = entries_for(src, opts.dtype)
+        plan = _replan(entries, settings, src.metadata or None, opts)
+        link_matching(plan, root, entries)
+        inputs = build_inputs(entries, opts, settings, extras=extras)
+    else:
+        plan, src, entries = keep_layout_plan(root, chosen, rep)
+        metadata = None
+        if plan.index_name and chosen.index is not None:
+            metadata = own_metadata(chosen.index)
+            note_index_changes(chosen.index, plan, rep)
+        if rep.lost:  # DESIGN.md I9: no tensor lost
+            raise UnrepairableError(
+                f"{root}: {len(rep.lost)} tensor(s) the index names are in no file: {', '.join(rep.lost[:8])}"
+                + (" ..." if len(rep.lost) > 8 else "") + "; rebuilding the index around them would lose them",
+                "restore the files that hold them from a copy; nothing was changed")
+        inputs = build_inputs(entries, opts, settings, extras=extras, metadata=metadata)
+        if repair and not output and already_so(root, chosen, plan, rep):
+            return _unchanged(dest, opts, rep, chosen.errors)
+    return ResaveResult(write_inputs(inputs, dest, plan=plan, check=check), rep)
+
+
+def _verified(dest: Path, rep: Repair) -> Callable[[Path], None]:
+    """The last step of a repair, on the staged version before it is published: ckptctl's own
+    verify. Any error left (a tensor the config requires that no file holds, ...) refuses the
+    repair with exit 1 and what is lost; the staged version is removed and nothing changes."""
+
+    def check(data: Path) -> None:
+        from ckptctl.verify import verify_path
+
+        res = verify_path(data, display=str(dest))
+        errors = [f for f in res.findings if f.severity == ERROR]
+        if not errors:
+            return
+        staged = str(data)
+        what = [f.message.replace(staged, str(dest)) for f in errors[:4]]
+        raise UnrepairableError(
+            f"{dest}: the repaired checkpoint would still fail verify with {len(errors)} error(s): " + "; ".join(what),
+            "the data is not there: restore what is missing from a copy (`ckptctl verify` shows the details); "
+            "nothing was changed", phase="verify")
+
+    return check
+
+
+def _unchanged(dest: Path, opts: ExportOptions, rep: Repair, errors: list[Finding] | None = None) -> ResaveResult:
+    """The result of a repair that found nothing to do: no staging, no publish. When the layout
+    still has an error finding, that is not "nothing to repair" (resave without --repair sent the
+    user here): it is refused with the finding's own next step, never a loop back to --repair."""
+    if errors:
+        first = errors[0]
+        hint = first.hint if first.hint and "resave --repair" not in first.hint else None
+        raise UnrepairableError(f"{dest}: resave --repair has no certain fix for: {first.message}",
+                                (hint or f"run `ckptctl verify {dest}` for the details") + "; nothing was changed")
+    return ResaveResult(ExportResult(dest=str(Path(os.path.abspath(dest))), dry_run=opts.dry_run), rep, unchanged=True)
+
+
+def _replan(entries: list[Entry], settings: ExportSettings, metadata: dict[str, str] | None,
+            opts: ExportOptions) -> Plan:
+    from ckptctl.plan import make_plan
+
+    try:
+        return make_plan([e.spec for e in entries], max_shard_size=settings.max_shard_size, metadata=metadata,
+                         prefix=opts.prefix, variant=opts.variant)
+    except ValueError as exc:
+        raise InputError(str(exc), "check the tensor names and --max-shard-size") from None

@@ -1,0 +1,155 @@
+"""Keep-layout resave: every shard of the kept family stays as it is (hard-linked, renamed when
+its ``-of-N`` name was wrong); only a shard that must change (a tensor stored twice, trailing
+bytes) is rewritten, by kernel copy; the index is rebuilt from the headers. And the test that
+the plan is the directory as it already is (a repair with nothing to do)."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+from ckptctl import layout as L
+from ckptctl.errors import UnrepairableError
+from ckptctl.format import dtypes as dt
+from ckptctl.format import names as N
+from ckptctl.format.header import TensorInfo, encode_header, read_header
+from ckptctl.format.index import Index
+from ckptctl.manifest import MANIFEST_NAME
+from ckptctl.plan import Plan, ShardPlan
+from ckptctl.resave.analyze import Chosen, Repair
+from ckptctl.sources.base import Source, SourceTensor
+from ckptctl.sources.safetensors_source import SafetensorsSource
+from ckptctl.write.inputs import Entry, entries_for
+
+
+def _hash_range(path: Path, offset: int, length: int) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        f.seek(offset)
+        left = length
+        while left:
+            chunk = f.read(min(left, 8 << 20))
+            if not chunk:
+                break
+            h.update(chunk)
+            left -= len(chunk)
+    return h.hexdigest()
+
+
+def keep_layout_plan(root: Path, chosen: Chosen, rep: Repair) -> tuple[Plan, Source, list[Entry]]:
+    """A plan that keeps each file's tensors together, linking every file that does not change;
+    the files keep their library's names and variant."""
+    files = chosen.files
+    src = SafetensorsSource(path=root, kind="safetensors")
+    headers = {n: read_header(root / n, display=str(root / n)) for n in files}
+    seen: dict[str, tuple[str, str]] = {}  # tensor -> (file, digest)
+    per_file: dict[str, list[TensorInfo]] = {}
+    for n in sorted(files):
+        h = headers[n]
+        keep = []
+        for t in h.tensors.values():
+            if t.name in seen:
+                first_file, digest = seen[t.name]
+                first = headers[first_file].tensors[t.name]
+                mine = _hash_range(root / n, h.data_start + t.begin, t.nbytes)
+                if digest is None:
+                    digest = _hash_range(root / first_file, headers[first_file].data_start + first.begin, first.nbytes)
+                    seen[t.name] = (first_file, digest)
+                if (first.dtype, first.shape) != (t.dtype, t.shape) or digest != mine:
+                    raise UnrepairableError(f"{root}: tensor {t.name!r} is stored in {first_file} and {n} with "
+                                            "different contents", "cannot tell which is right; nothing was changed")
+                rep.duplicates[t.name] = n
+                continue
+            seen[t.name] = (n, None)  # type: ignore[assignment]
+            keep.append(t)
+            src.tensors.append(SourceTensor(t.spec, file=str(root / n), offset=h.data_start + t.begin))
+        if keep:
+            per_file[n] = keep
+    if rep.duplicates:
+        rep.fixes.append(f"kept {len(rep.duplicates)} tensor(s) stored twice with identical bytes once")
+    ordered = sorted(per_file)
+    n_out = len(ordered)
+    shards: list[ShardPlan] = []
+    for i, n in enumerate(ordered, start=1):
+        new_name = N.weights_file_name(chosen.stem, N.SAFETENSORS_EXT, variant=chosen.variant,
+                                       shard=(i, n_out) if n_out > 1 else None)
+        h = headers[n]
+        keep = per_file[n]
+        unchanged = (len(keep) == len(h.tensors) and h.data_start + h.data_bytes == h.file_size)
+        specs = [t.spec for t in keep]
+        if unchanged:
+            with open(root / n, "rb") as f:
+                raw_header = f.read(h.data_start)
+            sp = ShardPlan(new_name, specs, h.metadata, raw_header, list(keep), link_from=str(root / n))
+            if new_name != n:
+                rep.fixes.append(f"renamed {n} to {new_name} (content unchanged)")
+        else:
+            md = h.metadata if h.metadata is not None else {"format": "pt"}
+            header, lay = encode_header(specs, md)
+            sp = ShardPlan(new_name, specs, md, header, lay)
+            if h.data_start + h.data_bytes != h.file_size:
+                rep.fixes.append(f"dropped {h.file_size - h.data_start - h.data_bytes} trailing bytes of {n}")
+        shards.append(sp)
+    total = sum(s.data_bytes for s in shards)
+    params = sum(dt.numel(t.shape) for s in shards for t in s.specs)
+    index = N.index_name(chosen.stem, N.SAFETENSORS_EXT, variant=chosen.variant) if n_out > 1 else None
+    return Plan(shards, index, total, params), src, entries_for(src, None)
+
+
+def link_matching(plan: Plan, root: Path, entries: list[Entry]) -> None:
+    """Mark planned shards whose bytes are exactly an existing file of ``root``: same name, same
+    header bytes, and every tensor read from that very file at the same offset, unconverted."""
+    by_name = {e.tensor.name: e for e in entries}
+    for sp in plan.shards:
+        existing = root / sp.name
+        if not existing.is_file() or existing.stat().st_size != sp.file_size:
+            continue
+        base = len(sp.header)
+        if not all(by_name[t.name].tensor.file == str(existing) and by_name[t.name].tensor.offset == base + t.begin
+                   and by_name[t.name].dtype == by_name[t.name].tensor.dtype for t in sp.layout):
+            continue
+        with open(existing, "rb") as f:
+            if f.read(base) != sp.header:
+                continue
+        sp.link_from = str(existing)
+
+
+
+def already_so(root: Path, chosen: Chosen, plan: Plan, rep: Repair) -> bool:
+    """The keep-layout plan is the directory as it is: nothing to fix, every shard an unchanged
+    file under its own name, the index (as its library wrote it) mapping every tensor to the
+    shard that holds it with the right total size, and nothing the new version would drop."""
+    from ckptctl.write.superseded import superseded
+
+    if rep.fixes or any(sp.link_from != str(root / sp.name) for sp in plan.shards):
+        return False
+    if plan.index_name != chosen.index_file:
+        return False
+    if plan.index_name is not None:
+        old = chosen.index
+        if old is None or old.weight_map != plan.weight_map or old.metadata.get("total_size") != plan.total_size:
+            return False
+    dropped, _ = superseded(root, slot=L.slot_of(chosen.stem, chosen.variant))
+    return set(dropped) <= set(plan.files) | {MANIFEST_NAME}
+
+
+def note_index_changes(old: Index, plan: Plan, rep: Repair) -> None:
+    """Say what the rebuilt index corrects in the old (readable) one."""
+    new_map = plan.weight_map
+    if old.metadata.get("total_size") != plan.total_size:
+        rep.fixes.append(f"index total_size {old.metadata.get('total_size')!r} -> {plan.total_size}")
+    missing = sorted(set(new_map) - set(old.weight_map))
+    if missing:
+        rep.fixes.append(f"added {len(missing)} tensor(s) missing from the index (e.g. {missing[0]})")
+    stale = sorted(set(old.weight_map) - set(new_map))
+    if stale:
+        rep.lost = stale
+        rep.fixes.append(f"dropped {len(stale)} index entr(ies) for tensors no shard holds (e.g. {stale[0]})")
+    moved = sorted(k for k in set(new_map) & set(old.weight_map) if old.weight_map[k] != new_map[k])
+    if moved:
+        rep.fixes.append(f"remapped {len(moved)} tensor(s) to the shard that holds them (e.g. {moved[0]})")
+
+
+def own_metadata(old: Index) -> dict[str, str]:
+    """The previous index's own metadata (alias records, user keys), without the computed sizes."""
+    return {k: v for k, v in old.metadata.items() if k not in ("total_size", "total_parameters") and isinstance(v, str)}

@@ -1,0 +1,63 @@
+"""The header's fast path (well-formed entries checked in one loop, Python's own int parser) gives
+exactly what the strict path gives. A ``\\u`` escape anywhere in a header sends every entry down
+the strict path (``_check_entry`` and the full serde walk), so the same entries parsed with and
+without one escaped character in ``__metadata__`` must yield the same tensors and findings."""
+
+from __future__ import annotations
+
+import json
+import struct
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from ckptctl.format import dtypes as dt
+from ckptctl.format.header import MAX_DIM_PRODUCT, parse_header_bytes
+
+_dims = st.one_of(st.integers(0, 5), st.sampled_from([2**24, 2**25, -1, True, 1.0, "1", [1]]))
+_entry = st.fixed_dictionaries(
+    {"dtype": st.one_of(st.sampled_from([d.name for d in dt.DTYPES]), st.sampled_from(["F33", 7, None])),
+     "shape": st.one_of(st.lists(_dims, max_size=4), st.just("x"), st.just([MAX_DIM_PRODUCT, 2]))},
+    optional={"extra": st.just(1)})
+
+
+def _file(entries: list[dict], escaped: bool) -> bytes:
+    obj: dict = {"__metadata__": {"format": "pt", "k": "ESC"}}
+    offset = 0
+    for i, e in enumerate(entries):
+        e = dict(e)
+        d = dt.get(e["dtype"]) if isinstance(e["dtype"], str) else None
+        size = 3
+        if d and isinstance(e["shape"], list) and all(type(x) is int and x >= 0 for x in e["shape"]):
+            n = 1
+            for x in e["shape"]:
+                n *= x
+            size = n * d.bits // 8 + (i % 3 == 2)  # every third one a byte too long
+        size = min(size, 1 << 12)
+        e["data_offsets"] = [offset, offset + size] if i % 5 != 4 else [offset + size, offset]
+        offset += size
+        obj[f"t.{i}"] = e
+    # the same length either way, so every offset in the file stays where it was
+    text = json.dumps(obj).replace('"ESC"', '"\\u0041"' if escaped else '"A"     ')
+    raw = text.encode() + b" " * (-len(text) % 8)
+    return struct.pack("<Q", len(raw)) + raw + bytes(min(offset, 1 << 16))
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(_entry, max_size=12))
+def test_fast_path_equals_strict_path(entries: list[dict]) -> None:
+    fast, strict = parse_header_bytes(_file(entries, False)), parse_header_bytes(_file(entries, True))
+    assert fast.metadata == strict.metadata == {"format": "pt", "k": "A"}
+    assert fast.tensors == strict.tensors
+    assert list(fast.tensors) == list(strict.tensors)
+    assert fast.findings == strict.findings
+
+
+def test_negative_zero_and_huge_integers_take_the_strict_decoder() -> None:
+    """``-0`` is serde's float (not a size) and a 5,000-digit integer is out of f64's range:
+    both are still refused, while the fast decoder handles every other header."""
+    for text in ('{"a":{"dtype":"U8","shape":[1],"data_offsets":[-0,1]}}',
+                 '{"a":{"dtype":"U8","shape":[1],"data_offsets":[0, ' + "1" * 5000 + "]}}"):
+        raw = text.encode() + b" " * (-len(text) % 8)
+        hdr = parse_header_bytes(struct.pack("<Q", len(raw)) + raw + b"x")
+        assert [f.code for f in hdr.findings] == (["header.bad_offsets"] if "-0" in text else ["header.bad_json"])
