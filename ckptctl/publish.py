@@ -69,7 +69,8 @@ def _renameat2(src: Path, dst: Path, flags: int) -> None:
 class Stage:
     """One writer's staging directory for one destination."""
 
-    def __init__(self, dest: Path, *, fsync: bool = True, command: str | None = None) -> None:
+    def __init__(self, dest: Path, *, fsync: bool = True, command: str | None = None,
+                 known: dict[str, int] | None = None) -> None:
         self.dest = Path(os.path.abspath(dest))
         self.parent = self.dest.parent
         self.fsync = fsync
@@ -78,7 +79,10 @@ class Stage:
         self.lock: staging.StagingLock | None = None
         self.published = False
         self.kept = False  # a failed publish left the staging directory for recovery (said so)
-        self.known: dict[str, int] = {}  # the destination's entries (name -> inode) when staging began
+        # The destination's entries (name -> inode) when the plan listed it (``known``), else when
+        # staging began: what appears after that is carried by the publish.
+        self.known: dict[str, int] = known or {}
+        self._known_given = known is not None
         self.late: list[str] = []  # entries that appeared in the destination while we wrote: carried
         self.kept_aside: list[str] = []  # ... under another name, where the new version has that name
 
@@ -93,7 +97,8 @@ class Stage:
         data/), then rename it to its visible name: gc-tmp never sees a staging directory whose
         writer has not taken its lock yet, whatever ``--min-age`` it is given."""
         _faults.point("stage-create")
-        self.known = entries(self.dest)
+        if not self._known_given:
+            self.known = entries(self.dest)
         hidden = self.parent / staging_name(self.dest.name, hidden=True)
         try:
             os.mkdir(hidden, 0o755)

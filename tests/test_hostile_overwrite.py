@@ -60,9 +60,12 @@ os.rename(os.path.join(dest, "config.json.tmp"), os.path.join(dest, "config.json
 """
 
 
+@pytest.mark.parametrize("stop", ["stage-create", "shard-start"])
 @pytest.mark.parametrize("exchange", [True, False], ids=["exchange", "two-rename"])
-def test_files_added_while_the_export_writes_are_carried(src, old, exchange):
-    env = {"CKPTCTL_STOP_AT": "shard-start"}  # one shard: one stop
+def test_files_added_while_the_export_writes_are_carried(src, old, exchange, stop):
+    """At stage-create the plan has listed the destination but no staging directory exists yet
+    (the files appear in the gap between the two); at shard-start the shards are being written."""
+    env = {"CKPTCTL_STOP_AT": stop}  # one shard: one stop
     if not exchange:
         env["CKPTCTL_FAIL_AT"] = "exchange:EINVAL"  # the NFS path: two journaled renames
     proc = popen_ckptctl("export", src, old, "--overwrite", "--json", env=env)

@@ -28,6 +28,7 @@ from ckptctl.manifest import MANIFEST_NAME, build_manifest, encode_manifest, lis
 from ckptctl.plan import Plan, make_plan, place_for_clone, with_alias_records
 from ckptctl.publish import Stage, check_destination, check_writable, free_space
 from ckptctl.staging import recover_destination
+from ckptctl.staging.keep import entries
 from ckptctl.write.extras import read_extras
 from ckptctl.write.inputs import Entry, ExportInputs, build_inputs
 from ckptctl.write.options import ExportOptions, ProgressEvent, validate
@@ -108,6 +109,7 @@ class ExportJob:
         self.extra_blobs: dict[str, bytes] = {}
         self.stage_: Stage | None = None
         self.dest_existed = False
+        self.known: dict[str, int] = {}  # dest's entries (name -> inode) as the plan saw them
 
     def prepare(self, *, recover: bool = True, place: bool = False) -> ExportResult:
         """Plan from metadata (no I/O), then look at the destination: finish a dead writer's
@@ -134,6 +136,8 @@ class ExportJob:
         if recover and not opts.dry_run:
             result.recovered = recover_destination(dest)
         self.dest_existed = check_destination(dest, overwrite=opts.overwrite)
+        # Listed before the plan's own listing: whatever appears later is carried at publish.
+        self.known = entries(dest) if self.dest_existed else {}
         removed, carried = superseded(dest, slot=L.slot_of(opts.prefix, opts.variant)) if self.dest_existed else ([], [])
         self.extra_blobs = read_extras(self.inputs.extras, self.entries)
         result.index = plan.index_name
@@ -178,7 +182,7 @@ class ExportJob:
     def stage(self) -> Path:
         """Check the parent and its free space, create the staging directory; returns its data/."""
         assert self.plan is not None
-        self.stage_ = Stage(self.dest, fsync=self.opts.fsync, command=self.opts.command)
+        self.stage_ = Stage(self.dest, fsync=self.opts.fsync, command=self.opts.command, known=self.known)
         return create_stage(self.stage_, self.result.bytes_to_write,
                             files=len(self.plan.files) + len(self.extra_blobs) + 4)
 
