@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ckptctl.errors import InputError
+from ckptctl.format.small import read_small
 
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 _REPO_FOLDER = re.compile(r"^(models|datasets|spaces)--.+")
@@ -55,9 +56,8 @@ def cache_snapshot(p: Path) -> Resolved | None:
     if not (_REPO_FOLDER.match(p.name) and p.is_dir() and snaps.is_dir() and not snaps.is_symlink()):
         return None
     ref = p / "refs" / "main"
-    try:
-        with open(ref, "rb") as f:
-            commit = f.read(_MAX_REF).decode("ascii", "replace").strip()
+    try:  # a regular file, bounded (never a FIFO, a device or a link)
+        commit = read_small(ref, limit=_MAX_REF).decode("ascii", "replace").strip()
     except OSError:
         commit = ""
     if commit and "/" not in commit and commit not in (".", "..") and (snaps / commit).is_dir():

@@ -176,3 +176,17 @@ def test_exit_130_interrupted(ckpt, tmp_path):
     out, err = proc.communicate(timeout=120)
     _expect(subprocess.CompletedProcess(proc.args, proc.returncode, out, err), E.Interrupted)
     assert not (tmp_path / "dst").exists() and [p.name for p in tmp_path.iterdir()] == ["src"]
+
+
+def test_readme_documents_every_exit_code():
+    """README's "Exit codes" table has a row for every code the tool can exit with: the classes',
+    the signals' (128 + SIGHUP/SIGINT/SIGTERM) and a closed stdout's."""
+    import re
+    import signal
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    table = readme[readme.index("### Exit codes"):].split("\n\n", 2)[1]
+    rows = {int(m) for m in re.findall(r"^\| (\d+) \|", table, flags=re.M)}
+    signals = {E.EXIT_SIGNAL_BASE + s for s in (signal.SIGHUP, signal.SIGINT, signal.SIGTERM)}
+    assert rows == {E.EXIT_OK} | {c for c, _ in EXPECTED.values()} | signals | {E.EXIT_BROKEN_PIPE}

@@ -84,5 +84,6 @@ def fill_filesystem(path: Path, leave: int) -> Path:
 
 
 def staging_dirs(parent: Path) -> list[Path]:
-    """Entries of ``parent`` named like staging directories (``_tmp_*``), sorted."""
-    return sorted(p for p in parent.iterdir() if p.name.startswith("_tmp_"))
+    """Entries of ``parent`` named like staging directories (``_tmp_*``, and ``._tmp_*`` of a writer
+    stopped before it made its staging directory visible), sorted."""
+    return sorted(p for p in parent.iterdir() if p.name.startswith(("_tmp_", "._tmp_")))
