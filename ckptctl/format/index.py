@@ -63,7 +63,8 @@ def read_index(path: str | os.PathLike[str], *, display: str | None = None) -> I
         idx.add("index.bad_schema", f"{idx.path}: top level is not a JSON object", hint=_REBUILD)
         return idx
     wm = obj.get("weight_map")
-    if not isinstance(wm, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in wm.items()):
+    # json.loads makes every key a str and every string value an exact str: a C-level pass over the types
+    if not isinstance(wm, dict) or not set(map(type, wm.values())) <= {str}:
         idx.add("index.bad_schema", f"{idx.path}: 'weight_map' is missing or does not map strings to strings",
                 hint=_REBUILD)
         return idx
