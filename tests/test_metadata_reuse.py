@@ -1,5 +1,7 @@
-"""Metadata read once per command (issue 16): read_index parses an index once per content (a command scans the same directory
-several times; every read still reads the file, and what it returns follows the bytes on disk), and a plan that fits one shard is grouped without the hub, as the hub groups it."""
+"""Metadata read once per command (issue 16). read_index parses an index once per content: a
+command scans the same directory several times, every read still reads the file, and what it
+returns follows the bytes on disk. A plan that fits one shard is grouped without the hub, as
+the hub groups it."""
 
 from __future__ import annotations
 
