@@ -149,11 +149,14 @@ def runs(layout: Sequence[TensorInfo], locate: Locate) -> list[Run | TensorInfo]
     out: list[Run | TensorInfo] = []
     cur: list[TensorInfo] = []
     file, start, end = "", 0, 0
-    for info in layout:
-        where = locate(info.name) if info.nbytes else None
-        if where is not None and cur and where[0] == file and where[1] == end and info.begin == cur[-1].end:
+    last_end = 0  # where the last tensor of ``cur`` ends in this shard
+    for info in layout:  # attributes read once each: this loop runs per tensor of every shard
+        begin, stop = info.begin, info.end
+        where = locate(info.spec.name) if stop != begin else None
+        if where is not None and cur and where[0] == file and where[1] == end and begin == last_end:
             cur.append(info)
-            end += info.nbytes
+            end += stop - begin
+            last_end = stop
             continue
         if cur:
             out.append(Run(tuple(cur), file, start))
@@ -162,7 +165,8 @@ def runs(layout: Sequence[TensorInfo], locate: Locate) -> list[Run | TensorInfo]
             out.append(info)
         else:
             cur = [info]
-            file, start, end = where[0], where[1], where[1] + info.nbytes
+            file, start, end = where[0], where[1], where[1] + stop - begin
+            last_end = stop
     if cur:
         out.append(Run(tuple(cur), file, start))
     return out
