@@ -9,6 +9,8 @@ import json
 import os
 from pathlib import Path
 
+import pytest
+
 from ckptctl.format.index import read_index
 
 
@@ -59,3 +61,17 @@ def test_one_shard_grouping_is_the_hubs() -> None:
         hub = split_state_dict_into_shards_factory(dict(sizes), get_storage_size=lambda s: s,
                                                    filename_pattern="{suffix}", max_shard_size=limit)
         assert group(sizes, limit) == list(hub.filename_to_tensors.values())
+
+
+def test_duplicate_keys_name_the_first_repeat() -> None:
+    """The JSON hook builds each object in one call and still names the key a key-by-key check
+    stops at: the first key seen a second time."""
+    from ckptctl.format.header import DuplicateKey, no_duplicate_keys
+
+    assert no_duplicate_keys([("a", 1), ("b", 2)]) == {"a": 1, "b": 2}
+    assert no_duplicate_keys([]) == {}
+    for pairs, key in (([("a", 1), ("b", 2), ("b", 3), ("a", 4)], "b"), ([("a", 1), ("b", 2), ("a", 3), ("b", 4)], "a"),
+                       ([("x", 1), ("x", 1)], "x")):
+        with pytest.raises(DuplicateKey) as exc:
+            no_duplicate_keys(pairs)
+        assert exc.value.key == key
