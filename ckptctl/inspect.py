@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
+from math import prod
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +17,7 @@ from ckptctl import layout as L
 from ckptctl.config_fields import ConfigFields
 from ckptctl.errors import InputError
 from ckptctl.findings import Finding
+from ckptctl.format import dtypes as dt
 from ckptctl.format import small
 from ckptctl.format.header import load_header
 from ckptctl.format.tensor import SpecFields, TensorSpec
@@ -65,21 +67,20 @@ class Inspection:
         stored once counts once (as the library counts it); a buffer the library saves (a bias
         table, a router correction) counts, a parameter it recomputes and does not save (sinusoidal
         positions) does not. A multi-component root sums its components."""
-        return sum(t.parameters for t in self.tensors)
+        return self._totals()[0]
 
     @property
     def total_bytes(self) -> int:
-        return sum(t.nbytes for t in self.tensors)
+        return self._totals()[1]
 
     @property
     def dtypes(self) -> dict[str, dict[str, int]]:
-        out: dict[str, dict[str, int]] = {}
-        for t in self.tensors:
-            d = out.setdefault(t.dtype, {"tensors": 0, "parameters": 0, "bytes": 0})
-            d["tensors"] += 1
-            d["parameters"] += t.parameters
-            d["bytes"] += t.nbytes
-        return dict(sorted(out.items()))
+        return self._totals()[2]
+
+    def _totals(self) -> tuple[int, int, dict[str, dict[str, int]]]:
+        """Parameters, bytes and the per-dtype totals, in one pass over the tensors (each tensor's
+        element count is computed once: at 90k tensors the properties' chains were most of it)."""
+        return _tally(self.tensors)[:3]
 
     def shards(self) -> list[dict[str, Any]]:
         by: dict[str, dict[str, Any]] = {}
@@ -93,14 +94,15 @@ class Inspection:
         return list(by.values())
 
     def to_dict(self, *, with_tensors: bool = True) -> dict[str, Any]:
+        parameters, total_bytes, dtypes, rows = _tally(self.tensors, with_rows=with_tensors)
         doc: dict[str, Any] = {
             "path": self.path,
             "format": self.format,
             "files": self.files,
             "tensor_count": len(self.tensors),
-            "parameters": self.parameters,
-            "total_bytes": self.total_bytes,
-            "dtypes": self.dtypes,
+            "parameters": parameters,
+            "total_bytes": total_bytes,
+            "dtypes": dtypes,
             "config": self.config,
             "findings": [f.to_dict() for f in self.findings],
         }
@@ -109,12 +111,41 @@ class Inspection:
         if self.components:
             doc["components"] = [vars(c) for c in self.components]
         if with_tensors:
-            doc["tensors"] = [
-                {"name": t.name, "dtype": t.dtype, "shape": list(t.shape), "parameters": t.parameters,
-                 "bytes": t.nbytes, "file": t.file, **({"component": t.component} if t.component is not None else {})}
-                for t in self.tensors
-            ]
+            doc["tensors"] = rows
         return doc
+
+
+def _tally(tensors: list[TensorRow], *, with_rows: bool = False
+           ) -> tuple[int, int, dict[str, dict[str, int]], list[dict[str, Any]]]:
+    """Total parameters, total bytes, per-dtype totals (sorted by dtype) and, with ``with_rows``,
+    each tensor's JSON row: one pass, each tensor's size computed once."""
+    parameters = total = 0
+    by_dtype: dict[str, dict[str, int]] = {}
+    bits: dict[str, int] = {}
+    rows: list[dict[str, Any]] = []
+    for t in tensors:
+        spec = t.spec
+        dtype = spec.dtype
+        n = prod(spec.shape)
+        b = bits.get(dtype)  # type: ignore[arg-type]
+        if b is None:
+            b = bits[dtype] = dt.BY_NAME[dtype].bits  # type: ignore[index]
+        nbytes = n * b // 8  # = TensorSpec.nbytes
+        parameters += n
+        total += nbytes
+        d = by_dtype.get(dtype)  # type: ignore[arg-type]
+        if d is None:
+            d = by_dtype[dtype] = {"tensors": 0, "parameters": 0, "bytes": 0}  # type: ignore[index]
+        d["tensors"] += 1
+        d["parameters"] += n
+        d["bytes"] += nbytes
+        if with_rows:
+            row = {"name": spec.name, "dtype": dtype, "shape": list(spec.shape), "parameters": n,
+                   "bytes": nbytes, "file": t.file}
+            if t.component is not None:
+                row["component"] = t.component
+            rows.append(row)
+    return parameters, total, dict(sorted(by_dtype.items())), rows
 
 
 def config_summary(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -163,7 +194,10 @@ def inspect_path(path: str | os.PathLike[str], *, only: str | None = None,
             row.tensors = len(added)
             row.parameters = sum(t.parameters for t in added)
             row.total_bytes = sum(t.nbytes for t in added)
-    res.tensors.sort(key=lambda t: (t.component or "", t.name))
+    if res.components:
+        res.tensors.sort(key=lambda t: (t.component or "", t.spec.name))
+    else:  # no component: the same order by name alone (the sort is stable, names are unique per family)
+        res.tensors.sort(key=lambda t: t.spec.name)
     if name_filter:
         res.tensors = [t for t in res.tensors if fnmatchcase(t.name, name_filter)]
     cfg = read_config(lay.root) if lay.single_file is None else None

@@ -1,7 +1,8 @@
 """Metadata at scale: DeepSeek-V3's 91,991 tensor names in 163 shards (about 20 MB of data), read
 by ``verify``, ``inspect --json``, a no-op ``resave --repair`` and ``export``, beside a raw stdlib
 scan of the same headers (the reference: open, read the 8-byte length and the header, ``json.loads``
-it, for every shard) and safetensors' ``safe_open`` of every key."""
+it, for every shard) and safetensors' ``safe_open`` of every key. ``help``: ``ckptctl --help``
+against a bare ``import typer, rich`` (the start-up every command pays)."""
 
 from __future__ import annotations
 
@@ -39,6 +40,9 @@ def _cases() -> list[Case]:
               Command("ckptctl export", [*CKPTCTL, "export", str(src), str(out), "-q"],
                       setup=clear(out), teardown=clear(out))],
              prepare=partial(ensure, SPEC)),
+        Case("help", "start-up: ckptctl --help against importing its two libraries",
+             [Command("import typer, rich", [sys.executable, "-c", "import typer, rich"]),
+              Command("ckptctl --help", [*CKPTCTL, "--help"])]),
     ]
 
 

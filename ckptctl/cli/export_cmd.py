@@ -6,7 +6,6 @@ import os
 from typing import Annotated, Optional
 
 import typer
-from rich.table import Table
 
 from ckptctl.cli._options import (DryRunOpt, DtypeOpt, JsonOpt, KeyOpt, LabelOpt, ManifestOpt, NoFsyncOpt,
                                   QuietOpt, VerboseOpt)
@@ -82,6 +81,8 @@ def render_result(out: Output, result) -> None:
     if hasattr(result, "components"):  # a multi-component root (write/tree.py RootResult)
         render_root(out, result)
         return
+    from rich.table import Table  # only when rendering: keeps `--help` from importing it
+
     verb = "would write" if result.dry_run else "wrote"
     table = Table(title=f"{verb} {result.dest}", title_justify="left")
     for col in ("file", "size", "tensors"):
@@ -110,7 +111,7 @@ def render_result(out: Output, result) -> None:
         out.print(line)
 
 
-def _file_rows(table: Table, result, folder: str = "") -> None:
+def _file_rows(table, result, folder: str = "") -> None:
     """One row per file an export writes (``folder/`` before each name for a root's component)."""
     for f in result.files:
         table.add_row(folder + f["name"], human_size(f["size"]), f"{f['tensors']:,}")
@@ -120,6 +121,8 @@ def _file_rows(table: Table, result, folder: str = "") -> None:
 
 def render_root(out: Output, result) -> None:
     """A multi-component root: each component's files under its folder, then the root's summary."""
+    from rich.table import Table
+
     verb = "would write" if result.dry_run else "wrote"
     table = Table(title=f"{verb} {result.dest} ({result.kind} root)", title_justify="left")
     for col in ("file", "size", "tensors"):

@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import Annotated, Optional
 
 import typer
-from rich.table import Table
 
 from ckptctl.cli._options import JsonOpt, KeyOpt, QuietOpt, VerboseOpt
 from ckptctl.cli._output import Output, human_size
@@ -48,6 +47,8 @@ def inspect(
 
 
 def _render(out: Output, res, *, show_tensors: bool) -> None:
+    from rich.table import Table  # only when rendering: keeps `--help` from importing it
+
     summary = Table(show_header=False, box=None, pad_edge=False)
     summary.add_column(style="bold")
     summary.add_column()

@@ -81,11 +81,10 @@ class DuplicateKey(Exception):
 
 
 def no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in out:
-            raise DuplicateKey(key)
-        out[key] = value
+    out = dict(pairs)  # one C call per object (a header has one per tensor)
+    if len(out) != len(pairs):  # a key repeats: name the first repeat, as a key-by-key check meets it
+        seen: set[str] = set()
+        raise DuplicateKey(next(k for k, _ in pairs if k in seen or seen.add(k)))  # type: ignore[func-returns-value]
     return out
 
 

@@ -39,7 +39,8 @@ from ckptctl.findings import ERROR, Finding
 from ckptctl.format import names as N
 from ckptctl.plan import Plan
 from ckptctl.resave.analyze import Chosen, Repair, analyze
-from ckptctl.resave.keep import already_so, keep_layout_plan, link_matching, note_index_changes, own_metadata
+from ckptctl.resave.keep import (already_so, keep_layout_plan, keep_layout_source, link_matching, note_index_changes,
+                                 own_metadata)
 from ckptctl.sources.safetensors_source import SafetensorsSource
 from ckptctl.write.inputs import Entry, build_inputs, entries_for
 from ckptctl.write.job import ExportResult, write_inputs
@@ -134,7 +135,7 @@ def resave(root: str | os.PathLike[str], opts: ExportOptions, *, output: str | o
         link_matching(plan, root, entries)
         inputs = build_inputs(entries, opts, settings, extras=extras)
     else:
-        plan, src, entries = keep_layout_plan(root, chosen, rep)
+        plan, kept = keep_layout_plan(root, chosen, rep)
         metadata = None
         if plan.index_name and chosen.index is not None:
             metadata = own_metadata(chosen.index)
@@ -144,9 +145,10 @@ def resave(root: str | os.PathLike[str], opts: ExportOptions, *, output: str | o
                 f"{root}: {len(rep.lost)} tensor(s) the index names are in no file: {', '.join(rep.lost[:8])}"
                 + (" ..." if len(rep.lost) > 8 else "") + "; rebuilding the index around them would lose them",
                 "restore the files that hold them from a copy; nothing was changed")
-        inputs = build_inputs(entries, opts, settings, extras=extras, metadata=metadata)
-        if repair and not output and already_so(root, chosen, plan, rep):
+        if repair and not output and already_so(root, chosen, plan, rep):  # before any per-tensor input
             return _unchanged(dest, opts, rep, chosen.errors)
+        src, entries = keep_layout_source(root, kept)
+        inputs = build_inputs(entries, opts, settings, extras=extras, metadata=metadata)
     return ResaveResult(write_inputs(inputs, dest, plan=plan, check=check), rep)
 
 

@@ -13,6 +13,7 @@ from ckptctl import layout as L
 from ckptctl.errors import InputError, UnrepairableError, UsageError
 from ckptctl.findings import ERROR, Finding
 from ckptctl.format import names as N
+from ckptctl.format.header import Header
 from ckptctl.format.index import Index
 from ckptctl.layout.policy import label
 from ckptctl.resave.saves import Save, assess, mtime_ns, read_all, split, usable_index
@@ -39,6 +40,7 @@ class Chosen:
     variant: str | None = None
     index_file: str | None = None  # the index file as it is on disk
     errors: list[Finding] = field(default_factory=list)  # the layout's error findings
+    headers: dict[str, Header] = field(default_factory=dict)  # the headers the choice read (not read twice)
 
 
 def _model_families(lay: L.Layout) -> list[L.Family]:
@@ -74,7 +76,7 @@ def analyze(root: Path, *, prefer: str | None = None, repair: bool = False) -> t
     if not fams:
         raise InputError(f"{root} holds no model safetensors weights to resave",
                          f"run `ckptctl inspect {root}` to see what it holds")
-    chosen = _choose_save(root, lay, fams, prefer, rep)
+    chosen, headers = _choose_save(root, lay, fams, prefer, rep)
     # stray weights outside the naming scheme that a glob-loader would pick up; never a named
     # family of another slot (a variant, a diffusers or PEFT family beside the model)
     unref = [n for n in sorted(os.listdir(root)) if n.endswith(".safetensors") and n not in chosen.files
@@ -87,12 +89,13 @@ def analyze(root: Path, *, prefer: str | None = None, repair: bool = False) -> t
     rep.kept_files = list(chosen.files)
     doc = chosen.index_doc if chosen.index_doc is not None and chosen.index_doc.ok else None
     return Chosen(list(chosen.files), doc, L.safetensors_stem(chosen.stem) or "model", chosen.variant,
-                  chosen.index, errors), rep
+                  chosen.index, errors, headers), rep
 
 
-def _choose_save(root: Path, lay: L.Layout, fams: list[L.Family], prefer: str | None, rep: Repair) -> L.Family:
-    """The save the repair keeps, among every save of the slot; refused (nothing changed) when it
-    is not complete."""
+def _choose_save(root: Path, lay: L.Layout, fams: list[L.Family], prefer: str | None,
+                 rep: Repair) -> tuple[L.Family, dict[str, Header]]:
+    """The save the repair keeps, among every save of the slot, with the headers of its files;
+    refused (nothing changed) when it is not complete."""
     from ckptctl.inspect import read_config
 
     cfg = read_config(root)
@@ -106,10 +109,12 @@ def _choose_save(root: Path, lay: L.Layout, fams: list[L.Family], prefer: str | 
         saves = [s for s in saves if s.family.files]
     by_family = {id(s.family): s for s in saves}
     judged: dict[int, L.Assessment] = {}
+    read: dict[int, tuple[dict[str, Header], list[Finding]]] = {}  # each save's headers, read once
 
     def judge(fam: L.Family) -> L.Assessment:
         if id(fam) not in judged:
-            judged[id(fam)] = assess(root, by_family[id(fam)], cfg)
+            read[id(fam)] = read_all(root, fam.files)
+            judged[id(fam)] = assess(root, by_family[id(fam)], cfg, read[id(fam)])
         return judged[id(fam)]
 
     chosen = L.choose(lay, prefer=prefer, assess=judge, among=[s.family for s in saves])
@@ -118,7 +123,7 @@ def _choose_save(root: Path, lay: L.Layout, fams: list[L.Family], prefer: str | 
     # Shards numbered -of-N with numbers missing and no index: when it is the only save, nothing
     # says the missing numbers ever existed (a writer that misnamed its shards); they are
     # renumbered, and the final verify judges the result.
-    renumber = save.gaps_only and len(saves) == 1 and not read_all(root, chosen.files)[1]
+    renumber = save.gaps_only and len(saves) == 1 and not read[id(chosen)][1]
     if not verdict.complete and not renumber:
         raise _incomplete(root, save)
     _refuse_a_mix(root, lay, chosen)
@@ -136,7 +141,7 @@ def _choose_save(root: Path, lay: L.Layout, fams: list[L.Family], prefer: str | 
         rep.fixes.append(f"replaced the unreadable index {broken[0]} (rebuilt from the headers of the shards kept)")
     elif chosen.index is None and len(chosen.files) > 1:
         rep.fixes.append(f"wrote an index for {', '.join(chosen.files)} from their headers")
-    return chosen
+    return chosen, read[id(chosen)][0]
 
 
 def _refuse_a_mix(root: Path, lay: L.Layout, chosen: L.Family) -> None:

@@ -6,13 +6,14 @@ the plan is the directory as it already is (a repair with nothing to do)."""
 from __future__ import annotations
 
 import hashlib
+from itertools import chain
 from pathlib import Path
 
 from ckptctl import layout as L
 from ckptctl.errors import UnrepairableError
 from ckptctl.format import dtypes as dt
 from ckptctl.format import names as N
-from ckptctl.format.header import TensorInfo, encode_header, read_header
+from ckptctl.format.header import Header, TensorInfo, encode_header, read_header
 from ckptctl.format.index import Index
 from ckptctl.manifest import MANIFEST_NAME
 from ckptctl.plan import Plan, ShardPlan
@@ -36,35 +37,22 @@ def _hash_range(path: Path, offset: int, length: int) -> str:
     return h.hexdigest()
 
 
-def keep_layout_plan(root: Path, chosen: Chosen, rep: Repair) -> tuple[Plan, Source, list[Entry]]:
+# The tensors a keep-layout plan reads, file by file: (path, data start, the file's kept entries).
+Kept = list[tuple[str, int, list[TensorInfo]]]
+
+
+def keep_layout_plan(root: Path, chosen: Chosen, rep: Repair) -> tuple[Plan, Kept]:
     """A plan that keeps each file's tensors together, linking every file that does not change;
-    the files keep their library's names and variant."""
+    the files keep their library's names and variant. With it, what each file contributes
+    (:func:`keep_layout_source` makes the source of it, once the plan is not a no-op)."""
     files = chosen.files
-    src = SafetensorsSource(path=root, kind="safetensors")
-    headers = {n: read_header(root / n, display=str(root / n)) for n in files}
-    seen: dict[str, tuple[str, str]] = {}  # tensor -> (file, digest)
+    headers = {n: chosen.headers.get(n) or read_header(root / n, display=str(root / n)) for n in files}
     per_file: dict[str, list[TensorInfo]] = {}
-    for n in sorted(files):
-        h = headers[n]
-        keep = []
-        for t in h.tensors.values():
-            if t.name in seen:
-                first_file, digest = seen[t.name]
-                first = headers[first_file].tensors[t.name]
-                mine = _hash_range(root / n, h.data_start + t.begin, t.nbytes)
-                if digest is None:
-                    digest = _hash_range(root / first_file, headers[first_file].data_start + first.begin, first.nbytes)
-                    seen[t.name] = (first_file, digest)
-                if (first.dtype, first.shape) != (t.dtype, t.shape) or digest != mine:
-                    raise UnrepairableError(f"{root}: tensor {t.name!r} is stored in {first_file} and {n} with "
-                                            "different contents", "cannot tell which is right; nothing was changed")
-                rep.duplicates[t.name] = n
-                continue
-            seen[t.name] = (n, None)  # type: ignore[assignment]
-            keep.append(t)
-            src.tensors.append(SourceTensor(t.spec, file=str(root / n), offset=h.data_start + t.begin))
-        if keep:
-            per_file[n] = keep
+    names = list(chain.from_iterable(headers[n].tensors for n in files))
+    if len(set(names)) == len(names):  # no tensor stored twice: every file keeps all its tensors
+        per_file = {n: list(headers[n].tensors.values()) for n in sorted(files) if headers[n].tensors}
+    else:
+        _drop_duplicates(root, headers, per_file, rep)
     if rep.duplicates:
         rep.fixes.append(f"kept {len(rep.duplicates)} tensor(s) stored twice with identical bytes once")
     ordered = sorted(per_file)
@@ -93,7 +81,43 @@ def keep_layout_plan(root: Path, chosen: Chosen, rep: Repair) -> tuple[Plan, Sou
     total = sum(s.data_bytes for s in shards)
     params = sum(dt.numel(t.shape) for s in shards for t in s.specs)
     index = N.index_name(chosen.stem, N.SAFETENSORS_EXT, variant=chosen.variant) if n_out > 1 else None
-    return Plan(shards, index, total, params), src, entries_for(src, None)
+    return Plan(shards, index, total, params), [(str(root / n), headers[n].data_start, per_file[n]) for n in ordered]
+
+
+def _drop_duplicates(root: Path, headers: dict[str, Header], per_file: dict[str, list[TensorInfo]],
+                     rep: Repair) -> None:
+    """Fill ``per_file`` when a tensor is stored in more than one file: the first file (in name
+    order) keeps it, a later copy with identical bytes is dropped (``rep.duplicates``), a copy
+    that differs is refused."""
+    seen: dict[str, tuple[str, str]] = {}  # tensor -> (file, digest)
+    for n in sorted(headers):
+        h = headers[n]
+        keep = []
+        for t in h.tensors.values():
+            if t.name in seen:
+                first_file, digest = seen[t.name]
+                first = headers[first_file].tensors[t.name]
+                mine = _hash_range(root / n, h.data_start + t.begin, t.nbytes)
+                if digest is None:
+                    digest = _hash_range(root / first_file, headers[first_file].data_start + first.begin, first.nbytes)
+                    seen[t.name] = (first_file, digest)
+                if (first.dtype, first.shape) != (t.dtype, t.shape) or digest != mine:
+                    raise UnrepairableError(f"{root}: tensor {t.name!r} is stored in {first_file} and {n} with "
+                                            "different contents", "cannot tell which is right; nothing was changed")
+                rep.duplicates[t.name] = n
+                continue
+            seen[t.name] = (n, None)  # type: ignore[assignment]
+            keep.append(t)
+        if keep:
+            per_file[n] = keep
+
+
+def keep_layout_source(root: Path, kept: Kept) -> tuple[Source, list[Entry]]:
+    """The source of a keep-layout plan's tensors, each read at its offset in the file it is kept from."""
+    src = SafetensorsSource(path=root, kind="safetensors")
+    for path, data_start, tensors in kept:
+        src.tensors.extend(SourceTensor(t.spec, file=path, offset=data_start + t.begin) for t in tensors)
+    return src, entries_for(src, None)
 
 
 def link_matching(plan: Plan, root: Path, entries: list[Entry]) -> None:

@@ -129,10 +129,12 @@ def _gaps(key: tuple[str | None, str, str | None], files: list[str], counts: set
             for c in sorted(counts) for k in range(1, c + 1) if (k, c) not in have]
 
 
-def assess(root: Path, save: Save, cfg: dict[str, Any] | None) -> L.Assessment:
+def assess(root: Path, save: Save, cfg: dict[str, Any] | None,
+           read: tuple[dict[str, Header], list[Finding]] | None = None) -> L.Assessment:
     """Complete (every file there with a sound header), consistent with config.json, how many
-    tensors, and when it was last written."""
-    headers, problems = read_all(root, save.family.files)
+    tensors, and when it was last written. ``read``: ``read_all`` of the save's files, when the
+    caller has it (the headers are then not read again)."""
+    headers, problems = read if read is not None else read_all(root, save.family.files)
     tensors = {k: v for h in headers.values() for k, v in h.tensors.items()}
     mtime = max((_mtime(root / n) for n in save.family.all_files), default=0.0)
     return L.Assessment(complete=not problems and not save.missing and bool(save.family.files),

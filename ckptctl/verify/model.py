@@ -45,24 +45,25 @@ DIFFUSERS_KEYS = ("_diffusers_version", "_class_name")
 _FIX_CONFIG = "fix config.json (or re-export the checkpoint from the model that produced it)"
 
 
+# Every name _detect matches ends with one of these (an embedding, a layer's first rule, or a
+# newline that the layer pattern's '$' lets through): one pass picks the few candidates.
+_DETECT_ENDS = tuple({s.embed for s in SPECS} | {"." + s.rules[0].suffix for s in SPECS} | {"\n"})
+
+
 def _detect(tensors: Tensors) -> tuple[Spec, str] | None:
     """The layout and the prefix in front of its embedding (e.g. ``model.``)."""
     best: tuple[int, Spec, str] | None = None
     names = list(tensors)
+    candidates = [n for n in names if n.endswith(_DETECT_ENDS)]
     for spec in SPECS:
-        roots: set[str] = set()
-        for n in names:
-            if n == spec.embed or n.endswith("." + spec.embed):
-                roots.add(n[: len(n) - len(spec.embed)])
+        embed, dot_embed = spec.embed, "." + spec.embed
+        roots = {n[: len(n) - len(embed)] for n in candidates if n == embed or n.endswith(dot_embed)}
         first = spec.rules[0].suffix
         pat = re.compile(rf"^(.*?){spec.layer}\.\d+\.{re.escape(first)}$")
-        for n in names:
-            m = pat.match(n)
-            if m:
-                roots.add(m.group(1))
+        roots.update(m.group(1) for n in candidates if (m := pat.match(n)))
         for root in roots:
             lp = root + spec.layer + "."
-            hits = sum(1 for n in names if n.startswith(lp))
+            hits = len([n for n in names if n.startswith(lp)])
             has_embed = (root + spec.embed) in tensors
             score = hits + (1 << 40 if has_embed else 0)
             # an embedding name alone is no proof (BERT's embeddings.word_embeddings is not Falcon's)
@@ -231,16 +232,25 @@ def _check_embeddings(ctx: PathFindings, spec: Spec, root: str, d: Dims, tensors
 def _check_layers(ctx: PathFindings, spec: Spec, root: str, d: Dims, tensors: Tensors,
                   quantized: bool, extra_layers: int) -> None:
     pat = re.compile(rf"^{re.escape(root)}{spec.layer}\.(\d+)\.(.+)$")
+    lp = root + spec.layer + "."
     present: set[int] = set()
     by_rule: dict[str, list[TensorSpec]] = {}
     suffixes = {r.suffix for r in spec.rules}
     for n, t in tensors.items():
-        m = pat.match(n)
-        if not m:
+        if not n.startswith(lp):
             continue
-        present.add(int(m.group(1)))
-        if m.group(2) in suffixes:
-            by_rule.setdefault(m.group(2), []).append(t)
+        if "\n" in n:  # the regex's own reading of a newline ('.' stops at it, '$' allows one at the end)
+            m = pat.match(n)
+            if not m:
+                continue
+            index, suffix = m.group(1), m.group(2)
+        else:  # the same match without the regex: <lp><decimal digits>.<non-empty rest>
+            index, _, suffix = n[len(lp):].partition(".")
+            if not (suffix and index.isdecimal()):  # isdecimal() is exactly the regex's \d
+                continue
+        present.add(int(index))
+        if suffix in suffixes:
+            by_rule.setdefault(suffix, []).append(t)
     if d.layers is not None:
         count_findings(ctx, f"{root}{spec.layer}", present, d.layers, "num_hidden_layers", extra_layers)
     if quantized:

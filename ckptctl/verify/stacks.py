@@ -39,10 +39,19 @@ def containers(tensors: Tensors) -> dict[str, set[int]]:
     """Layer container prefix (``model.layers``) -> the layer indices that hold tensors. A container
     nested in a layer of another (T5's ``block.0.layer.1``) is not a stack of its own."""
     out: dict[str, set[int]] = {}
+    stack: dict[str, bool] = {}  # container prefix -> whether it is a stack (not nested): once per prefix
     for n in tensors:
         m = LAYER.match(n)
-        if m and not LAYER.match(m.group(1) + "."):
-            out.setdefault(m.group(1), set()).add(int(m.group(2)))
+        if m:
+            where, index = m.group(1, 2)
+            own = stack.get(where)
+            if own is None:
+                own = stack[where] = not LAYER.match(where + ".")
+            if own:
+                got = out.get(where)
+                if got is None:
+                    got = out[where] = set()
+                got.add(int(index))
     return out
 
 
@@ -110,7 +119,7 @@ def check_experts(ctx: PathFindings, cfg: dict, tensors: Tensors) -> None:
     field, n = next(((f, v) for f in EXPERT_FIELDS if (v := as_int(c.get(f))) is not None), (None, None))
     per_block: dict[str, set[int]] = {}
     for name in tensors:
-        m = EXPERT.match(name)
+        m = EXPERT.match(name) if ".experts." in name else None  # every match holds ".experts."
         if m:
             per_block.setdefault(m.group(1), set()).add(int(m.group(2)))
     if not per_block:
