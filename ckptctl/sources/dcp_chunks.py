@@ -22,6 +22,8 @@ import io
 import math
 import os
 import pickle
+import pickletools
+import struct
 from dataclasses import dataclass
 from typing import Any
 
@@ -125,9 +127,11 @@ def chunk_bytes_at(fd: int, start: int, length: int, storage_name: str, size: tu
         return None
     raw = os.pread(fd, pkl[1], start + pkl[0])
     try:
+        for _ in pickletools.genops(raw):  # every length field checked before the unpickler allocates
+            pass
         view = _ViewUnpickler(io.BytesIO(raw)).load()
     except (pickle.UnpicklingError, EOFError, ValueError, TypeError, IndexError, KeyError, AttributeError,
-            RecursionError, OverflowError):
+            RecursionError, OverflowError, struct.error, UnicodeDecodeError):
         return None
     if not isinstance(view, _View) or view.size != size or view.storage.type_name != storage_name:
         return None
