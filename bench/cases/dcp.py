@@ -1,5 +1,7 @@
-"""Export of a multi-GB torch DCP checkpoint with 1 and 2 processes, beside torch's own
-``dcp_to_torch_save``."""
+"""Export of a multi-GB torch DCP checkpoint with 1 and 2 processes, as ratios to ``cp -r`` +
+``sync`` of the DCP directory, beside torch's own ``dcp_to_torch_save``. (torch's
+``_consolidate_hf_safetensors`` reads only DCP saved by ``HuggingFaceStorageWriter``, safetensors
+shards, not the ``.distcp`` archives of the default ``FileSystemWriter``: it is no anchor here.)"""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ import sys
 from functools import partial
 from pathlib import Path
 
+from bench.cases.physical import reference_commands
 from bench.gen import WORK, Spec, ensure
 from bench.harness import CKPTCTL, Case, Command, clear
 
@@ -35,7 +38,8 @@ def _cases() -> list[Case]:
                 "-m", "ckptctl"]
     return [
         Case("dcp-export", f"{SPEC.name()} saved as torch DCP: to safetensors",
-             [Command("dcp_to_torch_save", [sys.executable, "-c", TO_TORCH, str(dcp_dir), str(pt)],
+             [*(c for c in reference_commands(dcp_dir, "dcp") if c.name == "cp -r + sync"),
+              Command("dcp_to_torch_save", [sys.executable, "-c", TO_TORCH, str(dcp_dir), str(pt)],
                       setup=clear(pt), teardown=clear(pt)),
               Command("ckptctl export (1 process)", [*CKPTCTL, "export", str(dcp_dir), str(one), "--key", "model",
                                                      "--max-shard-size", "1GB", "-q"], setup=clear(one),

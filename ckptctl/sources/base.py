@@ -14,22 +14,38 @@ from ckptctl.format.tensor import SpecFields, TensorSpec
 CHUNK_BYTES = 16 * 1024 * 1024  # what one read/convert step holds in memory at most
 
 
+@dataclass(frozen=True)
+class Piece:
+    """``nbytes`` of a tensor's stored bytes that sit unchanged in ``file`` at ``src_offset``, to
+    be placed ``dst_offset`` bytes into the tensor (a DCP chunk that is a contiguous run)."""
+
+    file: str
+    src_offset: int
+    dst_offset: int
+    nbytes: int
+
+
 @dataclass(init=False)
 class SourceTensor(SpecFields):
     """A tensor as a source lists it: its identity (``spec``) and, when its bytes can be copied as
-    they are (safetensors sources), the file and absolute offset where they sit."""
+    they are, the file and absolute offset where they sit (safetensors, pickles) or the
+    :class:`Piece` s they are split into (DCP)."""
 
     spec: TensorSpec
     file: str | None = None
     offset: int | None = None  # absolute offset in ``file``
+    # Where the bytes sit when they are split over files (a DCP checkpoint; ``file`` is then None,
+    # since no single file holds the tensor): together the pieces tile the tensor's bytes.
+    pieces: tuple[Piece, ...] = ()
 
     def __init__(self, spec: TensorSpec | str, dtype: str | None = None, shape: tuple[int, ...] | None = None, *,
-                 file: str | None = None, offset: int | None = None) -> None:
+                 file: str | None = None, offset: int | None = None, pieces: tuple[Piece, ...] = ()) -> None:
         # ``SourceTensor(name, dtype, shape)`` is still accepted for callers that build the spec
         # in place (resave's keep-layout plan, the DCP source).
         self.spec = spec if isinstance(spec, TensorSpec) else TensorSpec(spec, dtype, tuple(shape))  # type: ignore[arg-type]
         self.file = file
         self.offset = offset
+        self.pieces = pieces
 
 
 @dataclass

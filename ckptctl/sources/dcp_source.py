@@ -10,6 +10,7 @@ peak memory is bounded by the largest tensor.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -19,6 +20,7 @@ from ckptctl.format import names as N
 from ckptctl.format.dcp_metadata import read_dcp_metadata as read_allowed
 from ckptctl.format.dcp_metadata import storage_needs
 from ckptctl.sources.base import CHUNK_BYTES, Source, SourceTensor
+from ckptctl.sources.dcp_chunks import tensor_pieces
 
 
 def read_dcp_metadata(root: Path) -> Any:
@@ -111,6 +113,27 @@ class DcpSource(Source):
         if not key:
             _refuse_mixed(root, meta, TensorStorageMetadata)
         prefix = f"{key}." if key else ""
+        storage_names = torch.storage._dtype_to_storage_type_map()
+        fds: dict[str, int] = {}
+        try:
+            src._list(meta, prefix, storage_names, fds)
+        except OSError as exc:
+            raise from_oserror(exc, "cannot read DCP storage") from None
+        finally:
+            for fd in fds.values():
+                os.close(fd)
+        if not src.tensors:
+            hint = f"pass --key to select the state dict (top-level keys: {', '.join(_top_keys(meta)[:8])})"
+            raise InputError(f"{root}: no tensors in the DCP checkpoint" + (f" under {key!r}" if key else ""), hint)
+        return src
+
+    def _list(self, meta: Any, prefix: str, storage_names: dict[Any, str], fds: dict[str, int]) -> None:
+        """List the tensors under ``prefix``, each with its pieces where its chunks are
+        contiguous runs (:mod:`ckptctl.sources.dcp_chunks`)."""
+        import torch
+        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+        root = self.path
         for fqn, item in meta.state_dict_metadata.items():
             if not isinstance(item, TensorStorageMetadata) or not fqn.startswith(prefix):
                 continue
@@ -123,13 +146,11 @@ class DcpSource(Source):
                 raise InputError(f"{root}: tensor {fqn!r} has dtype {tdtype}, which safetensors cannot store",
                                  "convert it before exporting") from None
             name = fqn[len(prefix):]
-            src.tensors.append(SourceTensor(name, d.name, tuple(int(x) for x in item.size)))
-            src._fqn[name] = fqn
-            src._torch_dtype[name] = tdtype
-        if not src.tensors:
-            hint = f"pass --key to select the state dict (top-level keys: {', '.join(_top_keys(meta)[:8])})"
-            raise InputError(f"{root}: no tensors in the DCP checkpoint" + (f" under {key!r}" if key else ""), hint)
-        return src
+            pieces = () if d.name == "F4" else tensor_pieces(root, fqn, item, meta.storage_data, d.itemsize,
+                                                               storage_names.get(tdtype), fds)
+            self.tensors.append(SourceTensor(name, d.name, tuple(int(x) for x in item.size), pieces=pieces))
+            self._fqn[name] = fqn
+            self._torch_dtype[name] = tdtype
 
     def load_tensor(self, t: SourceTensor) -> Any:
         import torch

@@ -66,26 +66,41 @@ def stored_records(path: Path) -> dict[int, int]:
     torch writes them): file offset of the record's data -> its size. Read from the zip's own
     directory and local headers (no pickle is involved); empty when the file is not such an
     archive or is not little-endian."""
+    try:
+        with open(path, "rb") as f:
+            members = zip_members(f)
+    except OSError:
+        return {}
+    return {off: size for name, (off, size) in members.items() if name.split("/")[1:2] == ["data"]}
+
+
+def zip_members(f: Any) -> dict[str, tuple[int, int]]:
+    """The members of the ``torch.save`` zip archive in the seekable binary file ``f`` that are
+    stored uncompressed: ``archive/data.pkl`` and the storage records ``archive/data/<key>``, each
+    as name -> (offset of its data in ``f``, size). Empty when ``f`` is no such archive or the
+    archive is not little-endian (its ``byteorder`` record says so). Raises OSError."""
     import zipfile
 
-    out: dict[int, int] = {}
+    out: dict[str, tuple[int, int]] = {}
     try:
-        with open(path, "rb") as f, zipfile.ZipFile(f) as z:
+        with zipfile.ZipFile(f) as z:
             for info in z.infolist():
                 parts = info.filename.split("/")
-                if len(parts) == 2 and parts[1] == "byteorder" and info.file_size < 64:
-                    if z.read(info).strip() != b"little":
+                if len(parts) == 2 and parts[1] == "byteorder":
+                    # torch stores it; read only what needs no decompressing (and no password)
+                    if (info.file_size >= 64 or info.compress_type != zipfile.ZIP_STORED or info.flag_bits & 1
+                            or z.read(info).strip() != b"little"):
                         return {}
-                if (len(parts) != 3 or parts[1] != "data" or not parts[2].isdigit()
-                        or info.compress_type != zipfile.ZIP_STORED):
+                record = len(parts) == 3 and parts[1] == "data" and parts[2].isdigit()
+                if (not record and parts[1:] != ["data.pkl"]) or info.compress_type != zipfile.ZIP_STORED:
                     continue
                 f.seek(info.header_offset)
                 local = f.read(30)
                 if len(local) != 30 or local[:4] != b"PK\x03\x04":
                     return {}
                 name_len, extra_len = struct.unpack("<HH", local[26:30])
-                out[info.header_offset + 30 + name_len + extra_len] = info.file_size
-    except (OSError, zipfile.BadZipFile, EOFError, ValueError, struct.error):
+                out[info.filename] = (info.header_offset + 30 + name_len + extra_len, info.file_size)
+    except (zipfile.BadZipFile, EOFError, ValueError, struct.error):
         return {}
     return out
 

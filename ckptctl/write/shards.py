@@ -28,6 +28,7 @@ from ckptctl import _faults
 from ckptctl.errors import InputError
 from ckptctl.format.header import TensorInfo
 from ckptctl.plan import Run, ShardPlan, runs
+from ckptctl.sources.base import Piece
 from ckptctl.write.inputs import Entry
 
 # copy_file_range cannot copy between these files: stream the rest instead.
@@ -84,9 +85,14 @@ def source_range(entries: Mapping[str, Entry]) -> Callable[[str], tuple[str, int
 
     def locate(name: str) -> tuple[str, int] | None:
         e = entries.get(name)
-        if e is None or e.converted or e.tensor.file is None or e.tensor.offset is None:
+        if e is None or e.converted:
             return None
-        return e.tensor.file, e.tensor.offset
+        t = e.tensor
+        if len(t.pieces) == 1:  # one piece holds the whole tensor: a range like any other
+            return t.pieces[0].file, t.pieces[0].src_offset
+        if t.file is None or t.offset is None:
+            return None
+        return t.file, t.offset
 
     return locate
 
@@ -219,9 +225,26 @@ class TensorWriter:
         _faults.point("write-data")
 
     def write(self, fd: int, pos: int, e: Entry, length: int) -> None:
-        """One tensor that has no source range to copy: streamed (converted on the way)."""
+        """One tensor that has no single source range to copy: its pieces copied by the kernel
+        (a DCP tensor sharded by rows), or streamed (converted on the way), also when the
+        kernel cannot copy a piece whole."""
+        if not e.converted and e.tensor.pieces and self._copy_pieces(fd, pos, e.tensor.pieces):
+            _faults.point("write-data")
+            return
         self._stream(fd, pos, e, length, 0)
         _faults.point("write-data")
+
+    def _copy_pieces(self, fd: int, pos: int, pieces: Iterable[Piece]) -> bool:
+        """Copy every piece by the kernel; False when it cannot copy one whole (the caller then
+        streams the tensor, and what was copied counts as streamed)."""
+        total = 0
+        for p in pieces:
+            n = _copy_range(self._src_fd(p.file), fd, p.src_offset, pos + p.dst_offset, p.nbytes)
+            if n < p.nbytes:
+                return False
+            total += n
+        self.copied += total
+        return True
 
     def _stream(self, fd: int, pos: int, e: Entry, length: int, skip: int) -> None:
         written = skip
