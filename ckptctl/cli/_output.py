@@ -15,10 +15,12 @@ import signal
 import sys
 import traceback
 from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
+
+if TYPE_CHECKING:
+    from rich.console import Console
 
 import typer
-from rich.console import Console
 
 from ckptctl._version import __version__
 from ckptctl.errors import EXIT_BROKEN_PIPE, CkptctlError, Interrupted
@@ -86,6 +88,8 @@ class Output:
     @property
     def out(self) -> Console:
         if self._out is None:
+            from rich.console import Console
+
             self._out = Console(file=sys.stdout, markup=False, highlight=False, soft_wrap=False)
             if not self._out.is_terminal:
                 # stdout carries data: in a pipe or file, never wrap or truncate a tensor name or
@@ -96,6 +100,8 @@ class Output:
     @property
     def err(self) -> Console:
         if self._err is None:
+            from rich.console import Console
+
             self._err = Console(file=sys.stderr, markup=False, highlight=False, soft_wrap=True)
         return self._err
 
@@ -158,6 +164,8 @@ class Output:
         if self.out.is_terminal:
             self.out.print(renderable)
             return
+        from rich.console import Console
+
         page = Console(file=io.StringIO(), width=_PIPE_WIDTH, markup=False, highlight=False, soft_wrap=False,
                        color_system=self.out.color_system, no_color=self.out.no_color)
         page.print(renderable)

@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import Annotated, List, Optional
 
 import typer
-from rich.table import Table
 
 from ckptctl.cli._options import DryRunOpt, JsonOpt, QuietOpt, VerboseOpt
 from ckptctl.cli._output import Output, human_size
@@ -95,6 +94,8 @@ def _render(out: Output, result, *, always: bool) -> None:
     if not result.candidates:
         out.print(f"nothing to clean up below {roots} ({result.scanned:,} entries looked at)", always=always)
         return
+    from rich.table import Table
+
     table = Table(title=f"gc-tmp {roots}" + (" (dry run)" if result.options.dry_run else ""), title_justify="left")
     for col in ("path", "owner", "age", "size", "decision", "why"):
         table.add_column(col, justify="right" if col in ("age", "size") else "left",

@@ -7,7 +7,6 @@ from enum import Enum
 from typing import TYPE_CHECKING, Annotated, Any, Optional
 
 import typer
-from rich.table import Table
 
 from ckptctl.cli._options import JsonOpt, QuietOpt, VerboseOpt
 from ckptctl.cli._output import Output, human_size
@@ -135,6 +134,8 @@ def _shown_file(path: str, root: str) -> str:
 
 def _render(out: Output, report: Report, level: str, *, always: bool) -> None:
     """The findings tables on stdout (with -q only when the verdict is not OK)."""
+    from rich.table import Table  # here: not on --help's import path
+
     show_info = out.verbosity >= 1
     if len(report.results) > 1:
         summary = Table(title="checkpoints", title_justify="left")

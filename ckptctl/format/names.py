@@ -18,7 +18,6 @@ from __future__ import annotations
 import fnmatch
 import os
 import re
-import secrets
 import time
 from dataclasses import dataclass
 
@@ -181,6 +180,8 @@ HIDDEN_GRACE = 3600.0
 def staging_name(dest_name: str, *, hidden: bool = False) -> str:
     """A new staging directory name for ``dest_name``; the stamp orders writers by start. With
     ``hidden``, the name it is created under before it is fully formed."""
+    import secrets  # here: not on every command's import path
+
     name = f"{STAGING_PREFIX}{dest_name}.{time.time_ns():016x}-{secrets.token_hex(4)}"
     return HIDDEN + name if hidden else name
 
