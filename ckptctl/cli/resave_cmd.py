@@ -31,6 +31,7 @@ def resave(
     """Re-shard, change dtype, or repair a checkpoint in place, atomically, copying nothing that did not change."""
     out = Output("resave", json_mode=json_, quiet=quiet + (1 if json_ else 0), verbose=verbose)
     with out.guard():
+        from ckptctl.resave import ResaveResult
         from ckptctl.resave import resave as run_resave
         from ckptctl.write.options import ExportOptions
 
@@ -48,7 +49,7 @@ def resave(
         if result.unchanged:
             out.print(f"nothing to repair: {directory} is sound; nothing was written")
             return
-        if not hasattr(result, "repair"):  # a multi-component root
+        if not isinstance(result, ResaveResult):  # a multi-component root (RootResult)
             for folder, res in sorted(result.components.items()):
                 for fix in res.repair.fixes:
                     out.print(("to fix: " if dry_run else "fixed: ") + f"{folder or '.'}: {fix}")
