@@ -20,7 +20,6 @@ tested. Exit status 1 when any trial broke an invariant; its workspace is kept f
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import random
@@ -182,16 +181,12 @@ def main(argv: list[str] | None = None) -> int:
         "kept_workspaces": kept,
         "outcomes": [o.to_dict() for o in outcomes],
     }
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(doc, indent=1) + "\n")
-    print(f"{len(outcomes)} trials, {kills()} kills ({doc['completed_before_kill']} runs completed before their "
-          f"random kill), {doc['exec_trials']} in a fresh interpreter, {seconds:.0f}s, "
-          f"{os.cpu_count()} cpus, {doc['machine']['filesystem']}")
-    print(f"recovery: gc-tmp first {doc['recovery']['gc']}, re-run alone {doc['recovery']['rerun']}")
-    print(f"random kills by phase: {phases}")
-    print()
-    print(H.markdown_table(rows))
+    print(H.campaign_report(doc, args.out, [
+        f"{len(outcomes)} trials, {kills()} kills ({doc['completed_before_kill']} runs completed before their "
+        f"random kill), {doc['exec_trials']} in a fresh interpreter, {seconds:.0f}s, "
+        f"{os.cpu_count()} cpus, {doc['machine']['filesystem']}",
+        f"recovery: gc-tmp first {doc['recovery']['gc']}, re-run alone {doc['recovery']['rerun']}",
+        f"random kills by phase: {phases}"], rows))
     print()
     print(f"injected errors, {len(errnos)} runs:")
     print()

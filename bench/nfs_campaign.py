@@ -14,7 +14,6 @@ docs/RELIABILITY.md shows; exit status 1 when any trial broke an invariant.
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import shutil
 import sys
@@ -76,14 +75,10 @@ def main(argv: list[str] | None = None) -> int:
            "invariant_checks": checks, "mount_faults": faults, "violations": len(bad), "table": rows,
            "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
            "outcomes": [o.to_dict() for o in outcomes]}
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(doc, indent=1) + "\n")
-    print(f"{len(outcomes)} trials, {doc['kills']} kills, {checks} invariant checks, {seconds:.0f}s; "
-          f"the mount refused {faults['rename-flags-refused']} flagged renames and silly-renamed "
-          f"{faults['silly-rename']} open files")
-    print()
-    print(H.markdown_table(rows))
+    print(H.campaign_report(doc, args.out, [
+        f"{len(outcomes)} trials, {doc['kills']} kills, {checks} invariant checks, {seconds:.0f}s; "
+        f"the mount refused {faults['rename-flags-refused']} flagged renames and silly-renamed "
+        f"{faults['silly-rename']} open files"], rows))
     if bad:
         print(f"\n{len(bad)} trials broke an invariant")
         return 1

@@ -157,13 +157,19 @@ GPT2 = Spec("gpt2", "wte.weight", "h", "lm_head.weight", (
     Rule("mlp.c_proj.weight", lambda d: _io(d, d.inter, d.hidden), _MLP, "n_inner to n_embd" + _LAYOUT),
 ), position="wpe.weight", dims=_gpt2_dims)
 
+def _dense_4h(inter: str) -> tuple[Rule, Rule]:
+    """The MLP of GPT-NeoX and Falcon/Bloom: ``dense_h_to_4h`` and ``dense_4h_to_h``, whose
+    intermediate size the config calls ``inter``."""
+    return (Rule("mlp.dense_h_to_4h.weight", lambda d: (d.inter, d.hidden), _MLP, f"{inter} by hidden_size"),
+            Rule("mlp.dense_4h_to_h.weight", lambda d: (d.hidden, d.inter), _MLP, f"hidden_size by {inter}"))
+
+
 NEOX = Spec("gpt-neox", "embed_in.weight", "layers", "embed_out.weight", (
     Rule("attention.query_key_value.weight", lambda d: (_mul(3, d.heads, d.head_dim), d.hidden), _ATT,
          "3 x num_attention_heads x head_dim by hidden_size"),
     Rule("attention.dense.weight", lambda d: (d.hidden, _mul(d.heads, d.head_dim)), _ATT,
          "hidden_size by num_attention_heads x head_dim"),
-    Rule("mlp.dense_h_to_4h.weight", lambda d: (d.inter, d.hidden), _MLP, "intermediate_size by hidden_size"),
-    Rule("mlp.dense_4h_to_h.weight", lambda d: (d.hidden, d.inter), _MLP, "hidden_size by intermediate_size"),
+    *_dense_4h("intermediate_size"),
 ), dims=_gpt2_dims)
 
 FALCON = Spec("falcon/bloom", "word_embeddings.weight", "h", "lm_head.weight", (
@@ -174,8 +180,7 @@ FALCON = Spec("falcon/bloom", "word_embeddings.weight", "h", "lm_head.weight", (
          "new_decoder_architecture, 1 with multi_query)"),
     Rule("self_attention.dense.weight", lambda d: (d.hidden, _mul(d.heads, d.head_dim)), _ATT,
          "hidden_size by hidden_size"),
-    Rule("mlp.dense_h_to_4h.weight", lambda d: (d.inter, d.hidden), _MLP, "ffn_hidden_size by hidden_size"),
-    Rule("mlp.dense_4h_to_h.weight", lambda d: (d.hidden, d.inter), _MLP, "hidden_size by ffn_hidden_size"),
+    *_dense_4h("ffn_hidden_size"),
 ), dims=_falcon_dims)
 
 SPECS = (LLAMA, GPT2, NEOX, FALCON)

@@ -43,7 +43,7 @@ from tests.crash_harness.observe import (DECOY, DEST, attributable, check_marker
 from tests.crash_harness.poller import PollStats, Poller, ViewError, dir_signature, view_signature
 from tests.crash_harness.scenarios import (ALL_POINTS, EINVAL, PUBLISHED_POINTS, SCENARIOS, Prepared, Scenario,
                                            model_state)
-from tests.crash_harness.tables import (OUTCOME_COLUMNS, markdown_rows, markdown_table, summarize,
+from tests.crash_harness.tables import (OUTCOME_COLUMNS, campaign_report, markdown_rows, markdown_table, summarize,
                                         summarize_errno)
 from tests.crash_harness.trial import Fault, Outcome, classify, random_fault, run_trial
 from tests.support.cli import ExecRunner, Result
@@ -52,7 +52,7 @@ from tests.support.zygote import ZygoteRunner
 __all__ = [
     "ALL_POINTS", "DECOY", "DEST", "EINVAL", "ERRNO_PHASES", "ERRNO_WORDS", "OUTCOME_COLUMNS", "PUBLISHED_POINTS",
     "SCENARIOS", "ErrnoOutcome", "ExecRunner", "Fault", "Outcome", "PollStats", "Poller", "Prepared", "Result",
-    "Scenario", "ViewError", "ZygoteRunner", "attributable", "check_marker", "check_version", "classify",
+    "Scenario", "ViewError", "ZygoteRunner", "attributable", "campaign_report", "check_marker", "check_version", "classify",
     "dir_signature", "errno_faults", "header_names", "infer_phase", "is_stub", "markdown_rows", "markdown_table",
     "model_state", "our_staging", "random_fault", "run_errno_trial", "run_trial", "snapshot", "summarize",
     "summarize_errno", "view_signature", "wait_for_staging",

@@ -3,6 +3,8 @@ docs/RELIABILITY.md shows)."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 from tests.crash_harness.errno_trial import ErrnoOutcome
@@ -87,3 +89,12 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
         lines.append("| " + " | ".join([r["command"], r["fault"], *map(str, vals)]) + " |")
     lines.append("| **total** | | " + " | ".join(f"**{tot[h]}**" for h in head[2:]) + " |")
     return "\n".join(lines)
+
+
+def campaign_report(doc: dict[str, Any], out: Path | None, headline: list[str], rows: list[dict[str, Any]]) -> str:
+    """A campaign's end: ``doc`` written to ``out`` as JSON (when given), and the text it prints:
+    the headline lines, a blank line, the outcome table."""
+    if out:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(doc, indent=1) + "\n")
+    return "\n".join([*headline, "", markdown_table(rows)])
