@@ -15,9 +15,14 @@ import os
 import re
 import stat
 import struct
-from dataclasses import dataclass, field
+from array import array
+from collections import Counter
+from collections.abc import ItemsView, Iterable, Iterator, KeysView, Mapping, ValuesView
 from contextlib import contextmanager
-from typing import Any, Iterable, Iterator
+from dataclasses import dataclass, field
+from itertools import islice
+from json.decoder import scanstring
+from typing import Any
 
 from ckptctl.errors import InputError, from_oserror
 from ckptctl.findings import ERROR, WARNING, Finding, has_errors
@@ -31,7 +36,7 @@ VALID_FORMATS = ("pt", "mlx")
 METADATA_KEY = "__metadata__"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class TensorInfo(SpecFields):
     """One tensor of a safetensors file: its spec and where its bytes sit. ``begin``/``end`` are
     relative to the data section."""
@@ -45,6 +50,138 @@ class TensorInfo(SpecFields):
         return self.end - self.begin
 
 
+Offsets = Any  # array("Q"), or a list once an offset does not fit 64 bits (a hostile header)
+
+
+class TensorTable(Mapping[str, TensorInfo]):
+    """The tensors of a header by name, in data-offset order, stored by column: a dict from each
+    name to its row, the begin and end offsets (``array``), and per row a code into a table of
+    the (dtype, shape) pairs the tensors share. A :class:`TensorInfo` is built when it is asked
+    for, so a header of a million tensors costs a compact record per tensor, never a tree of
+    dicts and lists (nor a million ``TensorInfo``). Read-only."""
+
+    def __init__(self, index: dict[str, int], begin: Offsets, end: Offsets, kind: array[int],
+                 kinds: list[tuple[str, tuple[int, ...]]]) -> None:
+        self._index = index  # name -> row; its order is the row order
+        self._begin, self._end, self._kind, self._kinds = begin, end, kind, kinds
+
+    @classmethod
+    def empty(cls) -> "TensorTable":
+        return cls({}, array("Q"), array("Q"), array("I"), [])
+
+    def __getitem__(self, name: str) -> TensorInfo:
+        row = self._index[name]
+        dtype, shape = self._kinds[self._kind[row]]
+        return TensorInfo(TensorSpec(name, dtype, shape), self._begin[row], self._end[row])
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._index)
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._index
+
+    def __repr__(self) -> str:
+        return f"TensorTable({len(self)} tensors)"
+
+    def keys(self) -> KeysView[str]:
+        return self._index.keys()  # a real dict view: set operations run in C
+
+    def values(self) -> ValuesView[TensorInfo]:
+        return _Values(self)
+
+    def items(self) -> ItemsView[str, TensorInfo]:
+        return _Items(self)
+
+    def _iter_values(self) -> Iterator[TensorInfo]:
+        kinds = self._kinds
+        for name, k, b, e in zip(self._index, self._kind, self._begin, self._end):
+            dtype, shape = kinds[k]
+            yield TensorInfo(TensorSpec(name, dtype, shape), b, e)
+
+    def _iter_items(self) -> Iterator[tuple[str, TensorInfo]]:
+        for t in self._iter_values():
+            yield t.spec.name, t
+
+    def specs(self) -> "SpecView":
+        """The tensors' specs by name (a view, built on demand)."""
+        return SpecView(self)
+
+    # columns: what a pass over every tensor needs, without building a record per tensor
+    @property
+    def kinds(self) -> list[tuple[str, tuple[int, ...]]]:
+        """The distinct (dtype, shape) pairs; :attr:`kind_codes` indexes them per row."""
+        return self._kinds
+
+    @property
+    def kind_codes(self) -> array[int]:
+        return self._kind
+
+    @property
+    def data_bytes(self) -> int:
+        return sum(self._end) - sum(self._begin)
+
+    def kind_counts(self) -> Counter[int]:
+        """How many tensors have each kind code (one C pass)."""
+        return Counter(self._kind)
+
+    def dtype_counts(self) -> Counter[str]:
+        out: Counter[str] = Counter()
+        for k, n in self.kind_counts().items():
+            out[self._kinds[k][0]] += n
+        return out
+
+
+class SpecView(Mapping[str, TensorSpec]):
+    """A :class:`TensorTable`'s specs by name, in its order."""
+
+    def __init__(self, table: TensorTable) -> None:
+        self._table = table
+
+    def __getitem__(self, name: str) -> TensorSpec:
+        return self._table[name].spec
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._table)
+
+    def __len__(self) -> int:
+        return len(self._table)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._table
+
+    def keys(self) -> KeysView[str]:
+        return self._table.keys()
+
+    def values(self) -> ValuesView[TensorSpec]:
+        return _Values(self)
+
+    def items(self) -> ItemsView[str, TensorSpec]:
+        return _Items(self)
+
+    def _iter_values(self) -> Iterator[TensorSpec]:
+        kinds = self._table.kinds
+        for name, k in zip(self._table, self._table.kind_codes):
+            dtype, shape = kinds[k]
+            yield TensorSpec(name, dtype, shape)
+
+    def _iter_items(self) -> Iterator[tuple[str, TensorSpec]]:
+        for s in self._iter_values():
+            yield s.name, s
+
+
+class _Values(ValuesView):  # type: ignore[type-arg]
+    def __iter__(self) -> Iterator[Any]:
+        return self._mapping._iter_values()  # type: ignore[attr-defined, no-any-return]
+
+
+class _Items(ItemsView):  # type: ignore[type-arg]
+    def __iter__(self) -> Iterator[Any]:
+        return self._mapping._iter_items()  # type: ignore[attr-defined, no-any-return]
+
+
 @dataclass
 class Header:
     """A parsed header. ``tensors`` is in data-offset order; ``findings`` lists every problem."""
@@ -52,7 +189,7 @@ class Header:
     path: str
     file_size: int
     header_len: int = 0
-    tensors: dict[str, TensorInfo] = field(default_factory=dict)
+    tensors: TensorTable = field(default_factory=TensorTable.empty)
     metadata: dict[str, str] | None = None
     findings: list[Finding] = field(default_factory=list)
 
@@ -66,7 +203,7 @@ class Header:
 
     @property
     def data_bytes(self) -> int:
-        return sum(t.nbytes for t in self.tensors.values())
+        return self.tensors.data_bytes
 
     def add(self, code: str, message: str, *, severity: str = ERROR, tensor: str | None = None,
             hint: str | None = None, **details: Any) -> None:
@@ -118,17 +255,6 @@ _STRICT = json.JSONDecoder(object_pairs_hook=no_duplicate_keys, parse_constant=_
 _FAST = json.JSONDecoder(object_pairs_hook=no_duplicate_keys, parse_constant=_reject_constant,
                          parse_float=_finite_float)
 _NEGATIVE_ZERO = re.compile(r"[\[,:]\s*-0")
-
-
-def _decode(text: str) -> tuple[Any, int]:
-    """``raw_decode`` with serde_json's rules. Any failure of the fast decoder (an integer over
-    Python's digit limit, bad JSON) is decided again by the strict one, which names the problem."""
-    if not _NEGATIVE_ZERO.search(text):
-        try:
-            return _FAST.raw_decode(text)
-        except (ValueError, RecursionError, _BadJson, DuplicateKey):
-            pass
-    return _STRICT.raw_decode(text)
 
 
 # serde_json's default recursion limit: the 128th nested array/object is refused.
@@ -236,13 +362,14 @@ def read_header(path: str | os.PathLike[str], *, display: str | None = None) -> 
             if n is None:
                 return hdr
             if n <= len(prefix) - 8:
-                raw = prefix[8:8 + n]
+                raw, got = bytearray(prefix[8:8 + n]), n
             else:
                 f.seek(8)
-                raw = f.read(n)
+                raw = bytearray(n)
+                got = f.readinto(raw)
     except OSError as exc:
         raise from_oserror(exc, "cannot read safetensors file") from None
-    if len(raw) != n:  # the file shrank while we read it
+    if got != n:  # the file shrank while we read it
         hdr.add("header.length_exceeds_file",
                 f"{shown}: header length {n} runs past the end of the file (it changed while being read)",
                 hint=_REDOWNLOAD, header_len=n)
@@ -258,7 +385,7 @@ def parse_header_bytes(data: bytes, *, path: str = "<bytes>") -> Header:
     n = _check_prefix(hdr, data[:512])
     if n is None:
         return hdr
-    _parse_into(hdr, data[8:8 + n])
+    _parse_into(hdr, bytearray(memoryview(data)[8:8 + n]))
     return hdr
 
 
@@ -276,19 +403,22 @@ def _no_cyclic_gc() -> Iterator[None]:
             gc.enable()
 
 
-def _parse_into(hdr: Header, raw: bytes) -> None:
-    with _no_cyclic_gc():
-        _parse_text(hdr, raw)
-
-
-def _parse_text(hdr: Header, raw: bytes) -> None:
-    shown = hdr.path
+def _parse_into(hdr: Header, raw: bytearray) -> None:
+    """Decode and check the header bytes; ``raw`` is emptied once decoded (a 90 MB header need
+    not be held twice while its entries are read)."""
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
-        hdr.add("header.not_utf8", f"{shown}: header is not valid UTF-8 (byte {exc.start + 8})",
+        hdr.add("header.not_utf8", f"{hdr.path}: header is not valid UTF-8 (byte {exc.start + 8})",
                 hint=_REDOWNLOAD, position=exc.start + 8)
         return
+    del raw[:]
+    with _no_cyclic_gc():
+        _parse_text(hdr, text)
+
+
+def _parse_text(hdr: Header, text: str) -> None:
+    shown = hdr.path
     stripped = text.lstrip(" \t\r\n")
     if not stripped.startswith("{"):
         hdr.add("header.not_object", f"{shown}: header does not start with '{{'", hint=_REDOWNLOAD)
@@ -297,8 +427,14 @@ def _parse_text(hdr: Header, raw: bytes) -> None:
         hdr.add("header.leading_whitespace",
                 f"{shown}: header has {len(text) - len(stripped)} bytes of whitespace before '{{'",
                 severity=WARNING, hint="the format says the header MUST begin with '{'; re-save the file")
+    del text
+    cols = _Columns()
     try:
-        obj, end = _decode(stripped)
+        try:
+            doc = _read_object(stripped, cols)
+        except _Repeated:
+            cols = _Columns(chunks=False)
+            doc = _read_object(stripped, cols)
     except DuplicateKey as exc:
         hdr.add("header.duplicate_key", f"{shown}: key {exc.key!r} appears more than once in the header",
                 tensor=exc.key, hint="parsers disagree on which copy wins: re-export the file")
@@ -308,20 +444,15 @@ def _parse_text(hdr: Header, raw: bytes) -> None:
                else "nesting too deep" if isinstance(exc, RecursionError) else str(exc))
         hdr.add("header.bad_json", f"{shown}: header is not valid JSON: {msg}", hint=_REDOWNLOAD)
         return
-    if isinstance(obj, dict):
-        # Entries of the usual shape are checked in one tight loop first; they cannot hold
-        # anything serde_json refuses (depth 3, and no string escape in the whole header means no
-        # lone surrogate), so the serde walk only visits the rest.
-        plain = 0 if "\\u" in stripped else _plain_entries(obj)
-        rest = obj if not plain else {k: v for k, v in obj.items() if type(v) is not TensorInfo}
-        problem = _serde_problem(rest)
-    else:
-        problem = _serde_problem(obj) if isinstance(obj, list) else None
+    # Entries of the usual shape hold nothing serde_json refuses (depth 3, no escape in a known
+    # dtype), and each top-level key was checked as it was read: the walk visits only the rest.
+    problem = doc.top_problem or _serde_problem({name: value for _, name, value in doc.rest})
     if problem:
         hdr.add("header.bad_json", f"{shown}: header is not valid JSON for safetensors: {problem}",
                 hint=_REDOWNLOAD)
         return
-    padding = stripped[end:]
+    padding = stripped[doc.end:]
+    del stripped
     if padding.strip(" "):
         if padding.strip(" \t\r\n"):
             bad = next(c for c in padding if c not in " \t\r\n")
@@ -332,89 +463,354 @@ def _parse_text(hdr: Header, raw: bytes) -> None:
             hdr.add("header.whitespace_padding",
                     f"{shown}: header padding contains tabs or newlines (the format allows only spaces)",
                     severity=WARNING, hint="re-save the file with ckptctl resave")
-    if not isinstance(obj, dict):
-        hdr.add("header.not_object", f"{shown}: header is a JSON {type(obj).__name__}, not an object",
-                hint=_REDOWNLOAD)
-        return
-    _validate_entries(hdr, obj)
+    _check_metadata(hdr, doc)
+    for row, name, value in doc.rest:
+        if row is not None:
+            cols.put(row, _check_entry(hdr, name, value))
+    _validate_layout(hdr, cols.table())
 
 
-def _plain_entries(obj: dict[str, Any]) -> int:
-    """Replace, in ``obj``, each entry that :func:`_check_entry` would accept without a finding
-    by the :class:`TensorInfo` it would build (found with exact type checks and no per-entry
-    call; the entry's dict and lists are freed at once, so a huge header never holds both forms
-    of every entry); returns how many. Anything unusual (an unknown key or dtype, a zero
-    dimension, a size that does not match) is left to :func:`_check_entry`."""
-    out = 0
-    by_name, limit = dt.BY_NAME, MAX_DIM_PRODUCT
-    for name, entry in obj.items():
-        if type(entry) is not dict or len(entry) != 3:
-            continue
-        dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
-        if (type(dtype) is not str or type(shape) is not list or type(offsets) is not list
-                or len(offsets) != 2 or dtype not in by_name):
-            continue
-        begin, end = offsets
-        if type(begin) is not int or type(end) is not int or not 0 <= begin <= end:
-            continue
+# One tensor entry exactly as safetensors (serde_json) and json.dumps(separators=(",", ":")) write
+# it, followed by a comma: name (no escape, no control character), then one group for the dtype
+# and shape text (the key of the kind cache), then begin and end. Dimensions >= 1 and numbers of
+# at most 16/19 digits: anything else (a zero dimension, a huge number, whitespace, an escape,
+# another key order) takes the generic path, which decides exactly as the JSON parser does.
+_CANONICAL = re.compile(
+    r'"([^"\\\x00-\x1f]*)":\{"dtype":"([A-Z0-9_]{1,16}","shape":\[(?:[1-9][0-9]{0,15}(?:,[1-9][0-9]{0,15})*)?)\],'
+    r'"data_offsets":\[(0|[1-9][0-9]{0,18}),(0|[1-9][0-9]{0,18})\]\},')
+_WS = re.compile(r"[ \t\n\r]*")  # the JSON parser's whitespace
+_FAST_CACHE = 1 << 16  # distinct dtype+shape texts remembered (a hostile header may have one per entry)
+_CHUNK = 1 << 20  # characters of canonical entries taken at once by _Columns.bulk
+_FIXED = len('"":{"dtype":"],"data_offsets":[,]},')  # a canonical entry's characters outside its groups
+
+
+@dataclass
+class _Doc:
+    """What reading the top-level object found besides the tensor columns."""
+
+    end: int = 0  # just past the closing brace
+    meta_present: bool = False
+    meta: Any = None
+    # entries that are not plain tensors, with their row (None: __metadata__), for the serde walk
+    # and _check_entry, in document order
+    rest: list[tuple[int | None, str, Any]] = field(default_factory=list)
+    top_problem: str | None = None  # the first lone surrogate in a top-level key or string value
+
+
+class _Repeated(Exception):
+    """A chunk taken at once repeats a name (the header is read again entry by entry)."""
+
+
+class _Columns:
+    """The tensors as the header lists them (file order), one compact row each."""
+
+    def __init__(self, *, chunks: bool = True) -> None:
+        self.chunks = chunks
+        self.index: dict[str, int] = {}  # name -> row, in row order
+        self.begin: Offsets = array("Q")
+        self.end: Offsets = array("Q")
+        self.kind: array[int] = array("I")
+        self.kinds: list[tuple[str, tuple[int, ...]]] = []
+        self.codes: dict[tuple[str, tuple[int, ...]], int] = {}
+        self.fast: dict[str, tuple[int, int] | None] = {}  # dtype+shape text -> (kind, nbytes) or None
+        self.dropped: list[int] = []
+        self.duplicate: str | None = None
+
+    def code(self, dtype: str, shape: tuple[int, ...]) -> int:
+        key = (dtype, shape)
+        c = self.codes.get(key)
+        if c is None:
+            c = self.codes[key] = len(self.kinds)
+            self.kinds.append(key)
+        return c
+
+    def fast_kind(self, text: str) -> tuple[int, int] | None:
+        """(kind, nbytes) of a canonical entry's dtype and shape text, or None when the entry
+        needs the generic checks (an unknown dtype, too many elements, a partial byte)."""
+        dtype, _, dims = text.partition('","shape":[')
+        d = dt.BY_NAME.get(dtype)
+        if d is None:
+            return None
+        shape = tuple(map(int, dims.split(","))) if dims else ()
         numel = 1
         for x in shape:
-            if type(x) is not int or x < 1:
-                break
             numel *= x
-        else:  # every dimension >= 1: the running product only grows, so the last one is the largest
-            bits = numel * by_name[dtype].bits
-            if numel <= limit and not bits % 8 and end - begin == bits >> 3 and name != METADATA_KEY:
-                obj[name] = TensorInfo(TensorSpec(name, dtype, tuple(shape)), begin, end)  # same keys: safe
-                out += 1
-    return out
+        bits = numel * d.bits
+        if numel > MAX_DIM_PRODUCT or bits % 8:
+            return None
+        return self.code(dtype, shape), bits >> 3
 
+    def new_row(self, name: str) -> int | None:
+        """The row for ``name``, or None when the name was already seen (the first repeat is
+        remembered: the header is refused once the object is read)."""
+        row = len(self.kind)
+        if self.index.setdefault(name, row) != row:
+            if self.duplicate is None:
+                self.duplicate = name
+            return None
+        return row
 
-def _validate_entries(hdr: Header, obj: dict[str, Any]) -> None:
-    shown = hdr.path
-    meta = obj.get(METADATA_KEY)
-    if METADATA_KEY in obj:
-        if isinstance(meta, dict) and {"dtype", "shape", "data_offsets"} <= set(meta):
-            hdr.add("header.metadata_tensor",
-                    f"{shown}: a tensor is named {METADATA_KEY!r}; safetensors cannot read it back",
-                    tensor=METADATA_KEY, hint="rename the tensor and re-export")
-        elif meta is None:
-            pass
-        elif not isinstance(meta, dict) or not all(
-            isinstance(k, str) and isinstance(v, str) for k, v in meta.items()
-        ):
-            hdr.add("header.bad_metadata",
-                    f"{shown}: {METADATA_KEY} must map strings to strings",
-                    hint="safetensors refuses this file: re-export it with string metadata")
-        else:
-            hdr.metadata = dict(meta)
-            fmt = meta.get("format")
-            if fmt not in VALID_FORMATS:
-                hdr.add("header.format_missing" if fmt is None else "header.format_unknown",
-                        f"{shown}: {METADATA_KEY}.format is {fmt!r}, huggingface_hub's loader expects 'pt' or 'mlx'",
-                        severity=WARNING, hint="re-save with ckptctl resave to set format=pt")
-    entries: list[TensorInfo] = []
-    for name, entry in obj.items():
+    def append(self, begin: int, end: int, code: int) -> None:
+        if (begin | end) >> 64:
+            self._widen()
+        self.begin.append(begin)
+        self.end.append(end)
+        self.kind.append(code)
+
+    def put(self, row: int, info: TensorInfo | None) -> None:
+        """Fill the row kept for an entry the generic checks read (None: it holds no tensor)."""
+        if info is None:
+            self.dropped.append(row)
+            return
+        if (info.begin | info.end) >> 64:
+            self._widen()
+        self.begin[row], self.end[row] = info.begin, info.end
+        self.kind[row] = self.code(info.spec.dtype, info.spec.shape)  # type: ignore[arg-type]
+
+    def _widen(self) -> None:
+        if isinstance(self.begin, array):
+            self.begin, self.end = list(self.begin), list(self.end)
+
+    def known(self, ks: str) -> tuple[int, int] | None:
+        """:meth:`fast_kind`, remembered."""
+        known = self.fast.get(ks, False)
+        if known is False:
+            known = self.fast_kind(ks)
+            if len(self.fast) < _FAST_CACHE:
+                self.fast[ks] = known
+        return known  # type: ignore[return-value]
+
+    def bulk(self, text: str, pos: int) -> tuple[int, int]:
+        """Take the canonical entries from ``pos`` on, a chunk of about ``_CHUNK`` characters at
+        a time (ending after an entry's ``},``), with every per-entry step done by C loops: the
+        regex's matches must tile the chunk exactly (so nothing between them was skipped), each
+        size must match its dtype and shape, and no name may repeat. Returns where it stopped and
+        the end of the chunk it refused (the caller reads that one entry by entry), or ``len(text)``
+        when no whole chunk is left."""
+        index, findall = self.index, _CANONICAL.findall
+        while self.chunks and ((cut := text.find('},"', pos + _CHUNK)) != -1 or (cut := text.rfind('},"', pos)) > pos):
+            stop = cut + 2
+            found = findall(text, pos, stop)
+            if not found:
+                return pos, stop
+            names, kss, bs, es = zip(*found)
+            k = len(names)
+            if (k * _FIXED + sum(map(len, names)) + sum(map(len, kss)) + sum(map(len, bs)) + sum(map(len, es))
+                    != stop - pos):
+                return pos, stop  # something between or around the matches is not canonical
+            known = [self.known(ks) for ks in set(kss)]
+            if None in known or METADATA_KEY in names:
+                return pos, stop
+            begin, end = array("Q", map(int, bs)), array("Q", map(int, es))
+            kinds = list(map(self.known if len(self.fast) >= _FAST_CACHE else self.fast.__getitem__, kss))
+            if not all(map(operator.eq, map(operator.sub, end, begin), map(operator.itemgetter(1), kinds))):
+                return pos, stop
+            row0 = len(self.kind)
+            index.update(zip(names, range(row0, row0 + k)))
+            if len(index) != row0 + k:
+                raise _Repeated  # a name repeats: the index is spoilt, read again entry by entry
+            self.begin.extend(begin)
+            self.end.extend(end)
+            self.kind.extend(map(operator.itemgetter(0), kinds))
+            pos = stop
+        return pos, len(text)
+
+    def one_by_one(self, text: str, pos: int, stop: int) -> int:
+        """Canonical entries one regex match at a time, up to ``stop``; returns where the first
+        entry that needs the JSON parser starts."""
+        match, setdefault = _CANONICAL.match, self.index.setdefault
+        begins, ends, kinds = self.begin.append, self.end.append, self.kind.append
+        while pos < stop and (m := match(text, pos)) is not None:
+            name, ks, b, e = m.groups()
+            known = self.known(ks)
+            if known is None or name == METADATA_KEY:
+                break
+            begin, end = int(b), int(e)
+            row = len(self.kind)
+            if end - begin != known[1] or setdefault(name, row) != row:
+                break
+            begins(begin)
+            ends(end)
+            kinds(known[0])
+            pos = m.end()
+        return pos
+
+    def entry(self, doc: _Doc, name: str, value: Any) -> None:
+        """One entry read by the JSON parser (the generic path)."""
+        if doc.top_problem is None:
+            doc.top_problem = _surrogate(name) or (_surrogate(value) if isinstance(value, str) else None)
         if name == METADATA_KEY:
-            continue
-        info = entry if type(entry) is TensorInfo else _check_entry(hdr, name, entry)
-        if info is not None:
-            entries.append(info)
-    entries.sort(key=_offsets)
-    expected = 0
-    for t in entries:
-        if t.begin > expected:
-            hdr.add("header.offset_hole",
-                    f"{shown}: {expected} unused bytes before tensor {t.name!r} (data_offsets [{t.begin}, {t.end}], "
-                    f"previous tensor ends at {expected})", tensor=t.name,
-                    hint="the data section must be fully covered: re-export the file",
-                    begin=t.begin, end=t.end, expected=expected)
-        elif t.begin < expected:
-            hdr.add("header.offset_overlap",
-                    f"{shown}: tensor {t.name!r} (data_offsets [{t.begin}, {t.end}]) overlaps the previous "
-                    f"tensor, which ends at {expected}", tensor=t.name,
-                    hint="two tensors share bytes: re-export the file", begin=t.begin, end=t.end, expected=expected)
-        expected = max(expected, t.end)
+            if doc.meta_present:
+                self.duplicate = self.duplicate or name
+                return
+            doc.meta_present, doc.meta = True, value
+            doc.rest.append((None, name, value))
+            return
+        row = self.new_row(name)
+        if row is None:
+            return
+        plain = _plain(value)
+        if plain is not None:
+            self.append(plain[1], plain[2], self.code(plain[0], plain[3]))
+        else:
+            self.append(0, 0, 0)  # filled by put() once the object is read
+            doc.rest.append((row, name, value))
+
+    def table(self) -> TensorTable:
+        """The rows in data-offset order (a stable sort: equal offsets keep the file's order)."""
+        begin, end, kind = self.begin, self.end, self.kind
+        names = self.index
+        if self.dropped or not _in_order(begin, end):
+            gone = set(self.dropped)
+            order = sorted((r for r in range(len(kind)) if r not in gone), key=lambda r: (begin[r], end[r]))
+            by_row = list(names)
+            names = {by_row[r]: i for i, r in enumerate(order)}
+            begin, end, kind = _take(begin, order), _take(end, order), _take(kind, order)
+        return TensorTable(names, begin, end, kind, self.kinds)
+
+
+def _take(col: Any, order: list[int]) -> Any:
+    values = map(col.__getitem__, order)
+    return array(col.typecode, values) if isinstance(col, array) else list(values)
+
+
+def _in_order(begin: Offsets, end: Offsets) -> bool:
+    if all(map(operator.lt, begin, islice(begin, 1, None))):
+        return True
+    pairs = list(zip(begin, end))
+    return all(map(operator.le, pairs, islice(pairs, 1, None)))
+
+
+def _surrogate(s: str) -> str | None:
+    if s.isascii():
+        return None
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        return f"lone surrogate escape in string {s[:40]!r}"
+    return None
+
+
+def _plain(entry: Any) -> tuple[str, int, int, tuple[int, ...]] | None:
+    """(dtype, begin, end, shape) of an entry :func:`_check_entry` would accept without a finding,
+    found with exact type checks; None for anything unusual (an unknown key or dtype, a zero
+    dimension, a size that does not match), which is left to :func:`_check_entry`."""
+    if type(entry) is not dict or len(entry) != 3:
+        return None
+    dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
+    if (type(dtype) is not str or type(shape) is not list or type(offsets) is not list
+            or len(offsets) != 2 or dtype not in dt.BY_NAME):
+        return None
+    begin, end = offsets
+    if type(begin) is not int or type(end) is not int or not 0 <= begin <= end:
+        return None
+    numel = 1
+    for x in shape:
+        if type(x) is not int or x < 1:
+            return None
+        numel *= x
+    # every dimension >= 1: the running product only grows, so the last one is the largest
+    bits = numel * dt.BY_NAME[dtype].bits
+    if numel <= MAX_DIM_PRODUCT and not bits % 8 and end - begin == bits >> 3:
+        return dtype, begin, end, tuple(shape)
+    return None
+
+
+def _scan_value(text: str, pos: int, fast: bool) -> tuple[Any, int]:
+    """One JSON value at ``pos`` with serde_json's rules. A failure of the fast decoder (an
+    integer over Python's digit limit, bad JSON) is decided again by the strict one, which names
+    the problem; the fast one is not used at all when the header holds a ``-0``."""
+    if fast:
+        try:
+            return _FAST.scan_once(text, pos)  # type: ignore[no-any-return]
+        except (ValueError, RecursionError, _BadJson, DuplicateKey, StopIteration):
+            pass
+    try:
+        return _STRICT.scan_once(text, pos)  # type: ignore[no-any-return]
+    except StopIteration:
+        raise json.JSONDecodeError("Expecting value", text, pos) from None
+
+
+def _read_object(text: str, cols: _Columns) -> _Doc:
+    """Read the top-level object at ``text[0]`` as ``json``'s own object parser does (the same
+    errors at the same places, the first repeated key refused once the object closes), storing
+    each tensor entry as a row of ``cols`` instead of a dict: the canonical form by one regex
+    match, anything else by the JSON parser."""
+    doc = _Doc()
+    fast_json = "-0" not in text or not _NEGATIVE_ZERO.search(text)
+    n, ws = len(text), _WS.match
+    pos = ws(text, 1).end()
+    if pos < n and text[pos] == "}":
+        doc.end = pos + 1
+        return doc
+    stop = pos
+    while True:
+        if pos >= stop:  # past the chunk bulk refused last (each chunk is tried once)
+            pos, stop = cols.bulk(text, pos)
+        pos = ws(text, cols.one_by_one(text, pos, stop)).end()  # a canonical entry ends with its comma
+        # one entry by the JSON parser
+        if pos >= n or text[pos] != '"':
+            raise json.JSONDecodeError("Expecting property name enclosed in double quotes", text, pos)
+        name, pos = scanstring(text, pos + 1, True)
+        pos = ws(text, pos).end()
+        if pos >= n or text[pos] != ":":
+            raise json.JSONDecodeError("Expecting ':' delimiter", text, pos)
+        value, pos = _scan_value(text, ws(text, pos + 1).end(), fast_json)
+        cols.entry(doc, name, value)
+        pos = ws(text, pos).end()
+        if pos < n and text[pos] == "}":
+            break
+        if pos >= n or text[pos] != ",":
+            raise json.JSONDecodeError("Expecting ',' delimiter", text, pos)
+        pos = ws(text, pos + 1).end()
+    doc.end = pos + 1
+    if cols.duplicate is not None:
+        raise DuplicateKey(cols.duplicate)
+    return doc
+
+
+def _check_metadata(hdr: Header, doc: _Doc) -> None:
+    shown, meta = hdr.path, doc.meta
+    if not doc.meta_present or meta is None:
+        return
+    if isinstance(meta, dict) and {"dtype", "shape", "data_offsets"} <= set(meta):
+        hdr.add("header.metadata_tensor",
+                f"{shown}: a tensor is named {METADATA_KEY!r}; safetensors cannot read it back",
+                tensor=METADATA_KEY, hint="rename the tensor and re-export")
+    elif not isinstance(meta, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items()):
+        hdr.add("header.bad_metadata",
+                f"{shown}: {METADATA_KEY} must map strings to strings",
+                hint="safetensors refuses this file: re-export it with string metadata")
+    else:
+        hdr.metadata = dict(meta)
+        fmt = meta.get("format")
+        if fmt not in VALID_FORMATS:
+            hdr.add("header.format_missing" if fmt is None else "header.format_unknown",
+                    f"{shown}: {METADATA_KEY}.format is {fmt!r}, huggingface_hub's loader expects 'pt' or 'mlx'",
+                    severity=WARNING, hint="re-save with ckptctl resave to set format=pt")
+
+
+def _validate_layout(hdr: Header, table: TensorTable) -> None:
+    """Holes, overlaps, trailing bytes, truncation and alignment of the tensors (in offset order)."""
+    shown = hdr.path
+    begin, end = table._begin, table._end
+    if (not begin or begin[0] == 0) and all(map(operator.eq, islice(begin, 1, None), end)):
+        expected = end[-1] if end else 0  # contiguous from 0: nothing to report
+    else:
+        expected = 0
+        for t in table.values():
+            if t.begin > expected:
+                hdr.add("header.offset_hole",
+                        f"{shown}: {expected} unused bytes before tensor {t.name!r} (data_offsets [{t.begin}, {t.end}], "
+                        f"previous tensor ends at {expected})", tensor=t.name,
+                        hint="the data section must be fully covered: re-export the file",
+                        begin=t.begin, end=t.end, expected=expected)
+            elif t.begin < expected:
+                hdr.add("header.offset_overlap",
+                        f"{shown}: tensor {t.name!r} (data_offsets [{t.begin}, {t.end}]) overlaps the previous "
+                        f"tensor, which ends at {expected}", tensor=t.name,
+                        hint="two tensors share bytes: re-export the file", begin=t.begin, end=t.end, expected=expected)
+            expected = max(expected, t.end)
     data_len = hdr.file_size - hdr.data_start
     if not has_errors(hdr.findings):
         if expected < data_len:
@@ -431,18 +827,20 @@ def _validate_entries(hdr: Header, obj: dict[str, Any]) -> None:
                 f"{shown}: header length {hdr.header_len} is not a multiple of 8", severity=WARNING,
                 hint="tensors may be misaligned for zero-copy loaders; ckptctl resave aligns them")
     else:
-        start, by_name = hdr.data_start, dt.BY_NAME
-        for t in entries:
-            d = by_name.get(t.spec.dtype)  # type: ignore[arg-type]  # "?" for an unknown one
-            if d and d.bits >= 8 and (start + t.begin) % (d.bits >> 3):
-                hdr.add("header.unaligned_tensor",
-                        f"{shown}: tensor {t.name!r} starts at byte {hdr.data_start + t.begin}, "
-                        f"not a multiple of its {d.itemsize}-byte element", severity=WARNING,
-                        tensor=t.name, hint="ckptctl resave lays tensors out aligned")
-    hdr.tensors = {t.name: t for t in entries}
-
-
-_offsets = operator.attrgetter("begin", "end")
+        # the data section starts at a multiple of 8, so a tensor is aligned when its begin is a
+        # multiple of its element size (1, 2, 4 or 8 bytes; 1 for sub-byte or unknown dtypes)
+        sizes = [(d.bits >> 3) if (d := dt.BY_NAME.get(dtype)) and d.bits >= 8 else 1
+                 for dtype, _ in table.kinds]
+        if any(map(operator.mod, begin, map(sizes.__getitem__, table.kind_codes))):
+            start = hdr.data_start
+            for t in table.values():
+                size = sizes[table.kind_codes[table._index[t.name]]]
+                if (start + t.begin) % size:
+                    hdr.add("header.unaligned_tensor",
+                            f"{shown}: tensor {t.name!r} starts at byte {start + t.begin}, "
+                            f"not a multiple of its {size}-byte element", severity=WARNING,
+                            tensor=t.name, hint="ckptctl resave lays tensors out aligned")
+    hdr.tensors = table
 
 
 def _check_entry(hdr: Header, name: str, entry: Any) -> TensorInfo | None:

@@ -11,7 +11,7 @@ from math import prod
 from ckptctl.format import dtypes as dt
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class TensorSpec:
     """Name, safetensors dtype name (``None`` where a format does not say, e.g. an unreadable
     pickle record) and shape."""
@@ -38,6 +38,7 @@ class SpecFields:
     """A record that holds a ``spec`` (:class:`TensorSpec`) by composition: its name, dtype,
     shape, element count and stored size, read through the spec."""
 
+    __slots__ = ()  # slotted records (a header's TensorInfo) stay slotted
     spec: TensorSpec
 
     @property
