@@ -6,12 +6,18 @@ not imported). Pickles and DCP checkpoints need torch to read their metadata.
 
 from __future__ import annotations
 
+import fnmatch
+import operator
 import os
+import re
+from array import array
+from collections import Counter
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from fnmatch import fnmatchcase
+from itertools import repeat
 from math import prod
 from pathlib import Path
-from typing import Any
+from typing import Any, overload
 
 from ckptctl import layout as L
 from ckptctl.config_fields import ConfigFields
@@ -19,7 +25,7 @@ from ckptctl.errors import InputError
 from ckptctl.findings import Finding
 from ckptctl.format import dtypes as dt
 from ckptctl.format import small
-from ckptctl.format.header import load_header
+from ckptctl.format.header import TensorTable, load_header
 from ckptctl.format.tensor import SpecFields, TensorSpec
 
 CONFIG_FIELDS = (
@@ -50,12 +56,140 @@ class ComponentRow:
     total_bytes: int = 0
 
 
+class TensorRows(Sequence[TensorRow]):
+    """The tensors of an inspection, stored by column (each name once, a code per row into the
+    distinct (dtype, shape) pairs and another into the (file, component) pairs) and selected
+    and ordered by an array of rows: a :class:`TensorRow` is built when one is asked for, and
+    the totals are counted per kind, so a header of a million tensors is never a million
+    records."""
+
+    def __init__(self) -> None:
+        self._names: list[str] = []
+        self._kind: array[int] = array("I")
+        self._where: array[int] = array("I")
+        self._kinds: list[tuple[str | None, tuple[int, ...]]] = []
+        self._kind_codes: dict[tuple[str | None, tuple[int, ...]], int] = {}
+        self._places: list[tuple[str, str | None]] = []  # (file, component)
+        self._order: array[int] | None = None  # the rows shown, in order (None: every row as added)
+
+    def _code(self, kind: tuple[str | None, tuple[int, ...]]) -> int:
+        c = self._kind_codes.get(kind)
+        if c is None:
+            c = self._kind_codes[kind] = len(self._kinds)
+            self._kinds.append(kind)
+        return c
+
+    def _place(self, file: str, component: str | None) -> int:
+        self._places.append((file, component))
+        return len(self._places) - 1
+
+    def add_table(self, table: TensorTable, file: str, component: str | None) -> None:
+        """Every tensor of a header, by column (no per-tensor Python work)."""
+        codes = [self._code(k) for k in table.kinds]
+        self._names.extend(table)
+        self._kind.extend(map(codes.__getitem__, table.kind_codes))
+        self._where.extend(repeat(self._place(file, component), len(table)))
+
+    def add(self, spec: TensorSpec, file: str, component: str | None) -> None:
+        self._names.append(spec.name)
+        self._kind.append(self._code((spec.dtype, spec.shape)))
+        place = (file, component)
+        self._where.append(self._place(*place) if not self._places or self._places[-1] != place
+                           else len(self._places) - 1)
+
+    def arrange(self, *, by_component: bool, name_filter: str | None) -> None:
+        """Order the rows by (component, name), a stable sort, and keep those whose name matches
+        ``name_filter`` (a glob, as :func:`fnmatch.fnmatchcase`)."""
+        names = self._names
+        if by_component:
+            comps, where = [c or "" for _, c in self._places], self._where
+            order: list[int] = sorted(range(len(names)), key=lambda i: (comps[where[i]], names[i]))
+        else:  # names are unique per family: the same order by name alone
+            order = sorted(range(len(names)), key=names.__getitem__)
+        if name_filter:
+            match = re.compile(fnmatch.translate(name_filter)).match  # = fnmatchcase
+            order = [i for i in order if match(names[i])]
+        self._order = array("I", order)
+
+    def _rows(self) -> Iterable[int]:
+        return range(len(self._names)) if self._order is None else self._order
+
+    def __len__(self) -> int:
+        return len(self._names) if self._order is None else len(self._order)
+
+    @overload
+    def __getitem__(self, i: int) -> TensorRow: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> list[TensorRow]: ...
+
+    def __getitem__(self, i: int | slice) -> TensorRow | list[TensorRow]:
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        return self._row(self._rows()[i])  # type: ignore[index]
+
+    def _row(self, r: int) -> TensorRow:
+        dtype, shape = self._kinds[self._kind[r]]
+        file, component = self._places[self._where[r]]
+        return TensorRow(TensorSpec(self._names[r], dtype, shape), file, component)
+
+    def __iter__(self) -> Iterator[TensorRow]:
+        return map(self._row, self._rows())
+
+    def sizes(self) -> list[tuple[int, int]]:
+        """(elements, bytes) of each kind."""
+        out = []
+        for dtype, shape in self._kinds:
+            n = prod(shape)
+            d = dt.BY_NAME.get(dtype)  # type: ignore[arg-type]
+            out.append((n, n * d.bits // 8 if d else None))  # = TensorSpec.nbytes; None: a dtype no format names
+        return out  # type: ignore[return-value]
+
+    def named_rows(self) -> Iterator[tuple[str, dict[str, Any]]]:
+        """Each row shown as its tensor's name and the rest of its JSON object: ``{"name": name,
+        **fields}`` is the row. ``fields`` is one dict per (kind, file) shared by the rows that
+        have them (do not change it): an encoder can encode it once. The rows are produced by C
+        loops (``map``/``zip``), with Python work only per distinct ``fields``."""
+        rows, places = self._rows(), len(self._places)
+        combos = map(operator.add, map(operator.mul, map(self._kind.__getitem__, rows), repeat(places)),
+                     map(self._where.__getitem__, rows))
+        return zip(map(self._names.__getitem__, rows), map(_Fields(self).__getitem__, combos))
+
+    def json_rows(self) -> Iterator[dict[str, Any]]:
+        """Each row shown as its JSON object."""
+        return ({"name": name, **fields} for name, fields in self.named_rows())
+
+    def counts(self, rows: Iterable[int] | None = None) -> Counter[tuple[int, int]]:
+        """How many of the rows shown (or of ``rows``) have each (place, kind)."""
+        rows = self._rows() if rows is None else rows
+        if len(self._places) == 1:  # one file: count the kinds alone (one C pass)
+            kinds = self._kind if rows is self._rows() and self._order is None else map(self._kind.__getitem__, rows)
+            return Counter({(0, k): n for k, n in Counter(kinds).items()})
+        return Counter(zip(map(self._where.__getitem__, rows), map(self._kind.__getitem__, rows)))
+
+
+class _Fields(dict):  # type: ignore[type-arg]
+    """A row's JSON fields but its name, per kind * places + place (made on first use)."""
+
+    def __init__(self, rows: TensorRows) -> None:
+        super().__init__()
+        self._rows, self._sizes = rows, rows.sizes()
+
+    def __missing__(self, combo: int) -> dict[str, Any]:
+        kind, place = divmod(combo, len(self._rows._places))
+        (dtype, shape), (n, b), (file, component) = self._rows._kinds[kind], self._sizes[kind], self._rows._places[place]
+        fields = self[combo] = {"dtype": dtype, "shape": list(shape), "parameters": n, "bytes": b, "file": file}
+        if component is not None:
+            fields["component"] = component
+        return fields
+
+
 @dataclass
 class Inspection:
     path: str
     format: str
     files: list[dict[str, Any]] = field(default_factory=list)
-    tensors: list[TensorRow] = field(default_factory=list)
+    tensors: TensorRows = field(default_factory=TensorRows)
     config: dict[str, Any] = field(default_factory=dict)
     findings: list[Finding] = field(default_factory=list)
     aliases: dict[str, str] = field(default_factory=dict)
@@ -78,23 +212,26 @@ class Inspection:
         return self._totals()[2]
 
     def _totals(self) -> tuple[int, int, dict[str, dict[str, int]]]:
-        """Parameters, bytes and the per-dtype totals, in one pass over the tensors (each tensor's
-        element count is computed once: at 90k tensors the properties' chains were most of it)."""
-        return _tally(self.tensors)[:3]
+        """Parameters, bytes and the per-dtype totals (sorted by dtype), counted per kind."""
+        return _tally(self.tensors, self.tensors.counts())
 
     def shards(self) -> list[dict[str, Any]]:
         by: dict[str, dict[str, Any]] = {}
         for f in self.files:
             if f["role"] == "weights":
                 by[f["name"]] = {"name": f["name"], "size": f["size"], "tensors": 0, "parameters": 0}
-        for t in self.tensors:
-            if t.file in by:
-                by[t.file]["tensors"] += 1
-                by[t.file]["parameters"] += t.parameters
+        sizes, places = self.tensors.sizes(), self.tensors._places
+        for (place, kind), count in self.tensors.counts().items():
+            shard = by.get(places[place][0])
+            if shard is not None:
+                shard["tensors"] += count
+                shard["parameters"] += count * sizes[kind][0]
         return list(by.values())
 
     def to_dict(self, *, with_tensors: bool = True) -> dict[str, Any]:
-        parameters, total_bytes, dtypes, rows = _tally(self.tensors, with_rows=with_tensors)
+        """The JSON document (``inspect --json``); ``with_tensors=False`` leaves out the tensor
+        rows, which :meth:`TensorRows.json_rows` gives one at a time."""
+        parameters, total_bytes, dtypes = self._totals()
         doc: dict[str, Any] = {
             "path": self.path,
             "format": self.format,
@@ -111,41 +248,28 @@ class Inspection:
         if self.components:
             doc["components"] = [vars(c) for c in self.components]
         if with_tensors:
-            doc["tensors"] = rows
+            doc["tensors"] = list(self.tensors.json_rows())
         return doc
 
 
-def _tally(tensors: list[TensorRow], *, with_rows: bool = False
-           ) -> tuple[int, int, dict[str, dict[str, int]], list[dict[str, Any]]]:
-    """Total parameters, total bytes, per-dtype totals (sorted by dtype) and, with ``with_rows``,
-    each tensor's JSON row: one pass, each tensor's size computed once."""
+def _tally(rows: TensorRows, counts: Counter[tuple[int, int]]) -> tuple[int, int, dict[str, dict[str, int]]]:
+    """Total parameters, total bytes and per-dtype totals (sorted by dtype) of ``counts`` (rows
+    per (place, kind)): each kind's size computed once."""
     parameters = total = 0
     by_dtype: dict[str, dict[str, int]] = {}
-    bits: dict[str, int] = {}
-    rows: list[dict[str, Any]] = []
-    for t in tensors:
-        spec = t.spec
-        dtype = spec.dtype
-        n = prod(spec.shape)
-        b = bits.get(dtype)  # type: ignore[arg-type]
-        if b is None:
-            b = bits[dtype] = dt.BY_NAME[dtype].bits  # type: ignore[index]
-        nbytes = n * b // 8  # = TensorSpec.nbytes
-        parameters += n
-        total += nbytes
+    sizes, kinds = rows.sizes(), rows._kinds
+    for (_, kind), count in counts.items():
+        n, nbytes = sizes[kind]
+        dtype = kinds[kind][0]
+        parameters += n * count
+        total += nbytes * count
         d = by_dtype.get(dtype)  # type: ignore[arg-type]
         if d is None:
             d = by_dtype[dtype] = {"tensors": 0, "parameters": 0, "bytes": 0}  # type: ignore[index]
-        d["tensors"] += 1
-        d["parameters"] += n
-        d["bytes"] += nbytes
-        if with_rows:
-            row = {"name": spec.name, "dtype": dtype, "shape": list(spec.shape), "parameters": n,
-                   "bytes": nbytes, "file": t.file}
-            if t.component is not None:
-                row["component"] = t.component
-            rows.append(row)
-    return parameters, total, dict(sorted(by_dtype.items())), rows
+        d["tensors"] += count
+        d["parameters"] += n * count
+        d["bytes"] += nbytes * count
+    return parameters, total, dict(sorted(by_dtype.items()))
 
 
 def config_summary(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -190,16 +314,10 @@ def inspect_path(path: str | os.PathLike[str], *, only: str | None = None,
                 res.findings.extend(sub.findings)
             before = len(res.tensors)
             _add_family(res, sub.root, sub, fam, only=only, component=comp.name, prefix=comp.path)
-            added = res.tensors[before:]
+            added = range(before, len(res.tensors))
             row.tensors = len(added)
-            row.parameters = sum(t.parameters for t in added)
-            row.total_bytes = sum(t.nbytes for t in added)
-    if res.components:
-        res.tensors.sort(key=lambda t: (t.component or "", t.spec.name))
-    else:  # no component: the same order by name alone (the sort is stable, names are unique per family)
-        res.tensors.sort(key=lambda t: t.spec.name)
-    if name_filter:
-        res.tensors = [t for t in res.tensors if fnmatchcase(t.name, name_filter)]
+            row.parameters, row.total_bytes, _ = _tally(res.tensors, res.tensors.counts(added))
+    res.tensors.arrange(by_component=bool(res.components), name_filter=name_filter)
     cfg = read_config(lay.root) if lay.single_file is None else None
     if cfg is not None and isinstance(cfg, dict):
         res.config = config_summary(cfg)
@@ -241,8 +359,7 @@ def _add_family(res: Inspection, p: Path, lay: L.Layout, fam: L.Family, *, only:
     if fam.container == L.SAFETENSORS:
         for n in fam.files:
             hdr = load_header(lay.root / n, display=str(lay.root / n))
-            for t in hdr.tensors.values():
-                res.tensors.append(TensorRow(t.spec, rel(n), component))
+            res.tensors.add_table(hdr.tensors, rel(n), component)
     else:
         from ckptctl.sources import open_source
 
@@ -250,7 +367,7 @@ def _add_family(res: Inspection, p: Path, lay: L.Layout, fam: L.Family, *, only:
             res.aliases.update(src.aliases)
             for t in src.tensors:
                 where = Path(t.file).name if t.file else _pickle_file(fam)
-                res.tensors.append(TensorRow(t.spec, rel(where), component))
+                res.tensors.add(t.spec, rel(where), component)
 
 
 def _pickle_file(fam: L.Family) -> str:

@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import io
 import json
+import operator
 import os
 import signal
 import sys
 import traceback
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any, Iterator
+from itertools import islice, repeat
+from typing import TYPE_CHECKING, Any, Iterable, Iterator
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -72,6 +74,7 @@ def human_size(n: int) -> str:
 
 
 _PIPE_WIDTH = 100_000
+_ROWS_AT_ONCE = 4096
 
 
 class Output:
@@ -136,9 +139,35 @@ class Output:
         doc.update(payload)
         return doc
 
-    def emit_json(self, doc: dict[str, Any]) -> None:
-        # One line: scripts read it, and only the compact form uses json's C encoder.
-        self.write(json.dumps(doc, ensure_ascii=False, default=str) + "\n")
+    def emit_json(self, doc: dict[str, Any], *, rows: tuple[str, Iterable[tuple[str, dict[str, Any]]]] | None = None
+                  ) -> None:
+        """Write ``doc`` as one line (scripts read it, and only the compact form uses json's C
+        encoder). ``rows`` (key, named rows) ends the document with that key's array of objects
+        ``{"name": name, **fields}``, encoded and written ``_ROWS_AT_ONCE`` at a time: the bytes
+        ``json.dumps`` gives for the whole document, never held as one string, each distinct
+        ``fields`` object (rows share them) encoded once."""
+        text = json.dumps(doc, ensure_ascii=False, default=str)
+        if rows is None:
+            self.write(text + "\n")
+            return
+        key, items = rows
+        self.write(f"{text[:-1]}{', ' if doc else ''}{json.dumps(key, ensure_ascii=False)}: [")
+        alive: list[dict[str, Any]] = []  # the objects encoded (so that their ids stay theirs)
+        tails: dict[int, str] = {}  # id -> the object's text after the name
+        name = json.encoder.encode_basestring  # json.dumps' own string encoder with ensure_ascii=False
+        it, sep = iter(items), ""
+        while chunk := list(islice(it, _ROWS_AT_ONCE)):
+            names, fields = zip(*chunk)
+            ids = list(map(id, fields))
+            for i, f in dict(zip(ids, fields)).items():
+                if i not in tails:
+                    alive.append(f)
+                    tails[i] = ", " + json.dumps(f, ensure_ascii=False, default=str)[1:] if f else "}"
+            texts = map(operator.add, map(operator.add, repeat('{"name": '), map(name, names)),
+                        map(tails.__getitem__, ids))
+            self.write(sep + ", ".join(texts))
+            sep = ", "
+        self.write("]}\n")
 
     @staticmethod
     def write(text: str) -> None:

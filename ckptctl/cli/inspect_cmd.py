@@ -40,8 +40,9 @@ def inspect(
             out.info(f"inspecting {where.note}")
         res = inspect_path(where.path, only=only, name_filter=filter_, key=key or None)
         if json_:
-            doc = out.document(True, **res.to_dict(with_tensors=True))
-            out.emit_json(doc)
+            # the tensor rows are encoded and written a chunk at a time, never one string
+            doc = out.document(True, **res.to_dict(with_tensors=False))
+            out.emit_json(doc, rows=("tensors", res.tensors.named_rows()))
             return
         _render(out, res, show_tensors=tensors or bool(filter_))
 

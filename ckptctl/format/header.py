@@ -21,6 +21,7 @@ from collections.abc import ItemsView, Iterable, Iterator, KeysView, Mapping, Va
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from itertools import islice
+from math import prod
 from json.decoder import scanstring
 from typing import Any
 
@@ -122,6 +123,11 @@ class TensorTable(Mapping[str, TensorInfo]):
     @property
     def data_bytes(self) -> int:
         return sum(self._end) - sum(self._begin)
+
+    @property
+    def numel(self) -> int:
+        """Elements of every tensor together."""
+        return sum(prod(self._kinds[k][1]) * n for k, n in self.kind_counts().items())
 
     def kind_counts(self) -> Counter[int]:
         """How many tensors have each kind code (one C pass)."""

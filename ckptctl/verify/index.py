@@ -138,7 +138,7 @@ def _totals(ctx: Context, shown: str, meta: dict[str, Any], reads: dict[str, Wei
                 _REPAIR, stated=meta["total_size"], actual=actual)
     params = as_int(meta.get("total_parameters"))
     if params is not None and complete:
-        actual_p = sum(t.numel for h in headers for t in h.tensors.values())
+        actual_p = sum(h.tensors.numel for h in headers)
         if actual_p != params:
             ctx.add("index.total_parameters_mismatch", WARNING, shown,
                     f"{shown}: total_parameters is {params:,} but the shards hold {actual_p:,} values",

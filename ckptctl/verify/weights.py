@@ -8,7 +8,7 @@ notes, a tensor stored in two files, alias records that name nothing, shards ove
 
 from __future__ import annotations
 
-from collections import Counter
+from collections.abc import Mapping, Set
 from typing import Any
 
 from ckptctl import layout as L
@@ -42,7 +42,7 @@ def dtype_notes(hdr: Header) -> list[Finding]:
     out: list[Finding] = []
     newer: dict[str, str] = {}
     no_torch: list[str] = []
-    counts = Counter(t.spec.dtype for t in hdr.tensors.values())  # a few dtypes, many tensors
+    counts = hdr.tensors.dtype_counts()  # a few dtypes, many tensors: counted by column
     for d in filter(None, map(dt.get, counts)):
         if _version(d.since) > (0, 4):
             newer[d.name] = d.since
@@ -62,7 +62,7 @@ def dtype_notes(hdr: Header) -> list[Finding]:
     return out
 
 
-def alias_findings(meta: dict[str, Any], names: set[str], display: str) -> list[Finding]:
+def alias_findings(meta: dict[str, Any], names: Set[str], display: str) -> list[Finding]:
     """Alias records ``{removed: kept}`` (huggingface_hub / safetensors ``save_model``) must name a
     tensor that is stored."""
     out: list[Finding] = []
@@ -93,8 +93,11 @@ def read_file(ctx: Context, name: str, container: str) -> WeightsRead:
             ctx.extend(hdr.findings)
             ctx.extend(dtype_notes(hdr))
             if not any(f.code in _UNPARSED for f in hdr.findings):
-                out.names = set(hdr.tensors) | {f.tensor for f in hdr.findings if f.tensor}
-                out.tensors = {t.name: t.spec for t in hdr.tensors.values()}
+                # views of the header's columns, never a second table of every tensor
+                held = hdr.tensors.keys()
+                extra = {f.tensor for f in hdr.findings if f.tensor and f.tensor not in held}
+                out.names = held | extra if extra else held
+                out.tensors = hdr.tensors.specs()
         else:
             from ckptctl.verify.pickles import scan_torch_file
 
@@ -109,8 +112,10 @@ def read_file(ctx: Context, name: str, container: str) -> WeightsRead:
     return out
 
 
-def merge(ctx: Context, reads: dict[str, WeightsRead]) -> dict[str, TensorSpec]:
+def merge(ctx: Context, reads: dict[str, WeightsRead]) -> Mapping[str, TensorSpec]:
     """All tensors of a family; a name stored in two files is an error."""
+    if len(reads) == 1:  # one file: its own table (a name cannot repeat in it)
+        return next(iter(reads.values())).tensors
     table: dict[str, TensorSpec] = {}
     if len(set().union(*(r.names or () for r in reads.values()))) == sum(len(r.names or ()) for r in reads.values()):
         for r in reads.values():  # no name in two files: the first-wins table below, in one C loop each
@@ -151,6 +156,6 @@ def read_family(ctx: Context, fam: L.Family, *, complete: bool = True) -> Family
     if len(fam.files) == 1:
         hdr = reads[fam.files[0]].header
         if hdr is not None and hdr.metadata:
-            ctx.extend(alias_findings(hdr.metadata, set(hdr.tensors), hdr.path))
+            ctx.extend(alias_findings(hdr.metadata, hdr.tensors.keys(), hdr.path))
     shard_sizes(ctx, reads)
     return FamilyTensors(fam, table, complete and all(r.names is not None for r in reads.values()))
