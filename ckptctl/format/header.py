@@ -17,7 +17,7 @@ import stat
 import struct
 from array import array
 from collections import Counter
-from collections.abc import ItemsView, Iterable, Iterator, KeysView, Mapping, ValuesView
+from collections.abc import ItemsView, Iterable, Iterator, Mapping, ValuesView
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from itertools import islice
@@ -61,34 +61,41 @@ class TensorTable(Mapping[str, TensorInfo]):
     for, so a header of a million tensors costs a compact record per tensor, never a tree of
     dicts and lists (nor a million ``TensorInfo``). Read-only."""
 
-    def __init__(self, index: dict[str, int], begin: Offsets, end: Offsets, kind: array[int],
+    def __init__(self, names: list[str], begin: Offsets, end: Offsets, kind: array[int],
                  kinds: list[tuple[str, tuple[int, ...]]]) -> None:
-        self._index = index  # name -> row; its order is the row order
+        self._names = names  # by row (unique)
         self._begin, self._end, self._kind, self._kinds = begin, end, kind, kinds
+        self._rows: dict[str, int] | None = None  # name -> row, made by the first look-up by name
 
     @classmethod
     def empty(cls) -> "TensorTable":
-        return cls({}, array("Q"), array("Q"), array("I"), [])
+        return cls([], array("Q"), array("Q"), array("I"), [])
+
+    def row_of(self, name: str) -> int:
+        if self._rows is None:
+            self._rows = dict(zip(self._names, range(len(self._names))))
+        return self._rows[name]
 
     def __getitem__(self, name: str) -> TensorInfo:
-        row = self._index[name]
+        row = self.row_of(name)
         dtype, shape = self._kinds[self._kind[row]]
         return TensorInfo(TensorSpec(name, dtype, shape), self._begin[row], self._end[row])
 
     def __iter__(self) -> Iterator[str]:
-        return iter(self._index)
+        return iter(self._names)
 
     def __len__(self) -> int:
-        return len(self._index)
+        return len(self._names)
 
     def __contains__(self, name: object) -> bool:
-        return name in self._index
+        try:
+            self.row_of(name)  # type: ignore[arg-type]
+        except (KeyError, TypeError):  # not a name, or not a hashable one
+            return False
+        return True
 
     def __repr__(self) -> str:
         return f"TensorTable({len(self)} tensors)"
-
-    def keys(self) -> KeysView[str]:
-        return self._index.keys()  # a real dict view: set operations run in C
 
     def values(self) -> ValuesView[TensorInfo]:
         return _Values(self)
@@ -98,7 +105,7 @@ class TensorTable(Mapping[str, TensorInfo]):
 
     def _iter_values(self) -> Iterator[TensorInfo]:
         kinds = self._kinds
-        for name, k, b, e in zip(self._index, self._kind, self._begin, self._end):
+        for name, k, b, e in zip(self._names, self._kind, self._begin, self._end):
             dtype, shape = kinds[k]
             yield TensorInfo(TensorSpec(name, dtype, shape), b, e)
 
@@ -157,9 +164,6 @@ class SpecView(Mapping[str, TensorSpec]):
 
     def __contains__(self, name: object) -> bool:
         return name in self._table
-
-    def keys(self) -> KeysView[str]:
-        return self._table.keys()
 
     def values(self) -> ValuesView[TensorSpec]:
         return _Values(self)
@@ -436,11 +440,12 @@ def _parse_text(hdr: Header, text: str) -> None:
     del text
     cols = _Columns()
     try:
-        try:
-            doc = _read_object(stripped, cols)
-        except _Repeated:
-            cols = _Columns(chunks=False)
-            doc = _read_object(stripped, cols)
+        doc = _read_object(stripped, cols)
+        padding = stripped[doc.end:]
+        del stripped  # the text goes before the names are checked for a repeat (a set of them)
+        repeated = cols.first_repeat()
+        if repeated is not None:
+            raise DuplicateKey(repeated)  # as json's own object hook refuses it: once the object is read
     except DuplicateKey as exc:
         hdr.add("header.duplicate_key", f"{shown}: key {exc.key!r} appears more than once in the header",
                 tensor=exc.key, hint="parsers disagree on which copy wins: re-export the file")
@@ -457,8 +462,6 @@ def _parse_text(hdr: Header, text: str) -> None:
         hdr.add("header.bad_json", f"{shown}: header is not valid JSON for safetensors: {problem}",
                 hint=_REDOWNLOAD)
         return
-    padding = stripped[doc.end:]
-    del stripped
     if padding.strip(" "):
         if padding.strip(" \t\r\n"):
             bad = next(c for c in padding if c not in " \t\r\n")
@@ -503,16 +506,11 @@ class _Doc:
     top_problem: str | None = None  # the first lone surrogate in a top-level key or string value
 
 
-class _Repeated(Exception):
-    """A chunk taken at once repeats a name (the header is read again entry by entry)."""
-
-
 class _Columns:
     """The tensors as the header lists them (file order), one compact row each."""
 
-    def __init__(self, *, chunks: bool = True) -> None:
-        self.chunks = chunks
-        self.index: dict[str, int] = {}  # name -> row, in row order
+    def __init__(self) -> None:
+        self.names: list[str] = []  # by row; a repeated name is found once the object is read
         self.begin: Offsets = array("Q")
         self.end: Offsets = array("Q")
         self.kind: array[int] = array("I")
@@ -520,7 +518,7 @@ class _Columns:
         self.codes: dict[tuple[str, tuple[int, ...]], int] = {}
         self.fast: dict[str, tuple[int, int] | None] = {}  # dtype+shape text -> (kind, nbytes) or None
         self.dropped: list[int] = []
-        self.duplicate: str | None = None
+        self.metadata_repeat: int | None = None  # rows read before a second __metadata__
 
     def code(self, dtype: str, shape: tuple[int, ...]) -> int:
         key = (dtype, shape)
@@ -546,15 +544,17 @@ class _Columns:
             return None
         return self.code(dtype, shape), bits >> 3
 
-    def new_row(self, name: str) -> int | None:
-        """The row for ``name``, or None when the name was already seen (the first repeat is
-        remembered: the header is refused once the object is read)."""
-        row = len(self.kind)
-        if self.index.setdefault(name, row) != row:
-            if self.duplicate is None:
-                self.duplicate = name
-            return None
-        return row
+    def first_repeat(self) -> str | None:
+        """The first key that repeats an earlier one, in the order of the header (a set of the
+        names answers whether there is one; only then are they walked)."""
+        names = self.names
+        row = None
+        if len(set(names)) != len(names):
+            seen: set[str] = set()
+            row = next(i for i, n in enumerate(names) if n in seen or seen.add(n))  # type: ignore[func-returns-value]
+        if self.metadata_repeat is not None and (row is None or self.metadata_repeat <= row):
+            return METADATA_KEY
+        return None if row is None else names[row]
 
     def append(self, begin: int, end: int, code: int) -> None:
         if (begin | end) >> 64:
@@ -590,11 +590,11 @@ class _Columns:
         """Take the canonical entries from ``pos`` on, a chunk of about ``_CHUNK`` characters at
         a time (ending after an entry's ``},``), with every per-entry step done by C loops: the
         regex's matches must tile the chunk exactly (so nothing between them was skipped), each
-        size must match its dtype and shape, and no name may repeat. Returns where it stopped and
+        size must match its dtype and shape. Returns where it stopped and
         the end of the chunk it refused (the caller reads that one entry by entry), or ``len(text)``
         when no whole chunk is left."""
-        index, findall = self.index, _CANONICAL.findall
-        while self.chunks and ((cut := text.find('},"', pos + _CHUNK)) != -1 or (cut := text.rfind('},"', pos)) > pos):
+        findall = _CANONICAL.findall
+        while ((cut := text.find('},"', pos + _CHUNK)) != -1 or (cut := text.rfind('},"', pos)) > pos):
             stop = cut + 2
             found = findall(text, pos, stop)
             if not found:
@@ -611,10 +611,7 @@ class _Columns:
             kinds = list(map(self.known if len(self.fast) >= _FAST_CACHE else self.fast.__getitem__, kss))
             if not all(map(operator.eq, map(operator.sub, end, begin), map(operator.itemgetter(1), kinds))):
                 return pos, stop
-            row0 = len(self.kind)
-            index.update(zip(names, range(row0, row0 + k)))
-            if len(index) != row0 + k:
-                raise _Repeated  # a name repeats: the index is spoilt, read again entry by entry
+            self.names.extend(names)
             self.begin.extend(begin)
             self.end.extend(end)
             self.kind.extend(map(operator.itemgetter(0), kinds))
@@ -624,17 +621,17 @@ class _Columns:
     def one_by_one(self, text: str, pos: int, stop: int) -> int:
         """Canonical entries one regex match at a time, up to ``stop``; returns where the first
         entry that needs the JSON parser starts."""
-        match, setdefault = _CANONICAL.match, self.index.setdefault
-        begins, ends, kinds = self.begin.append, self.end.append, self.kind.append
+        match = _CANONICAL.match
+        names, begins, ends, kinds = self.names.append, self.begin.append, self.end.append, self.kind.append
         while pos < stop and (m := match(text, pos)) is not None:
             name, ks, b, e = m.groups()
             known = self.known(ks)
             if known is None or name == METADATA_KEY:
                 break
             begin, end = int(b), int(e)
-            row = len(self.kind)
-            if end - begin != known[1] or setdefault(name, row) != row:
+            if end - begin != known[1]:
                 break
+            names(name)
             begins(begin)
             ends(end)
             kinds(known[0])
@@ -647,14 +644,14 @@ class _Columns:
             doc.top_problem = _surrogate(name) or (_surrogate(value) if isinstance(value, str) else None)
         if name == METADATA_KEY:
             if doc.meta_present:
-                self.duplicate = self.duplicate or name
+                if self.metadata_repeat is None:
+                    self.metadata_repeat = len(self.names)
                 return
             doc.meta_present, doc.meta = True, value
             doc.rest.append((None, name, value))
             return
-        row = self.new_row(name)
-        if row is None:
-            return
+        row = len(self.names)
+        self.names.append(name)
         plain = _plain(value)
         if plain is not None:
             self.append(plain[1], plain[2], self.code(plain[0], plain[3]))
@@ -664,13 +661,11 @@ class _Columns:
 
     def table(self) -> TensorTable:
         """The rows in data-offset order (a stable sort: equal offsets keep the file's order)."""
-        begin, end, kind = self.begin, self.end, self.kind
-        names = self.index
+        names, begin, end, kind = self.names, self.begin, self.end, self.kind
         if self.dropped or not _in_order(begin, end):
             gone = set(self.dropped)
             order = sorted((r for r in range(len(kind)) if r not in gone), key=lambda r: (begin[r], end[r]))
-            by_row = list(names)
-            names = {by_row[r]: i for i, r in enumerate(order)}
+            names = [names[r] for r in order]
             begin, end, kind = _take(begin, order), _take(end, order), _take(kind, order)
         return TensorTable(names, begin, end, kind, self.kinds)
 
@@ -770,8 +765,6 @@ def _read_object(text: str, cols: _Columns) -> _Doc:
             raise json.JSONDecodeError("Expecting ',' delimiter", text, pos)
         pos = ws(text, pos + 1).end()
     doc.end = pos + 1
-    if cols.duplicate is not None:
-        raise DuplicateKey(cols.duplicate)
     return doc
 
 
@@ -840,7 +833,7 @@ def _validate_layout(hdr: Header, table: TensorTable) -> None:
         if any(map(operator.mod, begin, map(sizes.__getitem__, table.kind_codes))):
             start = hdr.data_start
             for t in table.values():
-                size = sizes[table.kind_codes[table._index[t.name]]]
+                size = sizes[table.kind_codes[table.row_of(t.name)]]
                 if (start + t.begin) % size:
                     hdr.add("header.unaligned_tensor",
                             f"{shown}: tensor {t.name!r} starts at byte {start + t.begin}, "
