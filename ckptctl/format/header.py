@@ -414,21 +414,21 @@ def _no_cyclic_gc() -> Iterator[None]:
 
 
 def _parse_into(hdr: Header, raw: bytearray) -> None:
-    """Decode and check the header bytes; ``raw`` is emptied once decoded (a 90 MB header need
-    not be held twice while its entries are read)."""
+    """Decode and check the header bytes; ``raw`` is emptied once decoded, and the text is
+    dropped once read (a 90 MB header is never held twice, nor beside its names' set)."""
+    with _no_cyclic_gc():
+        _parse_text(hdr, raw)
+
+
+def _parse_text(hdr: Header, raw: bytearray) -> None:
+    shown = hdr.path
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
-        hdr.add("header.not_utf8", f"{hdr.path}: header is not valid UTF-8 (byte {exc.start + 8})",
+        hdr.add("header.not_utf8", f"{shown}: header is not valid UTF-8 (byte {exc.start + 8})",
                 hint=_REDOWNLOAD, position=exc.start + 8)
         return
     del raw[:]
-    with _no_cyclic_gc():
-        _parse_text(hdr, text)
-
-
-def _parse_text(hdr: Header, text: str) -> None:
-    shown = hdr.path
     stripped = text.lstrip(" \t\r\n")
     if not stripped.startswith("{"):
         hdr.add("header.not_object", f"{shown}: header does not start with '{{'", hint=_REDOWNLOAD)
