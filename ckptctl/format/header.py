@@ -591,10 +591,12 @@ class _Columns:
         a time (ending after an entry's ``},``), with every per-entry step done by C loops: the
         regex's matches must tile the chunk exactly (so nothing between them was skipped), each
         size must match its dtype and shape. Returns where it stopped and
-        the end of the chunk it refused (the caller reads that one entry by entry), or ``len(text)``
-        when no whole chunk is left."""
+        the end of the chunk it refused (the caller reads that one entry by entry; ``pos`` when the
+        entry at ``pos`` is not canonical), or ``len(text)`` when no whole chunk is left."""
         findall = _CANONICAL.findall
         while ((cut := text.find('},"', pos + _CHUNK)) != -1 or (cut := text.rfind('},"', pos)) > pos):
+            if _CANONICAL.match(text, pos) is None:
+                return pos, pos  # this entry needs the JSON parser (``__metadata__`` first, most often)
             stop = cut + 2
             found = findall(text, pos, stop)
             if not found:
