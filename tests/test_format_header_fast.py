@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import struct
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -61,3 +62,63 @@ def test_negative_zero_and_huge_integers_take_the_strict_decoder() -> None:
         raw = text.encode() + b" " * (-len(text) % 8)
         hdr = parse_header_bytes(struct.pack("<Q", len(raw)) + raw + b"x")
         assert [f.code for f in hdr.findings] == (["header.bad_offsets"] if "-0" in text else ["header.bad_json"])
+
+
+# The canonical form (``"name":{"dtype":..,"shape":[..],"data_offsets":[a,b]},`` with no space)
+# is read a chunk of about a megabyte at a time by one regex; anything else entry by entry by
+# json's scanner. The same header written with spaces (every entry then takes the scanner) must
+# give the same tensors and findings, whatever oddity sits where: at the start, inside a chunk,
+# last, or repeated across chunks.
+_ODDITIES = {
+    "none": ([], []),
+    "zero_dim": ([('"l.777":{"dtype":"BF16","shape":[1]', '"l.777":{"dtype":"BF16","shape":[0]')],
+                 ["header.size_mismatch"]),
+    "repeat_across_chunks": ([('"l.30001":', '"l.5":')], ["header.duplicate_key"]),
+    "repeat_last": ([('"l.9999":', '"l.0":')], ["header.duplicate_key"]),
+    "metadata_inside": ([('"l.30001":', '"__metadata__":')], ["header.duplicate_key"]),
+    "escape": ([('"l.30001":', '"l.\\u0033":')], ["header.duplicate_key"]),  # l.3 again
+    "lone_surrogate": ([('"l.20001":', '"l.\\ud800":')], ["header.bad_json"]),
+    "key_order": ([('"l.30001":{"dtype":"BF16","shape":[1]', '"l.30001":{"shape":[1],"dtype":"BF16"')], []),
+    "size_mismatch": ([('"l.12":{"dtype":"BF16"', '"l.12":{"dtype":"F32"')], ["header.size_mismatch"]),
+    "unknown_dtype": ([('"l.13":{"dtype":"BF16"', '"l.13":{"dtype":"BF17"')], ["header.unknown_dtype"]),
+    "extra_field": ([('"l.31":{"dtype":"BF16"', '"l.31":{"x":1,"dtype":"BF16"')], ["header.extra_field"]),
+    "leading_zero": ([('"l.2":{"dtype":"BF16","shape":[1]', '"l.2":{"dtype":"BF16","shape":[01]')],
+                     ["header.bad_json"]),
+    "huge_dim": ([('"l.3":{"dtype":"BF16","shape":[1]', '"l.3":{"dtype":"BF16","shape":[' + "9" * 30 + "]")],
+                 ["header.offset_hole", "header.overflow"]),
+    "negative_zero": ([('"l.4":{"dtype":"BF16","shape":[1]', '"l.4":{"dtype":"BF16","shape":[-0]')],
+                      ["header.bad_shape", "header.offset_hole"]),
+    "bad_json_late": ([('"l.39990":{', '"l.39990":{{')], ["header.bad_json"]),
+    "trailing_comma": ([('"l.9999":{"dtype":"BF16","shape":[1],"data_offsets":[79998,80000]}}',
+                         '"l.9999":{"dtype":"BF16","shape":[1],"data_offsets":[79998,80000]},}')], ["header.bad_json"]),
+}
+
+
+def _spaced(text: str) -> str:
+    return text.replace('":{"', '": {"').replace('":"', '": "').replace('":[', '": [').replace('},"', '}, "')
+
+
+def _blob(text: str, data: int) -> bytes:
+    raw = text.encode("utf-8", "surrogatepass")
+    raw += b" " * (-len(raw) % 8)
+    return struct.pack("<Q", len(raw)) + raw + bytes(data)
+
+
+@pytest.mark.parametrize("oddity", sorted(_ODDITIES))
+def test_chunked_canonical_path_equals_the_scanner_path(oddity: str) -> None:
+    from ckptctl.format.header import encode_header
+    from ckptctl.format.tensor import TensorSpec
+
+    head, infos = encode_header([TensorSpec(f"l.{i}", "BF16", (1,)) for i in range(40_000)], {"format": "pt"})
+    text = head[8:].decode().rstrip(" ")
+    assert len(text) > 2 << 20  # several chunks
+    edits, codes = _ODDITIES[oddity]
+    for old, new in edits:
+        assert text.count(old) == 1
+        text = text.replace(old, new)
+    fast, scanned = parse_header_bytes(_blob(text, infos[-1].end)), parse_header_bytes(_blob(_spaced(text), infos[-1].end))
+    assert [f.code for f in fast.findings] == [f.code for f in scanned.findings]
+    assert [f.message for f in fast.findings] == [f.message for f in scanned.findings]
+    assert list(fast.tensors.items()) == list(scanned.tensors.items())
+    assert fast.metadata == scanned.metadata
+    assert sorted({f.code for f in fast.findings}) == codes
