@@ -28,6 +28,7 @@ from ckptctl.verify.report import IO_CODE, FileRecord, PathResult
 # (event, path, amount): "path" (a checkpoint starts), "file" (amount = bytes to read), "bytes", "done".
 ProgressFn = Callable[[str, str, int], None]
 MAX_JSON_BYTES = 64 * 1024 * 1024
+DEEP_NOT_ASKED = "not asked: --deep"  # why the deep check did not run
 
 
 @dataclass

@@ -23,9 +23,8 @@ from ckptctl import layout as L
 from ckptctl.errors import InputError, UsageError
 from ckptctl.findings import ERROR, SEVERITY_RANK, Finding
 from ckptctl.format import names as N
-from ckptctl.verify.context import Context, ProgressFn, VerifyOptions
+from ckptctl.verify.context import DEEP_NOT_ASKED, Context, ProgressFn, VerifyOptions
 from ckptctl.verify.dcp import check_dcp
-from ckptctl.verify.deep import deep_step
 from ckptctl.verify.index import family_tensors
 from ckptctl.verify.manifest import manifest_step
 from ckptctl.verify.model import config_step
@@ -129,6 +128,16 @@ def components_step(ctx: Context) -> str | None:
             sub.mark(CONFIG, f"{comp.library} component: the transformers config rules do not apply")
             _run(sub, tuple(c for c in COMPONENT_STEPS if c.group != CONFIG))
     return None
+
+
+def deep_step(ctx: Context) -> str | None:
+    """``--deep`` (:mod:`ckptctl.verify.deep`, imported only when it runs: it brings hashing and
+    its reader threads)."""
+    if not ctx.options.deep:
+        return DEEP_NOT_ASKED
+    from ckptctl.verify.deep import deep_step as run
+
+    return run(ctx)
 
 
 def scan_file(ctx: Context) -> str | None:
