@@ -68,7 +68,7 @@ def layout_findings(ctx: Context) -> str | None:
         if n in ctx.hidden:
             continue
         try:
-            size = os.stat(ctx.root / n).st_size
+            size = ctx.stat(n).st_size
         except OSError:
             continue  # screening reports an entry it cannot stat
         if size > HUB_MAX_FILE_BYTES:

@@ -29,14 +29,17 @@ LAYER = re.compile(rf"^((?:.*?\.)?{_CONTAINERS})\.(\d+)\.")
 LAYER_RUNS = run_pattern(rf"(?P<s>(?P<where>(?P<pre>.*?\.)?{_CONTAINERS})\.(?P<idx>\d+)\.)", r"[^\n]*",
                          r"(?(pre)(?:\n(?P=s)[^\n]*)*)", ("where", "idx"))
 EXPERT = re.compile(r"^(.*\.)experts\.(\d+)\.(.+)$")
-# EXPERT over all names: (block, index). The greedy prefix takes the last ".experts.N." of a name,
-# so a line that shares "blockexperts.N" gives the same groups unless a later ".experts.N.x"
-# follows: EXPERT_RUNS checks that on every line; EXPERT_RUNS_ONCE is for names that hold
-# ".experts." at most once (checked by counting first).
+# EXPERT over all names, one (block, index) per run: the greedy prefix takes the last
+# ".experts.N." of a name, so a line that shares "blockexperts.N" gives the same groups unless a
+# later ".experts.N.x" follows, which every continued line is checked for.
 _EXPERT = r"(?P<s>(?P<block>.*\.)experts\.(?P<idx>\d+))"
 EXPERT_RUNS = run_pattern(_EXPERT, r"\..+$", r"(?:\n(?P=s)(?![^\n]*?\.experts\.\d+\.[^\n])\.[^\n]+)*",
                           ("block", "idx"))
-EXPERT_RUNS_ONCE = run_pattern(_EXPERT, r"\..+$", r"(?:\n(?P=s)\.[^\n]+)*", ("block", "idx"))
+# The fast reading, one match per block: lines "<block>experts.<N>.<rest>" of any N. Exact for a
+# run whose every line holds ".experts." once (counted), where EXPERT_INDEX reads each line's N.
+EXPERT_BLOCK_RUNS = run_pattern(r"(?P<s>(?P<block>.*\.)experts\.)\d+", r"\..+$", r"(?:\n(?P=s)\d+\.[^\n]+)*",
+                                ("block",))
+EXPERT_INDEX = re.compile(r"\.experts\.(\d+)\.")
 # per-stack layer counts of encoder-decoder configs: stack -> field names, preferred first
 STACK_FIELDS = {"encoder": ("encoder_layers", "num_layers", "num_hidden_layers"),
                 "decoder": ("decoder_layers", "num_decoder_layers", "num_layers", "num_hidden_layers")}
@@ -125,11 +128,18 @@ def check_stacks(ctx: PathFindings, cfg: dict, tensors: "Tensors | TensorNames",
 def expert_blocks(tensors: "Tensors | TensorNames") -> dict[str, set[int]]:
     """Expert block prefix (``model.layers.3.mlp.``) -> the expert indices that hold tensors."""
     names = TensorNames.of(tensors)
-    holding, occurrences = names.count_containing(".experts.")  # every EXPERT match holds ".experts."
+    text = names.text
     per_block: dict[str, set[int]] = {}
-    if holding:
-        for block, index in names.runs(EXPERT_RUNS_ONCE if holding == occurrences else EXPERT_RUNS):
-            per_block.setdefault(block, set()).add(int(index))
+    if text is not None:
+        if ".experts." not in text:  # every EXPERT match holds it
+            return per_block
+        runs = [(m.group("block"), m.start(), m.end()) for m in EXPERT_BLOCK_RUNS.run.finditer(text)]
+        if all(text.count(".experts.", a, b) == text.count("\n", a, b) for _, a, b in runs):
+            for block, a, b in runs:
+                per_block.setdefault(block, set()).update(map(int, set(EXPERT_INDEX.findall(text, a, b))))
+            return per_block
+    for block, index in names.runs(EXPERT_RUNS):
+        per_block.setdefault(block, set()).add(int(index))
     return per_block
 
 

@@ -87,12 +87,6 @@ class TensorNames:
             return sum(1 for n in self.names if n.startswith(prefix))
         return self.text.count("\n" + prefix)
 
-    def count_containing(self, part: str) -> tuple[int, int]:
-        """(names holding ``part``, occurrences of ``part`` in all names): equal when no name holds
-        it twice. ``part`` holds no newline."""
-        holding = sum(map(str.__contains__, self.names, repeat(part)))
-        return holding, (self.text.count(part) if self.text is not None else sum(n.count(part) for n in self.names))
-
     def any_ending(self, suffixes: tuple[str, ...]) -> bool:
         return any(map(str.endswith, self.names, repeat(suffixes)))
 
