@@ -15,29 +15,26 @@ import pytest
 
 from tests.support import REPO, clean_env, invoke, write_tiny_checkpoint
 
-MODULES = r"""
-import json, runpy, sys
-sys.argv = ["ckptctl", *json.loads(sys.argv[1])]
-try:
-    runpy.run_module("ckptctl", run_name="__main__", alter_sys=True)
-    code = 0
-except SystemExit as exc:
-    code = 0 if exc.code is None else exc.code
-sys.stderr.write("\nMODULES " + json.dumps({"exit": code, "modules": sorted(sys.modules)}) + "\n")
-"""
 COMMAND_MODULES = {"ckptctl.cli.export_cmd", "ckptctl.cli.gc_cmd", "ckptctl.cli.inspect_cmd",
                    "ckptctl.cli.resave_cmd", "ckptctl.cli.verify_cmd"}
 DEEP_ONLY = {"ckptctl.verify.deep", "ckptctl.threads", "ckptctl.manifest", "concurrent.futures"}
 
 
+# the CLI's entry point with an exit hook that lists every module the process imported
+LIST_MODULES = ("import atexit, json, sys\n"
+                "atexit.register(lambda: sys.stderr.write('\\nMODULES ' + json.dumps(sorted(sys.modules)) + '\\n'))\n"
+                "sys.argv[0] = 'ckptctl'\n"
+                "from ckptctl.cli import main\n"
+                "main()\n")
+
+
 def modules(args: list[object]) -> tuple[int, set[str]]:
-    """``python -m ckptctl ARGS`` in a fresh interpreter: its exit code and every module it imported."""
-    proc = subprocess.run([sys.executable, "-c", MODULES, json.dumps([str(a) for a in args])], capture_output=True,
-                          text=True, env=clean_env(), timeout=120, cwd=REPO)
+    """``ckptctl ARGS`` in a fresh interpreter: its exit code and every module it imported."""
+    proc = subprocess.run([sys.executable, "-c", LIST_MODULES, *map(str, args)], capture_output=True, text=True,
+                          env=clean_env(), timeout=120, cwd=REPO)
     lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("MODULES ")]
     assert lines, proc.stderr[-2000:]
-    doc = json.loads(lines[-1][len("MODULES "):])
-    return doc["exit"], set(doc["modules"])
+    return proc.returncode, set(json.loads(lines[-1][len("MODULES "):]))
 
 
 @pytest.fixture(scope="module")

@@ -4,11 +4,9 @@ No ``from __future__ import annotations`` in command modules: Typer evaluates ev
 annotation of a command twice when it builds the command (``inspect.signature(eval_str=True)``
 and ``get_type_hints``), on every run; real annotations are built once, at import."""
 
-import gc
 import os
-from contextlib import contextmanager
 from enum import Enum
-from typing import TYPE_CHECKING, Annotated, Any, Iterator, Optional
+from typing import TYPE_CHECKING, Annotated, Any, Optional
 
 import typer
 
@@ -67,10 +65,9 @@ def verify(
         level = fail_on.value
         progress = _Progress(out, deep)
         try:
-            with _collector_paused():
-                report = verify_paths(list(paths or []), recursive=recursive,
-                                      options=VerifyOptions(deep=deep, base=base, max_shard_size=limit),
-                                      progress=progress)
+            report = verify_paths(list(paths or []), recursive=recursive,
+                                  options=VerifyOptions(deep=deep, base=base, max_shard_size=limit),
+                                  progress=progress)
         finally:
             progress.close()
         if report.io_error:
@@ -84,22 +81,6 @@ def verify(
             _checks(out, report)
         _verdict(out, report, level, code)
     raise typer.Exit(code)
-
-
-@contextmanager
-def _collector_paused() -> Iterator[None]:
-    """Python's cyclic garbage collector paused while verify runs: a checkpoint of 92k tensors
-    makes about a million objects (specs, header records, tables) that all live until the report,
-    and none of them in a cycle, yet every young-generation collection traverses them again and
-    every full one traverses all of them (about a tenth of verify's time). Reference counting
-    still frees what verify drops; the collector's own state is restored afterwards."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
 
 
 class _Progress:

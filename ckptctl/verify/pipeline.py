@@ -23,6 +23,7 @@ from ckptctl import layout as L
 from ckptctl.errors import InputError, UsageError
 from ckptctl.findings import ERROR, SEVERITY_RANK, Finding
 from ckptctl.format import names as N
+from ckptctl.format.header import _no_cyclic_gc as no_cyclic_gc
 from ckptctl.verify.context import DEEP_NOT_ASKED, Context, ProgressFn, VerifyOptions
 from ckptctl.verify.dcp import check_dcp
 from ckptctl.verify.index import family_tensors
@@ -289,7 +290,10 @@ def verify_path(path: str | os.PathLike[str], *, display: str | None = None, opt
     res = PathResult(path=shown, root=str(p))
     is_dir = p.is_dir()
     ctx = Context(p if is_dir else p.parent, res, opts, progress, base_root)
-    _run(ctx, DIRECTORY_STEPS if is_dir else FILE_STEPS)
+    # A checkpoint of 92k tensors makes about a million objects that live until the report, none
+    # in a cycle: the cyclic collector would traverse them again and again (a tenth of the run).
+    with no_cyclic_gc():
+        _run(ctx, DIRECTORY_STEPS if is_dir else FILE_STEPS)
     res.checks = checks_of(ctx.checks, NOT_READ if ctx.stopped else NOT_FOR_FILE)
     res.findings.sort(key=lambda f: (-SEVERITY_RANK[f.severity], f.path, f.code, f.tensor or ""))
     return res
