@@ -34,13 +34,21 @@ from ckptctl.format.tensor import TensorSpec
 
 @dataclass(frozen=True)
 class RunPattern:
-    """``one``: the pattern for one name (anchored with ``^``); ``run``: its run form over the
-    newline-prefixed lines of the text (compiled MULTILINE); ``keys``: the names of the groups
-    both give."""
+    """``one_source``: the pattern for one name (anchored with ``^``); ``run_source``: its run form
+    over the newline-prefixed lines of the text (MULTILINE); ``keys``: the names of the groups
+    both give. Compiled on first use (``re`` keeps them), not when a module defines them."""
 
-    one: re.Pattern[str]
-    run: re.Pattern[str]
+    one_source: str
+    run_source: str
     keys: tuple[str, ...] = ()
+
+    @property
+    def one(self) -> re.Pattern[str]:
+        return re.compile(self.one_source)
+
+    @property
+    def run(self) -> re.Pattern[str]:
+        return re.compile(self.run_source, re.MULTILINE)
 
 
 class TensorNames:
@@ -113,4 +121,4 @@ def dtypes(tensors: Mapping[str, TensorSpec]) -> set[str | None]:
 def run_pattern(core: str, tail: str, more: str, keys: tuple[str, ...] = ()) -> RunPattern:
     """The :class:`RunPattern` of ``^core tail`` whose run form also swallows the following lines
     that ``more`` accepts (``more`` may refer back to the groups of ``core``)."""
-    return RunPattern(re.compile("^" + core + tail), re.compile("\n" + core + tail + more, re.MULTILINE), keys)
+    return RunPattern("^" + core + tail, "\n" + core + tail + more, keys)
