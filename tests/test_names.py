@@ -70,3 +70,11 @@ def test_staging_name_parses_back() -> None:
     name = N.staging_name("ckpt.v2")
     dest, stamp = N.parse_staging_name(name)
     assert dest == "ckpt.v2" and stamp > 0
+
+
+def test_the_manifest_name_is_the_one_the_manifest_module_writes() -> None:
+    """verify finds the manifest by the name in this module (without importing the manifest
+    module and its hashing threads); the manifest module writes its file under that name."""
+    from ckptctl import manifest
+
+    assert manifest.MANIFEST_NAME == N.MANIFEST_NAME

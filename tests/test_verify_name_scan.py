@@ -8,6 +8,7 @@ nested containers, and prefixes that only look like a container."""
 
 from __future__ import annotations
 
+import random
 import re
 
 import pytest
@@ -16,7 +17,9 @@ from ckptctl.findings import PathFindings
 from ckptctl.format.tensor import TensorSpec
 from ckptctl.verify import model
 from ckptctl.verify.architectures import LLAMA, SPECS, Dims
-from ckptctl.verify.stacks import LAYER, check_experts, containers
+from ckptctl.verify.stacks import (EXPERT, EXPERT_RUNS, LAYER, LAYER_RUNS, check_experts, containers,
+                                   expert_blocks)
+from ckptctl.verify.tensor_names import TensorNames
 
 TRICKY = [
     "model.embed_tokens.weight", "embed_tokens.weight", "model.norm.weight", "lm_head.weight",
@@ -114,3 +117,78 @@ def test_experts_prefilter_keeps_every_regex_match() -> None:
     blocks = {f.details["block"]: f.details["missing"] for f in ctx.findings if f.code == "config.expert_missing"}
     # experts 3 (ASCII and Arabic-Indic digit) only: '.+' takes no lone newline, 'x' is no index
     assert blocks == {"model.layers.11.mlp.": [0, 1, 2, 4, 5]}
+
+
+# --------------------------------------------------------------------------------------------
+# the name table (issue 16): a pattern's run form over all names gives what the one-name regex
+# gives name by name, whatever the order of the names and however they repeat a prefix
+
+TOKENS = ["model", "layers", "layer", "h", "block", "blocks", "experts", "mlp", "0", "1", "12", "\u0663", "x",
+          "gate", "weight", "", "a.h", "experts.3", "layers.2"]
+
+
+def _random_names(rng: random.Random, n: int) -> list[str]:
+    out = []
+    for _ in range(n):
+        out.append(".".join(rng.choice(TOKENS) for _ in range(rng.randint(1, 7))))
+    return out
+
+
+def _run_orders(rng: random.Random) -> list[list[str]]:
+    """Random names, the same names sorted (long runs of shared prefixes), hand-made runs whose
+    later lines share the prefix of the first but read differently, and a DeepSeek-like table."""
+    names = list(dict.fromkeys(_random_names(rng, 3000)))
+    tricky = ["h.0.x", "h.0.a.layers.3.b", "h.0.", "h.0.layers.1.y", "m.h.0.x", "m.h.0.a.layers.3.b",
+              "m.experts.1.w", "m.experts.1.experts.2.w", "m.experts.1.x", "m.experts.1.", "m.experts.1.experts.x.w",
+              "m.experts.1.experts.2.", "m.experts.1.q.experts.4.w", "m.experts.1.r",
+              "model.layers.4.", "model.layers.4.x", "model.layers.4.self_attn.q_proj.weight", "model.layers.4",
+              "model.layers.45.x", "model.layers.4.mlp.down_proj.weight", "model.layers.4.mlp.down_proj.weightx"]
+    deepseek = [f"model.layers.{i}.mlp.experts.{e}.{p}_proj.{w}" for i in range(3, 6) for e in range(8)
+                for p in ("down", "gate", "up") for w in ("weight", "weight_scale_inv")]
+    deepseek += [f"model.layers.{i}.self_attn.q_proj.weight" for i in range(6)]
+    shuffled = names + tricky + deepseek
+    rng.shuffle(shuffled)
+    return [names, sorted(names), tricky, tricky[::-1], deepseek, shuffled, sorted(shuffled)]
+
+
+def _by_one_name(pattern: re.Pattern[str], names: list[str], groups: tuple[int, ...]) -> set[tuple[str, ...]]:
+    return {tuple(m.group(g) for g in groups) for n in names if (m := pattern.match(n))}
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_runs_read_every_name_as_the_one_name_regex(seed: int) -> None:
+    rng = random.Random(seed)
+    for names in _run_orders(rng):
+        for table in (TensorNames(_tensors(names)), TensorNames(_tensors(names + ["model.layers.9.x\n"]))):
+            assert (table.text is None) == any("\n" in n for n in table.names)
+            listed = table.names
+            assert table.runs(LAYER_RUNS) == _by_one_name(LAYER, listed, (1, 2))
+            assert table.runs(EXPERT_RUNS) == _by_one_name(EXPERT, listed, (1, 2))
+            for subset in (listed, [n for n in listed if n.count(".experts.") <= 1]):  # the block runs' reading
+                blocks: dict[str, set[int]] = {}
+                for block, index in _by_one_name(EXPERT, subset, (1, 2)):
+                    blocks.setdefault(block, set()).add(int(index))
+                assert expert_blocks(TensorNames(_tensors(subset))) == blocks
+            assert containers(table) == _containers_by_regex(table.tensors)
+            indices, rules = model._layer_patterns("model.", LLAMA)
+            assert table.runs(indices) == _by_one_name(re.compile(r"^model\.layers\.(\d+)\.(.+)$"), listed, (1,))
+            suffixes = {r.suffix for r in LLAMA.rules}
+            by_regex = [(n, m.group(2)) for n in listed
+                        if (m := re.match(r"^model\.layers\.(\d+)\.(.+)$", n)) and m.group(2) in suffixes]
+            assert [(n, m.group("suffix")) for n, m in table.matching(rules)] == by_regex
+            for part in ("x", "weight", "h.0.x", ".weight_scale_inv", "experts.3"):
+                assert table.ending(part) == [n for n in listed if n.endswith(part)]
+                assert table.count_prefix(part) == sum(1 for n in listed if n.startswith(part))
+            assert sorted(table.ending_any(("x", "weight", "0"))) == sorted(
+                n for n in listed if n.endswith(("x", "weight", "0")))
+            found = model._detect(table)
+            assert (None if found is None else (found[0].name, found[1])) == _detect_by_regex(table.tensors)
+
+
+def test_a_later_experts_segment_ends_a_run() -> None:
+    """`m.experts.1.experts.2.w` shares the prefix `m.experts.1` of the name before it, but the
+    regex reads it as expert 2 of block `m.experts.1.`: the run must stop there."""
+    names = ["m.experts.1.w", "m.experts.1.experts.2.w", "m.experts.1.v"]
+    assert expert_blocks(_tensors(names)) == {"m.": {1}, "m.experts.1.": {2}}
+    # a bare container at the start is matched last: the next name's later container wins
+    assert containers(_tensors(["h.0.x", "h.0.a.layers.3.b"])) == {"h": {0}}

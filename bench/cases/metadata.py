@@ -1,8 +1,10 @@
 """Metadata at scale: DeepSeek-V3's 91,991 tensor names in 163 shards (about 20 MB of data), read
 by ``verify``, ``inspect --json``, a no-op ``resave --repair`` and ``export``, beside a raw stdlib
 scan of the same headers (the reference: open, read the 8-byte length and the header, ``json.loads``
-it, for every shard) and safetensors' ``safe_open`` of every key. ``help``: ``ckptctl --help``
-against a bare ``import typer, rich`` (the start-up every command pays)."""
+it, for every shard) and safetensors' ``safe_open`` of every key. ``help``: ``ckptctl --help``,
+and ``verify`` of a 4 MB checkpoint (what a command pays before and after its work: its imports,
+Typer's parsing of its options), against a bare ``import typer, rich`` (the start-up every
+command pays)."""
 
 from __future__ import annotations
 
@@ -10,10 +12,11 @@ import sys
 from functools import partial
 
 from bench.cases.resave import linked_copy
-from bench.gen import WORK, MoeSpec, ensure
+from bench.gen import WORK, MoeSpec, Spec, ensure
 from bench.harness import CKPTCTL, Case, Command, clear
 
 SPEC = MoeSpec()
+SMALL = Spec(size=4 * 10**6, single=True)
 RAW_SCAN = ("import sys, os, json, struct\n"
             "d = sys.argv[1]\n"
             "for n in sorted(os.listdir(d)):\n"
@@ -40,9 +43,11 @@ def _cases() -> list[Case]:
               Command("ckptctl export", [*CKPTCTL, "export", str(src), str(out), "-q"],
                       setup=clear(out), teardown=clear(out))],
              prepare=partial(ensure, SPEC)),
-        Case("help", "start-up: ckptctl --help against importing its two libraries",
+        Case("help", "start-up: ckptctl --help and a small verify against importing its two libraries",
              [Command("import typer, rich", [sys.executable, "-c", "import typer, rich"]),
-              Command("ckptctl --help", [*CKPTCTL, "--help"])]),
+              Command("ckptctl --help", [*CKPTCTL, "--help"]),
+              Command("ckptctl verify (4 MB)", [*CKPTCTL, "verify", str(WORK / SMALL.name()), "-q"])],
+             prepare=partial(ensure, SMALL)),
     ]
 
 

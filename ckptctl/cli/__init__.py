@@ -1,28 +1,34 @@
-"""The Typer application. Commands are registered here only when they work."""
+"""The Typer application. Commands are registered here only when they work.
+
+Each command lives in its own module, imported only when the app that holds it is built:
+``ckptctl verify ...`` builds an app of the root and ``verify`` alone (Typer reads the signature
+of every registered command when it runs), ``--help``, completion and anything else the full app.
+``app`` is the full app (built on first use).
+"""
 
 from __future__ import annotations
 
+import functools
+import importlib
+import os
 import sys
-from typing import Annotated, Optional
+from typing import Annotated, Any, Callable, Optional
 
 import typer
 
 from ckptctl._version import __version__
 from ckptctl.cli._output import Output, Signals
-from ckptctl.cli.export_cmd import export
-from ckptctl.cli.gc_cmd import gc_tmp
-from ckptctl.cli.inspect_cmd import inspect
-from ckptctl.cli.resave_cmd import resave
-from ckptctl.cli.verify_cmd import verify
 
-app = typer.Typer(
-    name="ckptctl",
-    help="Export, repair, verify and clean up Hugging Face-style safetensors checkpoints, atomically.",
-    no_args_is_help=True,
-    rich_markup_mode=None,
-    pretty_exceptions_enable=False,
-    context_settings={"help_option_names": ["-h", "--help"]},
-)
+# command name -> (module, function): the order of --help
+COMMANDS: dict[str, tuple[str, str]] = {
+    "export": ("ckptctl.cli.export_cmd", "export"),
+    "gc-tmp": ("ckptctl.cli.gc_cmd", "gc_tmp"),
+    "inspect": ("ckptctl.cli.inspect_cmd", "inspect"),
+    "resave": ("ckptctl.cli.resave_cmd", "resave"),
+    "verify": ("ckptctl.cli.verify_cmd", "verify"),
+}
+# Typer's completion protocol: the shell asks the full app (command names, options)
+COMPLETE_VAR = "_CKPTCTL_COMPLETE"
 
 
 def _version(value: bool) -> None:
@@ -31,7 +37,6 @@ def _version(value: bool) -> None:
         raise typer.Exit(0)
 
 
-@app.callback()
 def _root(
     version: Annotated[Optional[bool], typer.Option("--version", callback=_version, is_eager=True,
                                                     help="Print the version and exit.")] = None,
@@ -39,11 +44,44 @@ def _root(
     """ckptctl: checkpoint export and repair."""
 
 
-app.command("export")(export)
-app.command("gc-tmp")(gc_tmp)
-app.command("inspect")(inspect)
-app.command("resave")(resave)
-app.command("verify")(verify)
+def command(name: str) -> Callable[..., Any]:
+    """The function of command ``name`` (its module imported now)."""
+    module, function = COMMANDS[name]
+    return getattr(importlib.import_module(module), function)
+
+
+def build(names: tuple[str, ...] = tuple(COMMANDS)) -> typer.Typer:
+    """The Typer app with the root options and the commands ``names``."""
+    made = typer.Typer(
+        name="ckptctl",
+        help="Export, repair, verify and clean up Hugging Face-style safetensors checkpoints, atomically.",
+        no_args_is_help=True,
+        rich_markup_mode=None,
+        pretty_exceptions_enable=False,
+        context_settings={"help_option_names": ["-h", "--help"]},
+    )
+    made.callback()(_root)
+    for name in names:
+        made.command(name)(command(name))
+    return made
+
+
+@functools.cache
+def full_app() -> typer.Typer:
+    return build()
+
+
+def __getattr__(name: str) -> Any:
+    if name == "app":
+        return full_app()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def app_for(args: list[str]) -> typer.Typer:
+    """The app a command line needs: the root and the command it names first, else the full app."""
+    if args and args[0] in COMMANDS and COMPLETE_VAR not in os.environ:
+        return build((args[0],))
+    return full_app()
 
 
 def main() -> None:
@@ -54,7 +92,7 @@ def main() -> None:
     args = sys.argv[1:]
     try:
         with Signals.handled():
-            code = app(args=args, prog_name="ckptctl", standalone_mode=False)
+            code = app_for(args)(args=args, prog_name="ckptctl", standalone_mode=False)
     except typer.Abort:
         code = _interrupted(args)
     except KeyboardInterrupt:  # a signal after the command's own guard
@@ -66,8 +104,7 @@ def main() -> None:
 
 def _command(args: list[str]) -> str:
     """The command named on the command line (``ckptctl`` when there is none)."""
-    names = {c.name for c in app.registered_commands}
-    return next((a for a in args if a in names), "ckptctl")
+    return next((a for a in args if a in COMMANDS), "ckptctl")
 
 
 def _json_wanted(args: list[str]) -> bool:

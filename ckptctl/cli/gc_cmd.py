@@ -1,6 +1,6 @@
-"""`ckptctl gc-tmp ROOT...`: remove what dead writers left behind (never a live writer's work)."""
+"""`ckptctl gc-tmp ROOT...`: remove what dead writers left behind (never a live writer's work).
 
-from __future__ import annotations
+No ``from __future__ import annotations``: see :mod:`ckptctl.cli.verify_cmd`."""
 
 from typing import Annotated, List, Optional
 

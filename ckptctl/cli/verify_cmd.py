@@ -1,6 +1,8 @@
-"""`ckptctl verify PATH...`."""
+"""`ckptctl verify PATH...`.
 
-from __future__ import annotations
+No ``from __future__ import annotations`` in command modules: Typer evaluates every string
+annotation of a command twice when it builds the command (``inspect.signature(eval_str=True)``
+and ``get_type_hints``), on every run; real annotations are built once, at import."""
 
 import os
 from enum import Enum
@@ -132,8 +134,10 @@ def _shown_file(path: str, root: str) -> str:
     return path
 
 
-def _render(out: Output, report: Report, level: str, *, always: bool) -> None:
+def _render(out: Output, report: "Report", level: str, *, always: bool) -> None:
     """The findings tables on stdout (with -q only when the verdict is not OK)."""
+    if out.verbosity < 0 and not always:
+        return  # Output.print would print nothing: no table is built (nor rich.table imported)
     from rich.table import Table  # here: not on --help's import path
 
     show_info = out.verbosity >= 1
@@ -167,14 +171,14 @@ def _render(out: Output, report: Report, level: str, *, always: bool) -> None:
         out.print(table, always=always)
 
 
-def _checks(out: Output, report: Report) -> None:
+def _checks(out: Output, report: "Report") -> None:
     """One line per path on stderr: the check groups that ran, and those that did not and why."""
     for r in report.results:
         skipped = ", ".join(f"{g} ({why})" for g, why in r.checks.skipped.items())
         out.info(f"checks of {r.path}: ran {', '.join(r.checks.ran) or 'none'}; not run: {skipped or 'none'}")
 
 
-def _verdict(out: Output, report: Report, level: str, code: int) -> None:
+def _verdict(out: Output, report: "Report", level: str, code: int) -> None:
     if out.verbosity < 0:
         return
     c = report.counts()

@@ -229,6 +229,7 @@ def leftover_kind(name: str, *, is_dir: bool, beside_safetensors: bool = True) -
 # what counts as a weights-like name (checkpoint discovery)
 
 INDEX_SUFFIXES = (".safetensors.index.json", ".bin.index.json")
+MANIFEST_NAME = "ckptctl.manifest.json"  # ckptctl's own manifest (ckptctl.manifest)
 WEIGHTS_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt")
 DCP_METADATA = ".metadata"
 DCP_SUFFIX = ".distcp"

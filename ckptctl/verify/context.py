@@ -28,6 +28,7 @@ from ckptctl.verify.report import IO_CODE, FileRecord, PathResult
 # (event, path, amount): "path" (a checkpoint starts), "file" (amount = bytes to read), "bytes", "done".
 ProgressFn = Callable[[str, str, int], None]
 MAX_JSON_BYTES = 64 * 1024 * 1024
+DEEP_NOT_ASKED = "not asked: --deep"  # why the deep check did not run
 
 
 @dataclass
@@ -88,6 +89,9 @@ class Context:
         self.allowed = allowed_root(root)
         self.names: list[str] = []  # the directory's entries
         self.hidden: set[str] = set()  # entries screening took out of view (reported there)
+        # entries screening kept in view: inside the checkpoint (a link's target was checked)
+        self.vetted: set[str] = set()
+        self.stats: dict[str, os.stat_result] = {}  # screening's lstat of each regular file (no link)
         self.layout: Layout | None = None
         self.reads: dict[str, WeightsRead] = {}
         self.tables: list[FamilyTensors] = []
@@ -139,13 +143,18 @@ class Context:
         self.io(name, exc)
         self.stopped = True
 
+    def stat(self, name: str) -> os.stat_result:
+        """``os.stat`` of ``root / name``, taken once: a regular file's comes from screening."""
+        st = self.stats.get(name)
+        return st if st is not None else os.stat(self.root / name)
+
     def record(self, name: str, role: str) -> FileRecord:
         """The file record of ``name`` (created on first use, named from the checkpoint root)."""
         rec = self.records.get(self.prefix + name)
         if rec is None:
             size = None
             try:
-                size = os.stat(self.root / name).st_size
+                size = self.stat(name).st_size
             except OSError:
                 pass
             rec = self.records[self.prefix + name] = FileRecord(self.prefix + name, role, size)
@@ -166,6 +175,8 @@ class Context:
     def inside(self, name: str) -> Path | None:
         """``root / name`` unless it was screened out or resolves outside the checkpoint through a
         symlink (reported here, never opened). The path may not exist."""
+        if name in self.vetted:
+            return self.root / name  # an entry of the directory screening kept in view
         if name.split("/")[0] in self.hidden:
             return None  # already reported as an escaping or broken symlink, or not a file
         target = self.root / name
@@ -189,7 +200,7 @@ class Context:
         """The size of a regular file, or None after reporting that it is not one (a directory,
         FIFO or device is never opened) or cannot be stat'ed."""
         try:
-            st = os.stat(self.root / name)
+            st = self.stat(name)
         except OSError as exc:
             self.io(name, exc)
             return None

@@ -4,7 +4,7 @@ every weights file listed. The sha256 digests are compared by the deep step."""
 from __future__ import annotations
 
 from ckptctl.findings import ERROR
-from ckptctl.manifest import MANIFEST_NAME, read_manifest
+from ckptctl.format.names import MANIFEST_NAME
 from ckptctl.verify.context import Context
 
 
@@ -17,6 +17,8 @@ def manifest_step(ctx: Context) -> str | None:
     ctx.record(MANIFEST_NAME, "manifest")
     if ctx.regular_size(MANIFEST_NAME, "re-export with --manifest") is None:
         return f"{MANIFEST_NAME} is not a readable file: see its finding"
+    from ckptctl.manifest import read_manifest  # here: the manifest module brings hashing threads
+
     doc, found = read_manifest(ctx.root / MANIFEST_NAME)
     ctx.extend(found)
     if doc is None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Mapping
+from operator import attrgetter
 from typing import Any
 
 from ckptctl import layout as L
@@ -22,8 +23,9 @@ from ckptctl.findings import ERROR, INFO, WARNING, Finding, PathFindings
 from ckptctl.format.tensor import TensorSpec
 from ckptctl.verify.architectures import GENERATIVE, SPECS, Dims, Spec
 from ckptctl.verify.context import Context
-from ckptctl.verify.tied import tied_bytes_step
 from ckptctl.verify.stacks import EXTRA_LAYER_FIELDS, check_experts, check_stacks, count_findings
+from ckptctl.verify.tensor_names import RunPattern, TensorNames, dtypes, run_pattern
+from ckptctl.verify.tied import tied_bytes_step
 from ckptctl.verify.weights import transformers_rank
 
 Tensors = Mapping[str, TensorSpec]
@@ -50,11 +52,11 @@ _FIX_CONFIG = "fix config.json (or re-export the checkpoint from the model that 
 _DETECT_ENDS = tuple({s.embed for s in SPECS} | {"." + s.rules[0].suffix for s in SPECS} | {"\n"})
 
 
-def _detect(tensors: Tensors) -> tuple[Spec, str] | None:
+def _detect(tensors: "Tensors | TensorNames") -> tuple[Spec, str] | None:
     """The layout and the prefix in front of its embedding (e.g. ``model.``)."""
     best: tuple[int, Spec, str] | None = None
-    names = list(tensors)
-    candidates = [n for n in names if n.endswith(_DETECT_ENDS)]
+    names = TensorNames.of(tensors)
+    candidates = names.ending_any(_DETECT_ENDS)
     for spec in SPECS:
         embed, dot_embed = spec.embed, "." + spec.embed
         roots = {n[: len(n) - len(embed)] for n in candidates if n == embed or n.endswith(dot_embed)}
@@ -62,14 +64,16 @@ def _detect(tensors: Tensors) -> tuple[Spec, str] | None:
         pat = re.compile(rf"^(.*?){spec.layer}\.\d+\.{re.escape(first)}$")
         roots.update(m.group(1) for n in candidates if (m := pat.match(n)))
         for root in roots:
-            lp = root + spec.layer + "."
-            hits = len([n for n in names if n.startswith(lp)])
-            has_embed = (root + spec.embed) in tensors
+            hits = names.count_prefix(root + spec.layer + ".")
+            has_embed = (root + spec.embed) in names.tensors
             score = hits + (1 << 40 if has_embed else 0)
             # an embedding name alone is no proof (BERT's embeddings.word_embeddings is not Falcon's)
             if hits and (best is None or score > best[0]):
                 best = (score, spec, root)
     return (best[1], best[2]) if best else None
+
+
+_SHAPE = attrgetter("shape")
 
 
 def _fmt(shape: tuple[int | None, ...]) -> str:
@@ -100,9 +104,10 @@ def check_config(display: str, cfg: Any, tensors: Tensors, *, check_dtype: bool 
             ctx.add("config.missing_field", WARNING, f"{display}: no {key!r} (transformers needs it to pick a class)",
                     _FIX_CONFIG, field=key)
     quantized = isinstance(cfg.get("quantization_config"), dict) or isinstance(cfg.get("compression_config"), dict)
-    _check_quantization(ctx, tensors, quantized)
+    names = TensorNames(tensors)
+    _check_quantization(ctx, names, quantized)
     if check_dtype and not quantized:
-        _check_dtype(ctx, c, tensors)
+        _check_dtype(ctx, c, names.tensors)
     archs = cfg.get("architectures") if isinstance(cfg.get("architectures"), list) else []
     vocab = as_int(c.get("vocab_size"))
     if tokenizer_size is not None and vocab is not None and tokenizer_size > vocab:
@@ -111,10 +116,10 @@ def check_config(display: str, cfg: Any, tensors: Tensors, *, check_dtype: bool 
                 f"{vocab}: those tokens index past the embedding",
                 "resize the embeddings (model.resize_token_embeddings) and re-export, or fix vocab_size",
                 tokenizer_size=tokenizer_size, vocab_size=vocab)
-    check_experts(ctx, cfg, tensors)
-    found = None if cfg.get("is_encoder_decoder") else _detect(tensors)
+    check_experts(ctx, cfg, names)
+    found = None if cfg.get("is_encoder_decoder") else _detect(names)
     skip = f"{found[1]}{found[0].layer}" if found else None
-    stacked = check_stacks(ctx, cfg, tensors, skip=skip)
+    stacked = check_stacks(ctx, cfg, names, skip=skip)
     if cfg.get("is_encoder_decoder"):
         ctx.add("config.not_checked", INFO, f"{display}: encoder-decoder model; layer counts checked per stack, "
                 "projection shapes not checked")
@@ -128,26 +133,36 @@ def check_config(display: str, cfg: Any, tensors: Tensors, *, check_dtype: bool 
     assert spec.dims is not None
     dims = spec.dims(c)
     generative = any(isinstance(a, str) and a.endswith(GENERATIVE) for a in archs) or not archs
-    _check_embeddings(ctx, spec, root, dims, tensors, c, generative, quantized)
-    _check_layers(ctx, spec, root, dims, tensors, quantized,
+    _check_embeddings(ctx, spec, root, dims, names, c, generative, quantized)
+    _check_layers(ctx, spec, root, dims, names, quantized,
                   sum(as_int(c.get(f)) or 0 for f in EXTRA_LAYER_FIELDS))
     return ctx.findings
 
 
-def _check_quantization(ctx: PathFindings, tensors: Tensors, quantized: bool) -> None:
-    signals = [t.name for t in tensors.values()
-               if (t.dtype in QUANT_DTYPES and t.name.endswith(".weight"))
-               or t.name.endswith(QUANT_SUFFIXES)
-               or (t.dtype in ("I8", "U8") and t.name.endswith(".weight") and len(t.shape) == 2)]
-    if signals and not quantized:
+def _quant_signal(t: TensorSpec) -> bool:
+    """A tensor that only a quantized checkpoint holds."""
+    return ((t.dtype in QUANT_DTYPES and t.name.endswith(".weight"))
+            or t.name.endswith(QUANT_SUFFIXES)
+            or (t.dtype in ("I8", "U8") and t.name.endswith(".weight") and len(t.shape) == 2))
+
+
+def _check_quantization(ctx: PathFindings, names: TensorNames, quantized: bool) -> None:
+    tensors = names.tensors.values()
+    if quantized:  # one signal is enough
+        if not any(map(_quant_signal, tensors)):
+            ctx.add("config.quantization_unused", ERROR,
+                    f"{ctx.path}: quantization_config is set but no tensor is quantized",
+                    "remove quantization_config (the weights are plain floats) or export the quantized weights")
+        return
+    # a signal needs a quantized dtype or a quantization suffix: both are cheap to rule out first
+    if names.dtypes.isdisjoint(QUANT_DTYPES | {"I8", "U8"}) and not names.any_ending(QUANT_SUFFIXES):
+        return
+    signals = [t.name for t in tensors if _quant_signal(t)]
+    if signals:
         ctx.add("config.quantization_missing", ERROR,
                 f"{ctx.path}: {len(signals)} tensors look quantized ({signals[0]!r}, ...) but there is no "
                 "quantization_config", "copy the quantization_config of the quantized model into config.json",
                 tensor=signals[0], count=len(signals))
-    elif quantized and not signals:
-        ctx.add("config.quantization_unused", ERROR,
-                f"{ctx.path}: quantization_config is set but no tensor is quantized",
-                "remove quantization_config (the weights are plain floats) or export the quantized weights")
 
 
 def _float_counts(tensors: Tensors) -> dict[str, int]:
@@ -165,6 +180,16 @@ def config_dtype(cfg: Any) -> str | None:
     return CONFIG_DTYPES.get(raw.removeprefix("torch.")) if isinstance(raw, str) else None
 
 
+def _dominant_float(tensors: Tensors) -> str | None:
+    """The float dtype that holds the most elements (None: no float tensor). Elements are counted
+    only when the tensors use more than one float dtype."""
+    floats = dtypes(tensors) & FLOATS
+    if len(floats) <= 1:
+        return next(iter(floats), None)
+    counts = _float_counts(tensors)
+    return max(sorted(counts), key=lambda k: counts[k])
+
+
 def _check_dtype(ctx: PathFindings, c: ConfigFields, tensors: Tensors) -> None:
     raw = c.get("dtype")
     if not isinstance(raw, str) or raw == "auto":
@@ -172,11 +197,9 @@ def _check_dtype(ctx: PathFindings, c: ConfigFields, tensors: Tensors) -> None:
     want = CONFIG_DTYPES.get(raw.removeprefix("torch."))
     if want is None:
         return
-    counts = _float_counts(tensors)
-    if not counts:
-        return
-    dominant = max(sorted(counts), key=lambda k: counts[k])
-    if dominant != want:
+    dominant = _dominant_float(tensors)
+    if dominant is not None and dominant != want:
+        counts = _float_counts(tensors)
         ctx.add("config.dtype_mismatch", WARNING,
                 f"{ctx.path}: dtype is {raw!r} but most parameters are {dominant} "
                 f"({counts[dominant]:,} of {sum(counts.values()):,})",
@@ -184,11 +207,12 @@ def _check_dtype(ctx: PathFindings, c: ConfigFields, tensors: Tensors) -> None:
                 config=raw, tensors=dominant)
 
 
-def _check_embeddings(ctx: PathFindings, spec: Spec, root: str, d: Dims, tensors: Tensors, c: ConfigFields,
+def _check_embeddings(ctx: PathFindings, spec: Spec, root: str, d: Dims, names: TensorNames, c: ConfigFields,
                       generative: bool, quantized: bool) -> None:
     layer_prefix = root + spec.layer + "."
+    tensors = names.tensors
     embed = tensors.get(root + spec.embed)
-    heads = [t for n, t in tensors.items()
+    heads = [tensors[n] for n in names.ending(spec.lm_head)
              if (n == spec.lm_head or n.endswith("." + spec.lm_head)) and not n.startswith(layer_prefix)]
     lm = heads[0] if heads else None
     if not quantized:
@@ -211,7 +235,7 @@ def _check_embeddings(ctx: PathFindings, spec: Spec, root: str, d: Dims, tensors
                         f"position embedding {pos.name!r} has {pos.shape[0]} rows but the config allows "
                         f"{d.max_pos} positions", _FIX_CONFIG, tensor=pos.name, rows=pos.shape[0],
                         max_positions=d.max_pos)
-    bert_pos = next((t for n, t in tensors.items() if n.endswith("embeddings.position_embeddings.weight")), None)
+    bert_pos = next((tensors[n] for n in names.ending("embeddings.position_embeddings.weight")), None)
     if bert_pos is not None and d.max_pos is not None and bert_pos.shape and bert_pos.shape[0] != d.max_pos:
         ctx.add("config.position_mismatch", ERROR,
                 f"position embedding {bert_pos.name!r} has {bert_pos.shape[0]} rows but max_position_embeddings "
@@ -229,38 +253,35 @@ def _check_embeddings(ctx: PathFindings, spec: Spec, root: str, d: Dims, tensors
                 "separately, or drop the tensor with `ckptctl resave`", tensor=lm.name)
 
 
-def _check_layers(ctx: PathFindings, spec: Spec, root: str, d: Dims, tensors: Tensors,
+def _layer_patterns(root: str, spec: Spec) -> tuple[RunPattern, RunPattern]:
+    """The layers of ``root``: (index of every name ``<root><layer>.<i>.<rest>``, and the names
+    whose rest is one of the spec's rule suffixes, with that suffix)."""
+    lp = re.escape(root) + spec.layer
+    suffixes = "|".join(re.escape(r.suffix) for r in spec.rules)
+    return (run_pattern(rf"(?P<s>{lp}\.(?P<idx>\d+)\.)", r".+$", r"(?:\n(?P=s)[^\n]+)*", ("idx",)),
+            run_pattern(rf"{lp}\.\d+\.(?P<suffix>{suffixes})", "$", ""))
+
+
+def _check_layers(ctx: PathFindings, spec: Spec, root: str, d: Dims, tensors: "Tensors | TensorNames",
                   quantized: bool, extra_layers: int) -> None:
-    pat = re.compile(rf"^{re.escape(root)}{spec.layer}\.(\d+)\.(.+)$")
-    lp = root + spec.layer + "."
-    present: set[int] = set()
-    by_rule: dict[str, list[TensorSpec]] = {}
-    suffixes = {r.suffix for r in spec.rules}
-    for n, t in tensors.items():
-        if not n.startswith(lp):
-            continue
-        if "\n" in n:  # the regex's own reading of a newline ('.' stops at it, '$' allows one at the end)
-            m = pat.match(n)
-            if not m:
-                continue
-            index, suffix = m.group(1), m.group(2)
-        else:  # the same match without the regex: <lp><decimal digits>.<non-empty rest>
-            index, _, suffix = n[len(lp):].partition(".")
-            if not (suffix and index.isdecimal()):  # isdecimal() is exactly the regex's \d
-                continue
-        present.add(int(index))
-        if suffix in suffixes:
-            by_rule.setdefault(suffix, []).append(t)
+    names = TensorNames.of(tensors)
+    indices, rules = _layer_patterns(root, spec)
+    present = {int(i) for (i,) in names.runs(indices)}
     if d.layers is not None:
         count_findings(ctx, f"{root}{spec.layer}", present, d.layers, "num_hidden_layers", extra_layers)
     if quantized:
         ctx.add("config.not_checked", INFO, f"{ctx.path}: quantized checkpoint; projection shapes not checked")
         return
+    by_rule: dict[str, list[TensorSpec]] = {}
+    for n, m in names.matching(rules):
+        by_rule.setdefault(m.group("suffix"), []).append(names.tensors[n])
     for rule in spec.rules:
         expected_shape = rule.shape(d)
-        bad = [t for t in by_rule.get(rule.suffix, []) if not _shape_ok(t.shape, expected_shape)]
-        if not bad or expected_shape is None:
+        rows = by_rule.get(rule.suffix, [])
+        # the few distinct shapes first; the tensors are listed only for a finding
+        if expected_shape is None or all(_shape_ok(s, expected_shape) for s in set(map(_SHAPE, rows))):
             continue
+        bad = [t for t in rows if not _shape_ok(t.shape, expected_shape)]
         shapes = sorted({_fmt(t.shape) for t in bad})
         ctx.add(rule.code, ERROR,
                 f"{len(bad)} tensors {root}{spec.layer}.N.{rule.suffix} have shape {', '.join(shapes)}; the config "
@@ -314,8 +335,7 @@ def config_step(ctx: Context) -> str | None:
         # save_pretrained(variant=...) beside a main family rewrites the one shared config.json with the
         # variant's dtype: a dtype that one family of the directory has is not a mismatch
         want = config_dtype(cfg)
-        variant_match = any(want is not None and (counts := _float_counts(t.tensors))
-                            and max(sorted(counts), key=lambda k: counts[k]) == want
+        variant_match = any(want is not None and _dominant_float(t.tensors) == want
                             for t in ctx.tables if t.family.variant is not None)
         ctx.extend(check_config(shown, cfg, loaded.tensors, check_dtype=not variant_match, tokenizer_size=tok,
                                 tokenizer_display=tok_shown))

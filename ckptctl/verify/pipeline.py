@@ -23,9 +23,9 @@ from ckptctl import layout as L
 from ckptctl.errors import InputError, UsageError
 from ckptctl.findings import ERROR, SEVERITY_RANK, Finding
 from ckptctl.format import names as N
-from ckptctl.verify.context import Context, ProgressFn, VerifyOptions
+from ckptctl.format.header import _no_cyclic_gc as no_cyclic_gc
+from ckptctl.verify.context import DEEP_NOT_ASKED, Context, ProgressFn, VerifyOptions
 from ckptctl.verify.dcp import check_dcp
-from ckptctl.verify.deep import deep_step
 from ckptctl.verify.index import family_tensors
 from ckptctl.verify.manifest import manifest_step
 from ckptctl.verify.model import config_step
@@ -69,7 +69,7 @@ def layout_findings(ctx: Context) -> str | None:
         if n in ctx.hidden:
             continue
         try:
-            size = os.stat(ctx.root / n).st_size
+            size = ctx.stat(n).st_size
         except OSError:
             continue  # screening reports an entry it cannot stat
         if size > HUB_MAX_FILE_BYTES:
@@ -129,6 +129,16 @@ def components_step(ctx: Context) -> str | None:
             sub.mark(CONFIG, f"{comp.library} component: the transformers config rules do not apply")
             _run(sub, tuple(c for c in COMPONENT_STEPS if c.group != CONFIG))
     return None
+
+
+def deep_step(ctx: Context) -> str | None:
+    """``--deep`` (:mod:`ckptctl.verify.deep`, imported only when it runs: it brings hashing and
+    its reader threads)."""
+    if not ctx.options.deep:
+        return DEEP_NOT_ASKED
+    from ckptctl.verify.deep import deep_step as run
+
+    return run(ctx)
 
 
 def scan_file(ctx: Context) -> str | None:
@@ -277,7 +287,15 @@ def verify_path(path: str | os.PathLike[str], *, display: str | None = None, opt
             p = p.parent
         elif not (p.exists() or p.is_symlink()):
             raise InputError(f"no such file or directory: {p}", "check the path")
-    res = PathResult(path=shown, root=str(p))
+    # A checkpoint of 92k tensors makes about a million objects, none in a cycle, that live until
+    # its result is made: the cyclic collector would traverse them again and again (a tenth of
+    # the run). It resumes once _checked has returned and reference counting has freed them.
+    with no_cyclic_gc():
+        return _checked(PathResult(path=shown, root=str(p)), p, opts, progress, base_root)
+
+
+def _checked(res: PathResult, p: Path, opts: VerifyOptions, progress: ProgressFn | None,
+             base_root: Path | None) -> PathResult:
     is_dir = p.is_dir()
     ctx = Context(p if is_dir else p.parent, res, opts, progress, base_root)
     _run(ctx, DIRECTORY_STEPS if is_dir else FILE_STEPS)

@@ -27,17 +27,26 @@ def _harmless(name: str, mode: int) -> bool:
 
 
 def screen(ctx: Context) -> None:
+    """One ``lstat`` per entry: what must not be opened is hidden and reported; a regular file's
+    ``lstat`` is kept as its ``stat`` (:meth:`Context.stat`), and every entry left in view is
+    known to stay inside the checkpoint (:meth:`Context.inside`) when the directory itself is (a
+    component folder may be a link)."""
+    vetted = ctx.vetted if within(os.path.realpath(ctx.root), ctx.allowed) else set()
     for n in ctx.names:
         p = ctx.root / n
-        if not os.path.islink(p):
-            try:
-                mode = os.lstat(p).st_mode
-            except OSError:
-                continue  # gone since listdir: layout will not find it either
-            if not _harmless(n, mode):
+        try:
+            st = os.lstat(p)
+        except OSError:
+            continue  # gone since listdir: layout will not find it either
+        if not stat.S_ISLNK(st.st_mode):
+            if not _harmless(n, st.st_mode):
                 ctx.hidden.add(n)
-                what = "directory" if stat.S_ISDIR(mode) else "special file"
+                what = "directory" if stat.S_ISDIR(st.st_mode) else "special file"
                 ctx.not_a_file(n, f"is a {what}, not a regular file; not opened", _REPLACE)
+                continue
+            if stat.S_ISREG(st.st_mode):
+                ctx.stats[n] = st
+            vetted.add(n)
             continue
         real = os.path.realpath(p)
         if not within(real, ctx.allowed):
@@ -49,6 +58,8 @@ def screen(ctx: Context) -> None:
         elif not _harmless(n, os.stat(p).st_mode):
             ctx.hidden.add(n)
             ctx.not_a_file(n, "links to something that is not a regular file; not opened", _REPLACE)
+        else:
+            vetted.add(n)
 
 
 def scan_directory(ctx: Context) -> None:

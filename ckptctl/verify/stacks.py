@@ -17,11 +17,29 @@ from collections.abc import Mapping
 from ckptctl.config_fields import ConfigFields, as_int
 from ckptctl.findings import ERROR, INFO, PathFindings
 from ckptctl.format.tensor import TensorSpec
+from ckptctl.verify.tensor_names import TensorNames, run_pattern
 
 Tensors = Mapping[str, TensorSpec]
 
-LAYER = re.compile(r"^((?:.*?\.)?(?:layers|layer|h|block|blocks))\.(\d+)\.")
+_CONTAINERS = "(?:layers|layer|h|block|blocks)"
+LAYER = re.compile(rf"^((?:.*?\.)?{_CONTAINERS})\.(\d+)\.")
+# LAYER over all names: (where, index). The lazy prefix tries every dot of the name before the
+# bare container at its start, so a line that shares the prefix "where.index." gives the same
+# groups only when the container was not matched at the start (``pre``): the run continues then.
+LAYER_RUNS = run_pattern(rf"(?P<s>(?P<where>(?P<pre>.*?\.)?{_CONTAINERS})\.(?P<idx>\d+)\.)", r"[^\n]*",
+                         r"(?(pre)(?:\n(?P=s)[^\n]*)*)", ("where", "idx"))
 EXPERT = re.compile(r"^(.*\.)experts\.(\d+)\.(.+)$")
+# EXPERT over all names, one (block, index) per run: the greedy prefix takes the last
+# ".experts.N." of a name, so a line that shares "blockexperts.N" gives the same groups unless a
+# later ".experts.N.x" follows, which every continued line is checked for.
+_EXPERT = r"(?P<s>(?P<block>.*\.)experts\.(?P<idx>\d+))"
+EXPERT_RUNS = run_pattern(_EXPERT, r"\..+$", r"(?:\n(?P=s)(?![^\n]*?\.experts\.\d+\.[^\n])\.[^\n]+)*",
+                          ("block", "idx"))
+# The fast reading, one match per block: lines "<block>experts.<N>.<rest>" of any N. Exact for a
+# run whose every line holds ".experts." once (counted), where EXPERT_INDEX reads each line's N.
+EXPERT_BLOCK_RUNS = run_pattern(r"(?P<s>(?P<block>.*\.)experts\.)\d+", r"\..+$", r"(?:\n(?P=s)\d+\.[^\n]+)*",
+                                ("block",))
+EXPERT_INDEX = re.compile(r"\.experts\.(\d+)\.")
 # per-stack layer counts of encoder-decoder configs: stack -> field names, preferred first
 STACK_FIELDS = {"encoder": ("encoder_layers", "num_layers", "num_hidden_layers"),
                 "decoder": ("decoder_layers", "num_decoder_layers", "num_layers", "num_hidden_layers")}
@@ -35,23 +53,17 @@ def _first(items: list[int], total: int, shown: int = 10) -> str:
     return ", ".join(map(str, items[:shown])) + (" ..." if total > shown else "")
 
 
-def containers(tensors: Tensors) -> dict[str, set[int]]:
+def containers(tensors: "Tensors | TensorNames") -> dict[str, set[int]]:
     """Layer container prefix (``model.layers``) -> the layer indices that hold tensors. A container
     nested in a layer of another (T5's ``block.0.layer.1``) is not a stack of its own."""
     out: dict[str, set[int]] = {}
-    stack: dict[str, bool] = {}  # container prefix -> whether it is a stack (not nested): once per prefix
-    for n in tensors:
-        m = LAYER.match(n)
-        if m:
-            where, index = m.group(1, 2)
-            own = stack.get(where)
-            if own is None:
-                own = stack[where] = not LAYER.match(where + ".")
-            if own:
-                got = out.get(where)
-                if got is None:
-                    got = out[where] = set()
-                got.add(int(index))
+    for where, index in TensorNames.of(tensors).runs(LAYER_RUNS):
+        got = out.get(where)
+        if got is None:
+            if LAYER.match(where + "."):
+                continue  # nested
+            got = out[where] = set()
+        got.add(int(index))
     return out
 
 
@@ -80,7 +92,7 @@ def count_findings(ctx: PathFindings, where: str, present: set[int], expected: i
                 f"fix {field}, or drop the stale layers with ckptctl resave", extra=extra[:200], stack=where)
 
 
-def check_stacks(ctx: PathFindings, cfg: dict, tensors: Tensors, *, skip: str | None = None) -> bool:
+def check_stacks(ctx: PathFindings, cfg: dict, tensors: "Tensors | TensorNames", *, skip: str | None = None) -> bool:
     """Every layer stack against its count in the config. ``skip``: a container the caller has
     already checked. Returns whether any stack was checked."""
     c = ConfigFields(cfg)
@@ -113,15 +125,30 @@ def check_stacks(ctx: PathFindings, cfg: dict, tensors: Tensors, *, skip: str | 
     return checked
 
 
-def check_experts(ctx: PathFindings, cfg: dict, tensors: Tensors) -> None:
+def expert_blocks(tensors: "Tensors | TensorNames") -> dict[str, set[int]]:
+    """Expert block prefix (``model.layers.3.mlp.``) -> the expert indices that hold tensors."""
+    names = TensorNames.of(tensors)
+    text = names.text
+    per_block: dict[str, set[int]] = {}
+    if text is not None:
+        if ".experts." not in text:  # every EXPERT match holds it
+            return per_block
+        runs = [(m.group("block"), m.start(), m.end()) for m in EXPERT_BLOCK_RUNS.run.finditer(text)]
+        if all(text.count(".experts.", a, b) == text.count("\n", a, b) for _, a, b in runs):
+            for block, a, b in runs:
+                per_block.setdefault(block, set()).update(map(int, set(EXPERT_INDEX.findall(text, a, b))))
+            return per_block
+    for block, index in names.runs(EXPERT_RUNS):
+        per_block.setdefault(block, set()).add(int(index))
+    return per_block
+
+
+def check_experts(ctx: PathFindings, cfg: dict, tensors: "Tensors | TensorNames") -> None:
     """MoE: every layer that has experts has all of them, and the router's rows equal the count."""
     c = ConfigFields(cfg)
     field, n = next(((f, v) for f in EXPERT_FIELDS if (v := as_int(c.get(f))) is not None), (None, None))
-    per_block: dict[str, set[int]] = {}
-    for name in tensors:
-        m = EXPERT.match(name) if ".experts." in name else None  # every match holds ".experts."
-        if m:
-            per_block.setdefault(m.group(1), set()).add(int(m.group(2)))
+    names = TensorNames.of(tensors)
+    per_block = expert_blocks(names)
     if not per_block:
         return
     if n is None:
@@ -142,7 +169,7 @@ def check_experts(ctx: PathFindings, cfg: dict, tensors: Tensors) -> None:
                 f"{field} is {n} but {blk}experts.N holds experts {_first(e, len(e))}; transformers silently "
                 "ignores them", f"fix {field} in config.json", block=blk, extra=e[:200])
     for blk in sorted(per_block):
-        gate = tensors.get(blk + "gate.weight")
+        gate = names.tensors.get(blk + "gate.weight")
         if gate is not None and len(gate.shape) == 2 and gate.shape[0] != n:
             ctx.add("config.expert_count", ERROR,
                     f"router {gate.name!r} scores {gate.shape[0]} experts but {field} is {n}: loading fails with a "

@@ -17,7 +17,6 @@ from ckptctl.findings import ERROR, INFO
 from ckptctl.format.header import TensorInfo
 from ckptctl.verify.architectures import SPECS
 from ckptctl.verify.context import Context, FamilyTensors
-from ckptctl.verify.deep import MIN_CHUNK_BYTES, open_unbuffered, read_windows, window_bytes
 
 EMBEDDINGS = tuple(s.embed for s in SPECS) + ("shared.weight",)
 HEADS = tuple(s.lm_head for s in SPECS)
@@ -37,6 +36,8 @@ def _locate(ctx: Context, name: str) -> Where | None:
 def same_bytes(ctx: Context, a: Where, b: Where) -> bool:
     """Whether two tensors hold the same bytes, read in windows of ``chunk_bytes`` (the first
     differing window ends the comparison). Raises OSError when a file cannot be read."""
+    from ckptctl.verify.deep import MIN_CHUNK_BYTES, open_unbuffered, read_windows, window_bytes  # --deep only
+
     (fa, ia, sa), (fb, ib, sb) = a, b
     length = ia.end - ia.begin
     if ib.end - ib.begin != length:
