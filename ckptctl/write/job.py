@@ -13,6 +13,7 @@ the staging directory and leaves the destination untouched.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import stat
 import time
@@ -110,6 +111,8 @@ class ExportJob:
         self.stage_: Stage | None = None
         self.dest_existed = False
         self.known: dict[str, int] = {}  # dest's entries (name -> inode) as the plan saw them
+        # --manifest: the files hashed as they were written, name -> (size, sha256 or its future)
+        self.digests: dict[str, tuple[int, Any]] = {}
 
     def prepare(self, *, recover: bool = True, place: bool = False) -> ExportResult:
         """Plan from metadata (no I/O), then look at the destination: finish a dead writer's
@@ -193,7 +196,7 @@ class ExportJob:
         from concurrent.futures import ThreadPoolExecutor
 
         assert self.plan is not None
-        tw = TensorWriter(self.opts.chunk_bytes)
+        tw = TensorWriter(self.opts.chunk_bytes, hashing=self.opts.manifest)
         progress = self.opts.progress
         done, total = 0, self.plan.total_size
 
@@ -220,8 +223,13 @@ class ExportJob:
                         except BaseException:
                             os.close(fd)
                             raise
+                        digest = tw.digest
+                        if digest is not None:  # read back what the kernel copied, then close
+                            self.digests[shard.name] = (shard.file_size, syncer.submit(digest.finish, shard.file_size))
                         if self.opts.fsync:
                             pending.append((shard.name, syncer.submit(fsync_and_close, fd)))
+                        elif digest is not None:
+                            syncer.submit(os.close, fd)
                         else:
                             os.close(fd)
                 except OSError as exc:
@@ -255,24 +263,41 @@ class ExportJob:
         try:
             if plan.index_name:
                 _faults.point("index")
-                stage.write_file(plan.index_name, encode_index(
+                self.write_file(plan.index_name, encode_index(
                     plan.weight_map, plan.total_size, total_parameters=plan.total_parameters,
                     extra_metadata=with_alias_records(opts.metadata, plan.aliases)))
             for name, blob in sorted(self.extra_blobs.items()):
-                stage.write_file(name, blob)
+                self.write_file(name, blob)
             for name in self.result.carried:
                 link_or_copy(self.dest / name, data / name, fsync=opts.fsync)
             for name, path in sorted(self.inputs.variants.items()):
                 copy_verbatim(path, data / name, fsync=opts.fsync)
             _faults.point("extras-written")
             if opts.manifest:
-                stage.write_file(MANIFEST_NAME, encode_manifest(build_manifest(data, list_files(data),
-                                                                               label=opts.label, final=self.dest)))
+                stage.write_file(MANIFEST_NAME, encode_manifest(build_manifest(
+                    data, list_files(data), label=opts.label, final=self.dest, known=self.written_digests())))
             _faults.point("manifest-written")
         except OSError as exc:
             raise from_oserror(exc, "cannot write the index and extras", phase="finalize") from None
         stage.seal()
         stage.check_competitors()
+
+    def write_file(self, name: str, blob: bytes) -> None:
+        """A small file of the new version (index, extra), hashed from memory for the manifest."""
+        assert self.stage_ is not None
+        self.stage_.write_file(name, blob)
+        if self.opts.manifest:
+            self.digests[name] = (len(blob), hashlib.sha256(blob).hexdigest())
+
+    def written_digests(self) -> dict[str, tuple[int, str]]:
+        """The files hashed while they were written: name -> (size, sha256). A shard whose
+        writes did not go in file order is left out (the manifest reads it)."""
+        out = {}
+        for name, (size, digest) in self.digests.items():
+            value = digest if isinstance(digest, str) else digest.result()
+            if value is not None:
+                out[name] = (size, value)
+        return out
 
     def publish(self) -> ExportResult:
         """Make the staged version the destination, then remove the staging directory."""

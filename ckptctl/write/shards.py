@@ -29,6 +29,7 @@ from ckptctl.errors import InputError
 from ckptctl.format.header import TensorInfo
 from ckptctl.plan import Run, ShardPlan, runs
 from ckptctl.sources.base import Piece
+from ckptctl.write.digest import ShardDigest
 from ckptctl.write.inputs import Entry
 
 # copy_file_range cannot copy between these files: stream the rest instead.
@@ -45,8 +46,8 @@ FICLONERANGE = 0x4020940D
 
 def create_shard(path: Path, shard: ShardPlan) -> int:
     """Create ``path`` (it must not exist) with ``shard``'s header and its data area allocated to
-    the planned file size; returns the descriptor, open for writing. The caller closes it."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+    the planned file size; returns the descriptor, open for writing (and reading: the manifest digest reads back kernel copies). The caller closes it."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
     try:
         pwrite_all(fd, shard.header, 0)
         os.ftruncate(fd, shard.file_size)
@@ -61,17 +62,25 @@ def write_shard(path: Path, shard: ShardPlan, entries: Mapping[str, Entry], tw: 
     """Write all of ``shard`` at ``path`` (it must not exist): a clone of the source file when the
     shard is exactly that file's bytes and the filesystem can clone it, else :func:`create_shard`
     and :func:`write_into`. Returns the descriptor, open for writing; the caller fsyncs and
-    closes it."""
+    closes it. With ``tw.hashing``, ``tw.digest`` is then the shard's :class:`ShardDigest`
+    (its :meth:`~ShardDigest.finish` reads back what the kernel copied, before the close)."""
     parts = runs(shard.layout, source_range(entries))
+    tw.digest = None
     src = whole_file_source(shard, parts)
     if src is not None:
         fd = tw.clone_file(src, path, shard.file_size)
         if fd is not None:
+            if tw.hashing:
+                tw.digest = ShardDigest(fd)
+                tw.digest.final(0, shard.file_size)
             if on_tensor is not None:
                 on_tensor(shard.data_bytes)
             return fd
     fd = create_shard(path, shard)
     try:
+        if tw.hashing:
+            tw.digest = ShardDigest(fd)
+            tw.digest.written(0, shard.header)
         write_into(fd, shard, entries, tw, on_tensor=on_tensor, parts=parts)
     except BaseException:
         os.close(fd)
@@ -129,11 +138,14 @@ def write_into(fd: int, shard: ShardPlan, entries: Mapping[str, Entry], tw: "Ten
         layout = shard.layout if only is None else [i for i in shard.layout if i.name in only]
         parts = runs(layout, source_range(entries))
     written = 0
+    digest = tw.digest if only is None else None
     for part in parts:
         if isinstance(part, Run):
             tw.copy_run(fd, shard.data_start + part.begin, [entries[i.name] for i in part.infos], part)
         else:
             tw.write(fd, shard.data_start + part.begin, entries[part.name], part.nbytes)
+        if digest is not None:
+            digest.final(shard.data_start + part.begin, part.nbytes)
         written += part.nbytes
         if on_tensor is not None:
             on_tensor(part.nbytes)
@@ -143,10 +155,13 @@ def write_into(fd: int, shard: ShardPlan, entries: Mapping[str, Entry], tw: "Ten
 class TensorWriter:
     """Writes tensors' bytes at given file positions and counts how: ``cloned`` by the
     filesystem (blocks shared with the source), ``copied`` by the kernel, ``streamed`` through
-    Python. Keeps the source files it copies from open until :meth:`close`."""
+    Python. Keeps the source files it copies from open until :meth:`close`. With ``hashing``
+    (``--manifest``), :func:`write_shard` hashes each shard as it writes it (``digest``)."""
 
-    def __init__(self, chunk_bytes: int) -> None:
+    def __init__(self, chunk_bytes: int, *, hashing: bool = False) -> None:
         self.chunk_bytes = chunk_bytes
+        self.hashing = hashing
+        self.digest: ShardDigest | None = None  # the shard being written, when hashing
         self.cloned = 0
         self.copied = 0
         self.streamed = 0
@@ -176,7 +191,7 @@ class TensorWriter:
     def clone_file(self, src: str, path: Path, size: int) -> int | None:
         """Create ``path`` as a clone of ``src`` (``size`` bytes); returns its descriptor, or
         None (and no file) when the filesystem cannot clone it."""
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
         try:
             cloned = clone(self._src_fd(src), fd)
         except BaseException:
@@ -249,6 +264,8 @@ class TensorWriter:
     def _stream(self, fd: int, pos: int, e: Entry, length: int, skip: int) -> None:
         written = skip
         for chunk in _chunks_from(e, skip, self.chunk_bytes):
+            if self.digest is not None:
+                self.digest.written(pos + written, chunk)
             n = pwrite_all(fd, chunk, pos + written)
             written += n
             self.streamed += n
