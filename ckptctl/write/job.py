@@ -73,11 +73,11 @@ class ExportResult:
 
 def index_entries(entries: list[Entry]) -> dict[str, Entry]:
     """The entries by name: the one check that no tensor name is given twice."""
-    by_name: dict[str, Entry] = {}
-    for e in entries:
-        if e.name in by_name:
-            raise InputError(f"tensor {e.name!r} is given twice", "tensor names must be unique")
-        by_name[e.name] = e
+    by_name = {e.spec.name: e for e in entries}
+    if len(by_name) != len(entries):
+        seen: set[str] = set()  # the first name given twice, for the message
+        twice = next(n for n in (e.spec.name for e in entries) if n in seen or seen.add(n))  # type: ignore[func-returns-value]
+        raise InputError(f"tensor {twice!r} is given twice", "tensor names must be unique")
     return by_name
 
 

@@ -64,7 +64,7 @@ def write_shard(path: Path, shard: ShardPlan, entries: Mapping[str, Entry], tw: 
     and :func:`write_into`. Returns the descriptor, open for writing; the caller fsyncs and
     closes it. With ``tw.hashing``, ``tw.digest`` is then the shard's :class:`ShardDigest`
     (its :meth:`~ShardDigest.finish` reads back what the kernel copied, before the close)."""
-    parts = runs(shard.layout, source_range(entries))
+    parts = runs(shard.layout, source_range(shard_entries(shard.layout, entries)))
     tw.digest = None
     src = whole_file_source(shard, parts)
     if src is not None:
@@ -89,21 +89,25 @@ def write_shard(path: Path, shard: ShardPlan, entries: Mapping[str, Entry], tw: 
 
 
 def source_range(entries: Mapping[str, Entry]) -> Callable[[str], tuple[str, int] | None]:
-    """Where a tensor's bytes sit unchanged in a source file (``(file, offset)``), or None when
-    they must be produced (converted, or the source has no file range)."""
-
-    def locate(name: str) -> tuple[str, int] | None:
-        e = entries.get(name)
-        if e is None or e.converted:
-            return None
+    """Where each of ``entries``' tensors' bytes sit unchanged in a source file (``(file,
+    offset)``), or None when they must be produced (converted, or the source has no file range).
+    Computed once for all of ``entries`` (give a shard's own): the lookup is a dict's."""
+    out: dict[str, tuple[str, int]] = {}
+    for name, e in entries.items():
+        if e.converted:
+            continue
         t = e.tensor
-        if len(t.pieces) == 1:  # one piece holds the whole tensor: a range like any other
-            return t.pieces[0].file, t.pieces[0].src_offset
-        if t.file is None or t.offset is None:
-            return None
-        return t.file, t.offset
+        pieces = t.pieces
+        if pieces and len(pieces) == 1:  # one piece holds the whole tensor: a range like any other
+            out[name] = (pieces[0].file, pieces[0].src_offset)
+        elif t.file is not None and t.offset is not None:
+            out[name] = (t.file, t.offset)
+    return out.get
 
-    return locate
+
+def shard_entries(layout: Iterable[TensorInfo], entries: Mapping[str, Entry]) -> dict[str, Entry]:
+    """The entries of the tensors in ``layout``."""
+    return {i.spec.name: entries[i.spec.name] for i in layout}
 
 
 def whole_file_source(shard: ShardPlan, parts: list[Run | TensorInfo]) -> str | None:
@@ -136,12 +140,12 @@ def write_into(fd: int, shard: ShardPlan, entries: Mapping[str, Entry], tw: "Ten
     caller has them already). ``on_tensor`` gets the bytes of each run or tensor written."""
     if parts is None or only is not None:
         layout = shard.layout if only is None else [i for i in shard.layout if i.name in only]
-        parts = runs(layout, source_range(entries))
+        parts = runs(layout, source_range(shard_entries(layout, entries)))
     written = 0
     digest = tw.digest if only is None else None
     for part in parts:
         if isinstance(part, Run):
-            tw.copy_run(fd, shard.data_start + part.begin, [entries[i.name] for i in part.infos], part)
+            tw.copy_run(fd, shard.data_start + part.begin, entries, part)
         else:
             tw.write(fd, shard.data_start + part.begin, entries[part.name], part.nbytes)
         if digest is not None:
@@ -166,17 +170,25 @@ class TensorWriter:
         self.copied = 0
         self.streamed = 0
         self._src_fds: dict[str, int] = {}
+        self._src_blocks: dict[str, int] = {}  # each open source's block size
 
     def close(self) -> None:
         for fd in self._src_fds.values():
             os.close(fd)
         self._src_fds.clear()
+        self._src_blocks.clear()
 
     def _src_fd(self, path: str) -> int:
         fd = self._src_fds.get(path)
         if fd is None:
             fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
             self._src_fds[path] = fd
+            try:
+                self._src_blocks[path] = os.fstatvfs(fd).f_bsize
+            except BaseException:
+                del self._src_fds[path]
+                os.close(fd)
+                raise
         return fd
 
     def count(self, how: str, nbytes: int) -> None:
@@ -206,15 +218,15 @@ class TensorWriter:
         _faults.point("write-data")
         return fd
 
-    def copy_run(self, fd: int, pos: int, run_entries: list[Entry], run: Run) -> None:
-        """Copy ``run`` (its tensors are ``run_entries``) to ``pos``: where source and
+    def copy_run(self, fd: int, pos: int, entries: Mapping[str, Entry], run: Run) -> None:
+        """Copy ``run`` (its tensors' entries are in ``entries``) to ``pos``: where source and
         destination are congruent modulo the block size, the unaligned head by the kernel, the
         aligned middle (to both files' end, or whole blocks) cloned, the tail by the kernel;
         otherwise all by the kernel; whatever the kernel cannot copy streams."""
         src_fd = self._src_fd(run.file)
         length, src_pos = run.nbytes, run.src_offset
         done, kernel = 0, True
-        block = max(os.fstatvfs(fd).f_bsize, os.fstatvfs(src_fd).f_bsize)
+        block = max(os.fstatvfs(fd).f_bsize, self._src_blocks[run.file])
         if length >= block and (src_pos - pos) % block == 0:
             head = min((-pos) % block, length)
             done = _copy_range(src_fd, fd, src_pos, pos, head)
@@ -231,7 +243,8 @@ class TensorWriter:
             self.copied += n
             done += n
         offset = 0
-        for e in run_entries if done < length else ():  # the kernel stopped at ``done``: stream from there
+        for e in (entries[i.spec.name] for i in run.infos) if done < length else ():
+            # the kernel stopped at ``done``: stream from there
             n = e.tensor.nbytes
             if offset + n > done:
                 self._stream(fd, pos + offset, e, n, max(0, done - offset))
