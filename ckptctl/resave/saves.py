@@ -41,6 +41,9 @@ def read_all(root: Path, names: list[str]) -> tuple[dict[str, Header], list[Find
     return headers, problems
 
 
+_LAYER = re.compile(r"\.(?:layers|h|blocks)\.(\d+)\.")
+
+
 def config_mismatches(tensors: dict[str, TensorInfo], cfg: dict[str, Any] | None) -> int:
     """How many of config.json's basic facts a tensor set contradicts (0 = consistent)."""
     if not cfg:
@@ -53,7 +56,7 @@ def config_mismatches(tensors: dict[str, TensorInfo], cfg: dict[str, Any] | None
         if vocab and name.endswith(("embed_tokens.weight", "wte.weight", "lm_head.weight")) and t.shape:
             bad += t.shape[0] != vocab
     if isinstance(layers, int):
-        idx = {int(m.group(1)) for n in tensors for m in [re.search(r"\.(?:layers|h|blocks)\.(\d+)\.", n)] if m}
+        idx = {int(m.group(1)) for m in map(_LAYER.search, tensors) if m}
         if idx and (len(idx) != layers or min(idx) != 0 or max(idx) != layers - 1):  # never range(layers)
             bad += 1
     return bad
