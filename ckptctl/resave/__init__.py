@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any, Callable
 from ckptctl import layout as L
 from ckptctl.errors import InputError, UnrepairableError, UsageError
 from ckptctl.findings import ERROR, Finding
+from ckptctl.gcpause import paused
 from ckptctl.format import names as N
 from ckptctl.plan import Plan
 from ckptctl.resave.analyze import Chosen, Repair, analyze
@@ -88,7 +89,13 @@ def resave(root: str | os.PathLike[str], opts: ExportOptions, *, output: str | o
     ``index``/``single``, or one family's file name. In place, a symlinked ``root`` is rewritten
     where it points (the link stays a link). A repair publishes only a version that verifies
     clean."""
-    root = Path(root)
+    with paused():  # the metadata of every tensor: acyclic, freed by reference counting
+        return _resave(Path(root), opts, output=output, repair=repair, prefer=prefer, link=link)
+
+
+def _resave(root: Path, opts: ExportOptions, *, output: str | os.PathLike[str] | None,
+            repair: bool, prefer: str | None, link: bool) -> ResaveResult | RootResult:
+    """:func:`resave`'s steps."""
     # Every option is checked before anything touches the filesystem (a recovery renames).
     _check_prefer(prefer)
     from ckptctl.write.tree import is_root, resave_root

@@ -174,10 +174,10 @@ class ExportJob:
         """Pad each planned header so its largest run of source bytes can be cloned (only where
         the destination's filesystem can clone from that source)."""
         assert self.plan is not None
-        locate = source_range(self.by_name)
         block, ok = clone_block((e.tensor.file for e in self.entries if e.tensor.file and not e.converted), self.dest)
         if not ok:
             return
+        locate = source_range(self.by_name)
         for shard in self.plan.shards:
             self.result.header_padding += place_for_clone(
                 shard, lambda name: (w if (w := locate(name)) is not None and w[0] in ok else None), block)
