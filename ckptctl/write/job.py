@@ -26,7 +26,7 @@ from ckptctl import layout as L
 from ckptctl.errors import CkptctlError, DiskFullError, InputError, Interrupted, UsageError, from_oserror
 from ckptctl.format.index import encode_index
 from ckptctl.manifest import MANIFEST_NAME, build_manifest, encode_manifest, list_files
-from ckptctl.plan import Plan, make_plan, place_for_clone, with_alias_records
+from ckptctl.plan import Locate, Plan, make_plan, place_for_clone, with_alias_records
 from ckptctl.publish import Stage, check_destination, check_writable, free_space
 from ckptctl.staging import recover_destination
 from ckptctl.staging.keep import entries
@@ -113,6 +113,7 @@ class ExportJob:
         self.known: dict[str, int] = {}  # dest's entries (name -> inode) as the plan saw them
         # --manifest: the files hashed as they were written, name -> (size, sha256 or its future)
         self.digests: dict[str, tuple[int, Any]] = {}
+        self._locate: Locate | None = None
 
     def prepare(self, *, recover: bool = True, place: bool = False) -> ExportResult:
         """Plan from metadata (no I/O), then look at the destination: finish a dead writer's
@@ -177,10 +178,16 @@ class ExportJob:
         block, ok = clone_block((e.tensor.file for e in self.entries if e.tensor.file and not e.converted), self.dest)
         if not ok:
             return
-        locate = source_range(self.by_name)
+        locate = self.locate()
         for shard in self.plan.shards:
             self.result.header_padding += place_for_clone(
                 shard, lambda name: (w if (w := locate(name)) is not None and w[0] in ok else None), block)
+
+    def locate(self) -> Locate:
+        """Where each entry's bytes sit unchanged in a source file (made once for every shard)."""
+        if self._locate is None:
+            self._locate = source_range(self.by_name)
+        return self._locate
 
     def stage(self) -> Path:
         """Check the parent and its free space, create the staging directory; returns its data/."""
@@ -217,7 +224,8 @@ class ExportJob:
                                               link=self.opts.link_unchanged), shard.file_size)
                         done += shard.data_bytes
                     else:
-                        fd = write_shard(data / shard.name, shard, self.by_name, tw, on_tensor=wrote)
+                        fd = write_shard(data / shard.name, shard, self.by_name, tw, on_tensor=wrote,
+                                         locate=self.locate())
                         try:
                             _faults.point("fsync-shard")
                         except BaseException:

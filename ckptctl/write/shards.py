@@ -27,7 +27,7 @@ from typing import Any, Callable, Container, Iterable, Mapping
 from ckptctl import _faults
 from ckptctl.errors import InputError
 from ckptctl.format.header import TensorInfo
-from ckptctl.plan import Run, ShardPlan, runs
+from ckptctl.plan import Locate, Run, ShardPlan, runs
 from ckptctl.sources.base import Piece
 from ckptctl.write.digest import ShardDigest
 from ckptctl.write.inputs import Entry
@@ -58,13 +58,16 @@ def create_shard(path: Path, shard: ShardPlan) -> int:
 
 
 def write_shard(path: Path, shard: ShardPlan, entries: Mapping[str, Entry], tw: "TensorWriter", *,
-                on_tensor: Callable[[int], None] | None = None) -> int:
+                on_tensor: Callable[[int], None] | None = None, locate: Locate | None = None) -> int:
     """Write all of ``shard`` at ``path`` (it must not exist): a clone of the source file when the
     shard is exactly that file's bytes and the filesystem can clone it, else :func:`create_shard`
     and :func:`write_into`. Returns the descriptor, open for writing; the caller fsyncs and
     closes it. With ``tw.hashing``, ``tw.digest`` is then the shard's :class:`ShardDigest`
-    (its :meth:`~ShardDigest.finish` reads back what the kernel copied, before the close)."""
-    parts = runs(shard.layout, source_range(shard_entries(shard.layout, entries)))
+    (its :meth:`~ShardDigest.finish` reads back what the kernel copied, before the close).
+    ``locate``: :func:`source_range` of ``entries``, when the caller made it once for every shard."""
+    if locate is None:
+        locate = source_range(shard_entries(shard.layout, entries))
+    parts = runs(shard.layout, locate)
     tw.digest = None
     src = whole_file_source(shard, parts)
     if src is not None:
@@ -88,7 +91,7 @@ def write_shard(path: Path, shard: ShardPlan, entries: Mapping[str, Entry], tw: 
     return fd
 
 
-def source_range(entries: Mapping[str, Entry]) -> Callable[[str], tuple[str, int] | None]:
+def source_range(entries: Mapping[str, Entry]) -> Locate:
     """Where each of ``entries``' tensors' bytes sit unchanged in a source file (``(file,
     offset)``), or None when they must be produced (converted, or the source has no file range).
     Computed once for all of ``entries`` (give a shard's own): the lookup is a dict's."""
