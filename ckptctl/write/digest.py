@@ -17,16 +17,21 @@ from __future__ import annotations
 
 import hashlib
 import os
+import threading
 from typing import Any
+
+from ckptctl.threads import check
 
 READ_CHUNK = 4 * 1024 * 1024
 
 
 class ShardDigest:
-    """The running sha256 of the file open at ``fd``, fed in file order."""
+    """The running sha256 of the file open at ``fd``, fed in file order. Holds its own duplicate
+    of ``fd`` (so the writer may close and fsync its own meanwhile) until :meth:`finish` or
+    :meth:`close`."""
 
     def __init__(self, fd: int) -> None:
-        self.fd = fd
+        self.fd = os.dup(fd)
         self._h = hashlib.sha256()
         self._hashed = 0  # bytes [0, _hashed) are in the digest
         self._final = 0  # bytes [_hashed, _final) are final in the file, still to be read from it
@@ -48,20 +53,31 @@ class ShardDigest:
             self._broken = True  # a gap: the writer did not go in file order
         self._final = max(self._final, pos + nbytes)
 
-    def finish(self, size: int) -> str | None:
+    def finish(self, size: int, stop: threading.Event | None = None) -> str | None:
         """The file's sha256 once its ``size`` bytes are final (reading back what the kernel
-        wrote), or None when the writes did not cover the file in order."""
-        if not self._broken and self._final == size:
-            self._read_final()
+        wrote), or None when the writes did not cover the file in order. Closes the digest's
+        descriptor. With ``stop``, raises :class:`~ckptctl.threads.Stopped` between chunks once
+        it is set (the writer gave up)."""
+        try:
+            if not self._broken and self._final == size:
+                self._read_final(stop)
+        finally:
+            self.close()
         return None if self._broken or self._hashed != size else self._h.hexdigest()
 
-    def _read_final(self) -> None:
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+    def _read_final(self, stop: threading.Event | None = None) -> None:
         pos, end = self._hashed, self._final
         if pos >= end:
             return
         buf = bytearray(min(READ_CHUNK, end - pos))
         view = memoryview(buf)
         while pos < end:
+            check(stop)
             n = os.preadv(self.fd, [view[:min(len(buf), end - pos)]], pos)
             if n <= 0:  # shorter than written: never a digest of what is not there
                 self._broken = True

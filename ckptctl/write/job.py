@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import os
 import stat
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,6 +32,7 @@ from ckptctl.publish import Stage, check_destination, check_writable, free_space
 from ckptctl.staging import recover_destination
 from ckptctl.staging.keep import entries
 from ckptctl.write.extras import read_extras
+from ckptctl.write.digest import ShardDigest
 from ckptctl.write.inputs import Entry, ExportInputs, build_inputs
 from ckptctl.write.options import ExportOptions, ProgressEvent, validate
 from ckptctl.write.shards import (TensorWriter, clone_block, copy_file, fsync_and_close, link_or_copy,
@@ -114,6 +116,7 @@ class ExportJob:
         # --manifest: the files hashed as they were written, name -> (size, sha256 or its future)
         self.digests: dict[str, tuple[int, Any]] = {}
         self._locate: Locate | None = None
+        self._hash_stop = threading.Event()  # the job failed: digests still being read stop
 
     def prepare(self, *, recover: bool = True, place: bool = False) -> ExportResult:
         """Plan from metadata (no I/O), then look at the destination: finish a dead writer's
@@ -214,6 +217,9 @@ class ExportJob:
                 progress(ProgressEvent("write", shard.name, done, total))
 
         syncer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckptctl-fsync")
+        hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckptctl-hash")  # --manifest
+        hashing: list[ShardDigest] = []
+        stop = self._hash_stop  # set on failure: a shard being hashed stops at its next chunk
         pending = []
         try:
             for shard in self.plan.shards:
@@ -226,18 +232,20 @@ class ExportJob:
                     else:
                         fd = write_shard(data / shard.name, shard, self.by_name, tw, on_tensor=wrote,
                                          locate=self.locate())
+                        digest, tw.digest = tw.digest, None
                         try:
                             _faults.point("fsync-shard")
                         except BaseException:
                             os.close(fd)
+                            if digest is not None:
+                                digest.close()
                             raise
-                        digest = tw.digest
-                        if digest is not None:  # read back what the kernel copied, then close
-                            self.digests[shard.name] = (shard.file_size, syncer.submit(digest.finish, shard.file_size))
+                        if digest is not None:  # reads back what the kernel copied, beside the fsync
+                            hashing.append(digest)
+                            self.digests[shard.name] = (shard.file_size,
+                                                        hasher.submit(digest.finish, shard.file_size, stop))
                         if self.opts.fsync:
                             pending.append((shard.name, syncer.submit(fsync_and_close, fd)))
-                        elif digest is not None:
-                            syncer.submit(os.close, fd)
                         else:
                             os.close(fd)
                 except OSError as exc:
@@ -250,8 +258,15 @@ class ExportJob:
                     fut.result()  # never retried: a failed fsync aborts the publish
                 except OSError as exc:
                     raise from_oserror(exc, f"cannot make {name} durable", phase="write") from None
+        except BaseException:
+            stop.set()
+            hasher.shutdown(wait=True, cancel_futures=True)
+            for digest in hashing:
+                digest.close()  # those never started keep their descriptor until here
+            raise
         finally:
             syncer.shutdown(wait=True)
+            hasher.shutdown(wait=False)  # the digests finish on their own; finalize waits for them
             tw.close()
             self.count_bytes(tw)
         _faults.point("shards-written")
@@ -322,6 +337,7 @@ class ExportJob:
         return self.result
 
     def abort(self) -> None:
+        self._hash_stop.set()
         if self.stage_ is not None:
             self.stage_.abort()
 

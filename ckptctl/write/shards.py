@@ -74,7 +74,11 @@ def write_shard(path: Path, shard: ShardPlan, entries: Mapping[str, Entry], tw: 
         fd = tw.clone_file(src, path, shard.file_size)
         if fd is not None:
             if tw.hashing:
-                tw.digest = ShardDigest(fd)
+                try:
+                    tw.digest = ShardDigest(fd)
+                except BaseException:
+                    os.close(fd)
+                    raise
                 tw.digest.final(0, shard.file_size)
             if on_tensor is not None:
                 on_tensor(shard.data_bytes)
@@ -87,6 +91,8 @@ def write_shard(path: Path, shard: ShardPlan, entries: Mapping[str, Entry], tw: 
         write_into(fd, shard, entries, tw, on_tensor=on_tensor, parts=parts)
     except BaseException:
         os.close(fd)
+        if tw.digest is not None:
+            tw.digest.close()
         raise
     return fd
 
