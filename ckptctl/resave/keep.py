@@ -6,7 +6,6 @@ the plan is the directory as it already is (a repair with nothing to do)."""
 from __future__ import annotations
 
 import hashlib
-from itertools import chain
 from math import prod
 from pathlib import Path
 
@@ -48,8 +47,8 @@ def keep_layout_plan(root: Path, chosen: Chosen, rep: Repair) -> tuple[Plan, Kep
     files = chosen.files
     headers = {n: chosen.headers.get(n) or read_header(root / n, display=str(root / n)) for n in files}
     per_file: dict[str, list[TensorInfo]] = {}
-    names = list(chain.from_iterable(headers[n].tensors for n in files))
-    if len(set(names)) == len(names):  # no tensor stored twice: every file keeps all its tensors
+    if len(set().union(*(headers[n].tensors for n in files))) == sum(len(headers[n].tensors) for n in files):
+        # no tensor stored twice: every file keeps all its tensors
         per_file = {n: list(headers[n].tensors.values()) for n in sorted(files) if headers[n].tensors}
     else:
         _drop_duplicates(root, headers, per_file, rep)
