@@ -31,11 +31,13 @@ def test_one_shard_plan_is_the_hubs_grouping():
                                                  filename_pattern="{suffix}", max_shard_size=total)
     hub = list(split.filename_to_tensors.values())
     plan = make_plan(specs, max_shard_size=total)
-    assert [[s.name for s in sh.specs] for sh in plan.shards] == hub == group(((s.name, s.nbytes) for s in specs), total)
+    grouped = group(((s.name, s.nbytes) for s in specs), total)
+    assert [[s.name for s in sh.specs] for sh in plan.shards] == hub == grouped
     assert plan.total_size == total and plan.total_parameters == sum(s.numel for s in specs)
     # one byte less: the hub's own grouping, as before
     smaller = make_plan(specs, max_shard_size=total - 1)
-    assert [[s.name for s in sh.specs] for sh in smaller.shards] == group(((s.name, s.nbytes) for s in specs), total - 1)
+    regrouped = group(((s.name, s.nbytes) for s in specs), total - 1)
+    assert [[s.name for s in sh.specs] for sh in smaller.shards] == regrouped
     assert len(smaller.shards) == 2
 
 

@@ -31,6 +31,7 @@ from ckptctl.plan import Locate, Plan, make_plan, place_for_clone, with_alias_re
 from ckptctl.publish import Stage, check_destination, check_writable, free_space
 from ckptctl.staging import recover_destination
 from ckptctl.staging.keep import entries
+from ckptctl.threads import WORKERS
 from ckptctl.write.extras import read_extras
 from ckptctl.write.digest import ShardDigest
 from ckptctl.write.inputs import Entry, ExportInputs, build_inputs
@@ -78,7 +79,8 @@ def index_entries(entries: list[Entry]) -> dict[str, Entry]:
     by_name = {e.spec.name: e for e in entries}
     if len(by_name) != len(entries):
         seen: set[str] = set()  # the first name given twice, for the message
-        twice = next(n for n in (e.spec.name for e in entries) if n in seen or seen.add(n))  # type: ignore[func-returns-value]
+        twice = next(n for n in (e.spec.name for e in entries)
+                     if n in seen or seen.add(n))  # type: ignore[func-returns-value]
         raise InputError(f"tensor {twice!r} is given twice", "tensor names must be unique")
     return by_name
 
@@ -217,7 +219,7 @@ class ExportJob:
                 progress(ProgressEvent("write", shard.name, done, total))
 
         syncer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckptctl-fsync")
-        hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckptctl-hash")  # --manifest
+        hasher = ThreadPoolExecutor(max_workers=WORKERS, thread_name_prefix="ckptctl-hash")  # two shards at once
         hashing: list[ShardDigest] = []
         stop = self._hash_stop  # set on failure: a shard being hashed stops at its next chunk
         pending = []

@@ -46,7 +46,8 @@ FICLONERANGE = 0x4020940D
 
 def create_shard(path: Path, shard: ShardPlan) -> int:
     """Create ``path`` (it must not exist) with ``shard``'s header and its data area allocated to
-    the planned file size; returns the descriptor, open for writing (and reading: the manifest digest reads back kernel copies). The caller closes it."""
+    the planned file size; returns the descriptor, open for writing (and reading: the manifest
+    digest reads back what the kernel copied). The caller closes it."""
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
     try:
         pwrite_all(fd, shard.header, 0)
