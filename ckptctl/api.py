@@ -22,9 +22,11 @@ import os
 from pathlib import Path
 from typing import Any, Mapping
 
+from ckptctl import layout as L
 from ckptctl.errors import InputError
 from ckptctl.format import dtypes as dt
 from ckptctl.format.tensor import TensorSpec
+from ckptctl.gcpause import paused
 from ckptctl.sources.base import SourceTensor
 from ckptctl.sources.safetensors_source import SafetensorsSource
 from ckptctl.write.inputs import Entry, build_inputs, entries_for, open_inputs, state_dict_inputs
@@ -39,10 +41,12 @@ def export(src: str | os.PathLike[str], dst: str | os.PathLike[str], opts: Expor
     DCP); ``only`` the family to read when ``src`` holds several. A multi-component root (a
     diffusers pipeline, a sentence-transformers model) is exported whole, each component under
     its own library's names, and published once: the result is then a :class:`RootResult`."""
-    if is_root(src):
-        return export_root(src, dst, opts or ExportOptions(), key=key, only=only)
-    with open_inputs(src, dst, opts or ExportOptions(), key=key, only=only) as inputs:
-        return write_inputs(inputs, dst)
+    with paused():
+        lay = L.scan(src) if os.path.isdir(src) else None  # scanned once: the root test, the checks, the variants
+        if lay is not None and is_root(src, lay):
+            return export_root(src, dst, opts or ExportOptions(), key=key, only=only)
+        with open_inputs(src, dst, opts or ExportOptions(), key=key, only=only, layout=lay) as inputs:
+            return write_inputs(inputs, dst)
 
 
 def save_state_dict(state_dict: Mapping[str, Any], dest: str | os.PathLike[str], *,

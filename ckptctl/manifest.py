@@ -18,10 +18,11 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import stat
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 from ckptctl._version import __version__
 from ckptctl.findings import ERROR, Finding
@@ -70,19 +71,30 @@ def _as_published(root: Path, name: str, final: Path | None) -> Path:
 
 
 def build_manifest(root: Path, files: list[str], *, label: str | None = None,
-                   final: Path | None = None) -> dict[str, Any]:
-    """Manifest for ``files`` (names relative to ``root``): each one's size and sha256, read
-    from disk (the manifest itself is never listed). ``final`` is where ``root`` will be
-    published, for relative links. Files are hashed two at a time (hashlib and the reads release
-    the GIL), so a multi-shard checkpoint keeps both cores busy."""
+                   final: Path | None = None, known: Mapping[str, tuple[int, str]] | None = None) -> dict[str, Any]:
+    """Manifest for ``files`` (names relative to ``root``): each one's size and sha256 (the
+    manifest itself is never listed). ``known``: files the writer hashed as it wrote them
+    (name -> (size, sha256)), taken as they are when the regular file there has that size; every
+    other file is read from disk. ``final`` is where ``root`` will be published, for relative
+    links. Files are read two at a time (hashlib and the reads release the GIL), so a
+    multi-shard checkpoint keeps both cores busy."""
     names = sorted(n for n in files if n != MANIFEST_NAME)
-    paths = [_as_published(root, n, final) for n in names]
+    known = known or {}
+    entries: dict[str, dict[str, Any]] = {}
+    todo: list[str] = []
+    for n in names:
+        st = os.lstat(root / n)
+        if n in known and stat.S_ISREG(st.st_mode) and st.st_size == known[n][0]:
+            entries[n] = {"size": st.st_size, "sha256": known[n][1]}
+        else:
+            todo.append(n)
 
     def entry(p: Path, stop: threading.Event) -> dict[str, Any]:
         return {"size": p.stat().st_size, "sha256": sha256_file(p, stop=stop)}
 
-    with ordered_map(entry, paths) as results:
-        entries = dict(zip(names, results))
+    with ordered_map(entry, [_as_published(root, n, final) for n in todo]) as results:
+        entries.update(zip(todo, results))
+    entries = {n: entries[n] for n in names}
     return {
         "schema_version": SCHEMA_VERSION,
         "tool": "ckptctl",

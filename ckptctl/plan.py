@@ -11,9 +11,9 @@ for a single shard, and ``{prefix}.safetensors.index.json``.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from math import prod
 from typing import Callable, Iterable, Sequence
 
-from ckptctl.format import dtypes as dt
 from ckptctl.format import names as N
 from ckptctl.format.header import TensorInfo, encode_header
 from ckptctl.format.tensor import TensorSpec
@@ -100,10 +100,15 @@ def make_plan(specs: list[TensorSpec], *, max_shard_size: int, prefix: str = "mo
     ``ValueError`` when the shards would be too many to name. ``groups`` replaces the grouping
     (``--max-shard-size keep``: the source's own shards).
     """
-    by_name = {s.name: s for s in specs}
+    sizes = [s.nbytes for s in specs]
+    total = sum(sizes)
     aliases = dict(aliases or {})
-    if groups is None:
-        groups = [list(by_name)] if single_file else group(((s.name, s.nbytes) for s in specs), max_shard_size)
+    if groups is None and (single_file or total <= max_shard_size):
+        groups = [[s.name for s in specs]]  # one shard, as the hub groups them (without importing it)
+    elif groups is None:
+        groups = group(zip((s.name for s in specs), sizes), max_shard_size)
+    whole = len(groups) == 1 and len(groups[0]) == len(specs) and all(a == s.name for a, s in zip(groups[0], specs))
+    by_name = {} if whole else {s.name: s for s in specs}
     if len(groups) > MAX_SHARDS:
         raise ValueError(f"{len(groups)} shards exceed the {MAX_SHARDS}-shard naming limit; raise --max-shard-size")
     n = len(groups)
@@ -112,11 +117,10 @@ def make_plan(specs: list[TensorSpec], *, max_shard_size: int, prefix: str = "mo
     for i, names in enumerate(groups, start=1):
         name = N.weights_file_name(prefix, N.SAFETENSORS_EXT, variant=variant, shard=(i, n) if n > 1 else None)
         md = {"format": "pt", **extra} if n == 1 else {"format": "pt"}
-        sp = ShardPlan(name, [by_name[x] for x in names], md)
+        sp = ShardPlan(name, list(specs) if whole else [by_name[x] for x in names], md)
         sp.header, sp.layout = encode_header(sp.specs, md)
         shards.append(sp)
-    total = sum(s.nbytes for s in specs)
-    params = sum(dt.numel(s.shape) for s in specs)
+    params = sum(map(prod, (s.shape for s in specs)))
     index = N.index_name(prefix, N.SAFETENSORS_EXT, variant=variant) if n > 1 else None
     return Plan(shards, index, total, params, aliases)
 

@@ -92,11 +92,12 @@ def test_a_name_given_twice_is_refused_once_by_the_writer():
     """The plan is pure grouping; the writer's job makes the one duplicate-name check."""
     from ckptctl.errors import InputError
     from ckptctl.write.job import index_entries
+    from ckptctl.sources.base import SourceTensor
     from ckptctl.write.inputs import Entry
 
     specs = _u8_specs([1]) + _u8_specs([2])
     with pytest.raises(InputError, match="'t000' is given twice"):
-        index_entries([Entry(s, None, None) for s in specs])  # type: ignore[arg-type]
+        index_entries([Entry(s, None, SourceTensor(s)) for s in specs])  # type: ignore[arg-type]
 
 
 def test_more_shards_than_the_naming_allows_is_refused():

@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any, Callable
 from ckptctl import layout as L
 from ckptctl.errors import InputError, UnrepairableError, UsageError
 from ckptctl.findings import ERROR, Finding
+from ckptctl.gcpause import paused
 from ckptctl.format import names as N
 from ckptctl.plan import Plan
 from ckptctl.resave.analyze import Chosen, Repair, analyze
@@ -88,12 +89,19 @@ def resave(root: str | os.PathLike[str], opts: ExportOptions, *, output: str | o
     ``index``/``single``, or one family's file name. In place, a symlinked ``root`` is rewritten
     where it points (the link stays a link). A repair publishes only a version that verifies
     clean."""
-    root = Path(root)
+    with paused():  # the metadata of every tensor: acyclic, freed by reference counting
+        return _resave(Path(root), opts, output=output, repair=repair, prefer=prefer, link=link)
+
+
+def _resave(root: Path, opts: ExportOptions, *, output: str | os.PathLike[str] | None,
+            repair: bool, prefer: str | None, link: bool) -> ResaveResult | RootResult:
+    """:func:`resave`'s steps."""
     # Every option is checked before anything touches the filesystem (a recovery renames).
     _check_prefer(prefer)
     from ckptctl.write.tree import is_root, resave_root
 
-    if is_root(root):  # a diffusers pipeline or sentence-transformers root: every component, one publish
+    first = L.scan(root) if root.is_dir() else None  # reused below when no recovery changed the directory
+    if first is not None and is_root(root, first):  # a pipeline or sentence-transformers root: one publish
         return resave_root(root, opts, output=output, repair=repair, prefer=prefer, link=link)
     # In place, unchanged shards are hard-linked (one name survives the publish); into --output
     # they are cloned or copied (an independent copy) unless the caller asked for links.
@@ -101,13 +109,15 @@ def resave(root: str | os.PathLike[str], opts: ExportOptions, *, output: str | o
     settings = validate(opts)
     if not output and os.path.islink(root):  # rewrite the target; publishing onto the link would replace it
         root = Path(os.path.realpath(root))
+        first = None
     if not opts.dry_run:  # a dead writer's half-done publish of this very directory comes first
         from ckptctl.staging import recover_destination
 
-        recover_destination(Path(os.path.abspath(root)))
+        if recover_destination(Path(os.path.abspath(root))):
+            first = None  # rolled forward or back: scanned again
     if not root.is_dir():
         raise InputError(f"{root} is not a checkpoint directory", "resave works on a directory")
-    chosen, rep = analyze(root, prefer=prefer, repair=repair)
+    chosen, rep = analyze(root, prefer=prefer, repair=repair, lay=first)
     dest = Path(output) if output else root
     check = _verified(dest, rep) if repair else None
     replan = opts.dtype not in (None, "keep") or (opts.max_shard_size is not None and not settings.keep_layout)
@@ -137,15 +147,16 @@ def resave(root: str | os.PathLike[str], opts: ExportOptions, *, output: str | o
     else:
         plan, kept = keep_layout_plan(root, chosen, rep)
         metadata = None
+        weight_map = plan.weight_map if plan.index_name else None  # built once for both checks
         if plan.index_name and chosen.index is not None:
             metadata = own_metadata(chosen.index)
-            note_index_changes(chosen.index, plan, rep)
+            note_index_changes(chosen.index, plan, rep, weight_map=weight_map)
         if rep.lost:  # DESIGN.md I9: no tensor lost
             raise UnrepairableError(
                 f"{root}: {len(rep.lost)} tensor(s) the index names are in no file: {', '.join(rep.lost[:8])}"
                 + (" ..." if len(rep.lost) > 8 else "") + "; rebuilding the index around them would lose them",
                 "restore the files that hold them from a copy; nothing was changed")
-        if repair and not output and already_so(root, chosen, plan, rep):  # before any per-tensor input
+        if repair and not output and already_so(root, chosen, plan, rep, weight_map=weight_map):  # before any input
             return _unchanged(dest, opts, rep, chosen.errors)
         src, entries = keep_layout_source(root, kept)
         inputs = build_inputs(entries, opts, settings, extras=extras, metadata=metadata)

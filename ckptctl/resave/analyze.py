@@ -41,16 +41,20 @@ class Chosen:
     index_file: str | None = None  # the index file as it is on disk
     errors: list[Finding] = field(default_factory=list)  # the layout's error findings
     headers: dict[str, Header] = field(default_factory=dict)  # the headers the choice read (not read twice)
+    layout: L.Layout | None = None  # the scan the choice was made on (the directory unchanged since)
 
 
 def _model_families(lay: L.Layout) -> list[L.Family]:
     return [f for f in L.candidates(lay) if f.kind in (L.SAFETENSORS, L.PYTORCH)]
 
 
-def analyze(root: Path, *, prefer: str | None = None, repair: bool = False) -> tuple[Chosen, Repair]:
+def analyze(root: Path, *, prefer: str | None = None, repair: bool = False,
+            lay: L.Layout | None = None) -> tuple[Chosen, Repair]:
     """Choose the safetensors files that make up the checkpoint (none: a pickle checkpoint that is
-    converted like an export), from ``layout.scan`` and its one ranking policy."""
-    lay = L.scan(root)
+    converted like an export), from ``layout.scan`` and its one ranking policy. ``lay``: the scan
+    of ``root`` as it is now, when the caller has it."""
+    if lay is None:
+        lay = L.scan(root)
     rep = Repair()
     errors = [f for f in lay.findings if f.severity == ERROR]
     if not repair and (errors or lay.leftovers):
@@ -89,7 +93,7 @@ def analyze(root: Path, *, prefer: str | None = None, repair: bool = False) -> t
     rep.kept_files = list(chosen.files)
     doc = chosen.index_doc if chosen.index_doc is not None and chosen.index_doc.ok else None
     return Chosen(list(chosen.files), doc, L.safetensors_stem(chosen.stem) or "model", chosen.variant,
-                  chosen.index, errors, headers), rep
+                  chosen.index, errors, headers, lay), rep
 
 
 def _choose_save(root: Path, lay: L.Layout, fams: list[L.Family], prefer: str | None,

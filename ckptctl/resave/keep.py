@@ -6,12 +6,11 @@ the plan is the directory as it already is (a repair with nothing to do)."""
 from __future__ import annotations
 
 import hashlib
-from itertools import chain
+from math import prod
 from pathlib import Path
 
 from ckptctl import layout as L
 from ckptctl.errors import UnrepairableError
-from ckptctl.format import dtypes as dt
 from ckptctl.format import names as N
 from ckptctl.format.header import Header, TensorInfo, encode_header, read_header
 from ckptctl.format.index import Index
@@ -48,8 +47,8 @@ def keep_layout_plan(root: Path, chosen: Chosen, rep: Repair) -> tuple[Plan, Kep
     files = chosen.files
     headers = {n: chosen.headers.get(n) or read_header(root / n, display=str(root / n)) for n in files}
     per_file: dict[str, list[TensorInfo]] = {}
-    names = list(chain.from_iterable(headers[n].tensors for n in files))
-    if len(set(names)) == len(names):  # no tensor stored twice: every file keeps all its tensors
+    if len(set().union(*(headers[n].tensors for n in files))) == sum(len(headers[n].tensors) for n in files):
+        # no tensor stored twice: every file keeps all its tensors
         per_file = {n: list(headers[n].tensors.values()) for n in sorted(files) if headers[n].tensors}
     else:
         _drop_duplicates(root, headers, per_file, rep)
@@ -79,7 +78,7 @@ def keep_layout_plan(root: Path, chosen: Chosen, rep: Repair) -> tuple[Plan, Kep
                 rep.fixes.append(f"dropped {h.file_size - h.data_start - h.data_bytes} trailing bytes of {n}")
         shards.append(sp)
     total = sum(s.data_bytes for s in shards)
-    params = sum(dt.numel(t.shape) for s in shards for t in s.specs)
+    params = sum(map(prod, (t.shape for s in shards for t in s.specs)))
     index = N.index_name(chosen.stem, N.SAFETENSORS_EXT, variant=chosen.variant) if n_out > 1 else None
     return Plan(shards, index, total, params), [(str(root / n), headers[n].data_start, per_file[n]) for n in ordered]
 
@@ -139,10 +138,12 @@ def link_matching(plan: Plan, root: Path, entries: list[Entry]) -> None:
 
 
 
-def already_so(root: Path, chosen: Chosen, plan: Plan, rep: Repair) -> bool:
+def already_so(root: Path, chosen: Chosen, plan: Plan, rep: Repair, *,
+               weight_map: dict[str, str] | None = None) -> bool:
     """The keep-layout plan is the directory as it is: nothing to fix, every shard an unchanged
     file under its own name, the index (as its library wrote it) mapping every tensor to the
-    shard that holds it with the right total size, and nothing the new version would drop."""
+    shard that holds it with the right total size, and nothing the new version would drop.
+    ``weight_map``: the plan's, when the caller has it."""
     from ckptctl.write.superseded import superseded
 
     if rep.fixes or any(sp.link_from != str(root / sp.name) for sp in plan.shards):
@@ -151,17 +152,21 @@ def already_so(root: Path, chosen: Chosen, plan: Plan, rep: Repair) -> bool:
         return False
     if plan.index_name is not None:
         old = chosen.index
-        if old is None or old.weight_map != plan.weight_map or old.metadata.get("total_size") != plan.total_size:
+        if old is None or old.metadata.get("total_size") != plan.total_size or old.weight_map != (
+                plan.weight_map if weight_map is None else weight_map):
             return False
-    dropped, _ = superseded(root, slot=L.slot_of(chosen.stem, chosen.variant))
+    dropped, _ = superseded(root, slot=L.slot_of(chosen.stem, chosen.variant), lay=chosen.layout)
     return set(dropped) <= set(plan.files) | {MANIFEST_NAME}
 
 
-def note_index_changes(old: Index, plan: Plan, rep: Repair) -> None:
-    """Say what the rebuilt index corrects in the old (readable) one."""
-    new_map = plan.weight_map
+def note_index_changes(old: Index, plan: Plan, rep: Repair, *, weight_map: dict[str, str] | None = None) -> None:
+    """Say what the rebuilt index corrects in the old (readable) one. ``weight_map``: the
+    plan's, when the caller has it."""
+    new_map = plan.weight_map if weight_map is None else weight_map
     if old.metadata.get("total_size") != plan.total_size:
         rep.fixes.append(f"index total_size {old.metadata.get('total_size')!r} -> {plan.total_size}")
+    if old.weight_map == new_map:
+        return  # the same entries: nothing missing, stale or moved
     missing = sorted(set(new_map) - set(old.weight_map))
     if missing:
         rep.fixes.append(f"added {len(missing)} tensor(s) missing from the index (e.g. {missing[0]})")

@@ -41,6 +41,20 @@ def read_all(root: Path, names: list[str]) -> tuple[dict[str, Header], list[Find
     return headers, problems
 
 
+_LAYER = re.compile(r"\.(?:layers|h|blocks)\.(\d+)\.")
+_LAYER_PER_LINE = re.compile(r"^.*?\.(?:layers|h|blocks)\.(\d+)\.", re.MULTILINE)
+
+
+def _layer_numbers(names: list[str]) -> set[int]:
+    """The layer number each name carries (its first ``.layers.N.``, ``.h.N.`` or ``.blocks.N.``):
+    one regex pass over the names joined by lines (90k names in one call), or name by name when
+    a name holds a line break itself."""
+    text = "\n".join(names)
+    if text.count("\n") == max(len(names) - 1, 0):
+        return {int(n) for n in _LAYER_PER_LINE.findall(text)}
+    return {int(m.group(1)) for m in map(_LAYER.search, names) if m}
+
+
 def config_mismatches(tensors: dict[str, TensorInfo], cfg: dict[str, Any] | None) -> int:
     """How many of config.json's basic facts a tensor set contradicts (0 = consistent)."""
     if not cfg:
@@ -53,7 +67,7 @@ def config_mismatches(tensors: dict[str, TensorInfo], cfg: dict[str, Any] | None
         if vocab and name.endswith(("embed_tokens.weight", "wte.weight", "lm_head.weight")) and t.shape:
             bad += t.shape[0] != vocab
     if isinstance(layers, int):
-        idx = {int(m.group(1)) for n in tensors for m in [re.search(r"\.(?:layers|h|blocks)\.(\d+)\.", n)] if m}
+        idx = _layer_numbers(list(tensors))
         if idx and (len(idx) != layers or min(idx) != 0 or max(idx) != layers - 1):  # never range(layers)
             bad += 1
     return bad
@@ -135,7 +149,9 @@ def assess(root: Path, save: Save, cfg: dict[str, Any] | None,
     tensors, and when it was last written. ``read``: ``read_all`` of the save's files, when the
     caller has it (the headers are then not read again)."""
     headers, problems = read if read is not None else read_all(root, save.family.files)
-    tensors = {k: v for h in headers.values() for k, v in h.tensors.items()}
+    tensors: dict[str, TensorInfo] = {}
+    for h in headers.values():
+        tensors.update(h.tensors)
     mtime = max((_mtime(root / n) for n in save.family.all_files), default=0.0)
     return L.Assessment(complete=not problems and not save.missing and bool(save.family.files),
                         agrees=config_mismatches(tensors, cfg) == 0, tensors=len(tensors), mtime=mtime,

@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 from ckptctl.errors import CkptctlError, InputError, UsageError
 from ckptctl.format import dtypes as dt
@@ -20,6 +20,9 @@ from ckptctl.format import names as N
 from ckptctl.format.tensor import TensorSpec
 from ckptctl.sources.base import Source, SourceTensor, SpecFields, open_source
 from ckptctl.write.options import ExportOptions, ExportSettings, target_dtype, validate
+
+if TYPE_CHECKING:
+    from ckptctl.layout import Layout
 
 
 @dataclass
@@ -30,10 +33,12 @@ class Entry(SpecFields):
     spec: TensorSpec
     source: Source
     tensor: SourceTensor
+    # stored in another dtype than the source's: streamed through a conversion (asked several
+    # times per tensor by the writer; fixed at construction, as spec and tensor are)
+    converted: bool = field(init=False, repr=False)
 
-    @property
-    def converted(self) -> bool:
-        return self.spec.dtype != self.tensor.dtype
+    def __post_init__(self) -> None:
+        self.converted = self.spec.dtype != self.tensor.spec.dtype
 
 
 def entries_for(source: Source, dtype_option: str | None) -> list[Entry]:
@@ -97,16 +102,22 @@ def build_inputs(entries: list[Entry], opts: ExportOptions, settings: ExportSett
 
 
 def open_inputs(src: str | os.PathLike[str], dst: str | os.PathLike[str], opts: ExportOptions, *,
-                key: str | None = None, only: str | None = None, root_module: bool = False) -> ExportInputs:
+                key: str | None = None, only: str | None = None, root_module: bool = False,
+                layout: Layout | None = None) -> ExportInputs:
     """Validate the options, check the two paths, open the source at ``src``; the inputs of its
     export to ``dst``. The caller closes the result. A multi-component root is refused (its
     export is ``ckptctl.write.tree.export_root``), unless ``root_module``: then its own root
-    module (a sentence-transformers root's module 0) is what is opened."""
+    module (a sentence-transformers root's module 0) is what is opened. ``layout``: the scan
+    of the directory ``src``, when the caller has it (not scanned again)."""
     settings = validate(opts, only=only, key=key)
     src_p, dst_p = Path(src), Path(dst)
     check_paths(src_p, dst_p)
-    if not root_module:
-        _refuse_multi_component(src_p)
+    if src_p.is_dir() and layout is None:
+        from ckptctl import layout as L
+
+        layout = L.scan(src_p)
+    if not root_module and layout is not None:
+        _refuse_multi_component(src_p, layout)
     try:
         source = open_source(src_p, key=settings.key, only=settings.only)
     except CkptctlError as exc:
@@ -124,23 +135,23 @@ def open_inputs(src: str | os.PathLike[str], dst: str | os.PathLike[str], opts: 
         inputs = build_inputs(entries_for(source, opts.dtype), opts, settings, extras=extras,
                               aliases=source.aliases, adapter=source.is_adapter, metadata=source.metadata,
                               source=source)
-        if src_p.is_dir() and not source.is_adapter:
-            inputs.variants = other_variants(src_p, (source.stem or "model", source.variant))
+        if layout is not None and not source.is_adapter:
+            inputs.variants = other_variants(src_p, (source.stem or "model", source.variant), layout)
         return inputs
     except BaseException:
         source.close()
         raise
 
 
-def other_variants(src: Path, slot: tuple[str, str | None]) -> dict[str, Path]:
+def other_variants(src: Path, slot: tuple[str, str | None], lay: Layout) -> dict[str, Path]:
     """The files of ``src``'s complete variant families outside ``slot`` (the slot an export
-    writes): name -> path. A family with a layout error, a missing shard or a header error is
-    not complete and is left out (an export never publishes a broken family)."""
+    writes): name -> path. ``lay`` is the scan of ``src``. A family with a layout error, a
+    missing shard or a header error is not complete and is left out (an export never publishes
+    a broken family)."""
     from ckptctl import layout as L
     from ckptctl.findings import ERROR
     from ckptctl.format.header import read_header
 
-    lay = L.scan(src)
     damaged = {Path(f.path).name for f in lay.findings if f.severity == ERROR}
     per_slot: dict[tuple[str, str | None], int] = {}
     for fam in lay.families:
@@ -174,15 +185,13 @@ def state_dict_inputs(state_dict: Mapping[str, Any], dest: str | os.PathLike[str
                         source=source)
 
 
-def _refuse_multi_component(src: Path) -> None:
+def _refuse_multi_component(src: Path, lay: Layout) -> None:
     """A diffusers pipeline or sentence-transformers root is several models, written whole by
     ``ckptctl.write.tree.export_root`` (``api.export`` sends it there); this writer of one model
-    (``export_distributed`` under torchrun) refuses it rather than write one of them as the whole."""
+    (``export_distributed`` under torchrun) refuses it rather than write one of them as the whole.
+    ``lay`` is the scan of the directory ``src``."""
     from ckptctl import layout as L
 
-    if not src.is_dir():
-        return
-    lay = L.scan(src)
     if lay.kind == L.MODEL:
         return
     parts = [c.path or "(root)" for c in lay.components if c.has_weights or (c.path == "" and lay.families)]

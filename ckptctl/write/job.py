@@ -13,8 +13,10 @@ the staging directory and leaves the destination untouched.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import stat
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,11 +27,13 @@ from ckptctl import layout as L
 from ckptctl.errors import CkptctlError, DiskFullError, InputError, Interrupted, UsageError, from_oserror
 from ckptctl.format.index import encode_index
 from ckptctl.manifest import MANIFEST_NAME, build_manifest, encode_manifest, list_files
-from ckptctl.plan import Plan, make_plan, place_for_clone, with_alias_records
+from ckptctl.plan import Locate, Plan, make_plan, place_for_clone, with_alias_records
 from ckptctl.publish import Stage, check_destination, check_writable, free_space
 from ckptctl.staging import recover_destination
 from ckptctl.staging.keep import entries
+from ckptctl.threads import WORKERS
 from ckptctl.write.extras import read_extras
+from ckptctl.write.digest import ShardDigest
 from ckptctl.write.inputs import Entry, ExportInputs, build_inputs
 from ckptctl.write.options import ExportOptions, ProgressEvent, validate
 from ckptctl.write.shards import (TensorWriter, clone_block, copy_file, fsync_and_close, link_or_copy,
@@ -72,11 +76,12 @@ class ExportResult:
 
 def index_entries(entries: list[Entry]) -> dict[str, Entry]:
     """The entries by name: the one check that no tensor name is given twice."""
-    by_name: dict[str, Entry] = {}
-    for e in entries:
-        if e.name in by_name:
-            raise InputError(f"tensor {e.name!r} is given twice", "tensor names must be unique")
-        by_name[e.name] = e
+    by_name = {e.spec.name: e for e in entries}
+    if len(by_name) != len(entries):
+        seen: set[str] = set()  # the first name given twice, for the message
+        twice = next(n for n in (e.spec.name for e in entries)
+                     if n in seen or seen.add(n))  # type: ignore[func-returns-value]
+        raise InputError(f"tensor {twice!r} is given twice", "tensor names must be unique")
     return by_name
 
 
@@ -110,6 +115,10 @@ class ExportJob:
         self.stage_: Stage | None = None
         self.dest_existed = False
         self.known: dict[str, int] = {}  # dest's entries (name -> inode) as the plan saw them
+        # --manifest: the files hashed as they were written, name -> (size, sha256 or its future)
+        self.digests: dict[str, tuple[int, Any]] = {}
+        self._locate: Locate | None = None
+        self._hash_stop = threading.Event()  # the job failed: digests still being read stop
 
     def prepare(self, *, recover: bool = True, place: bool = False) -> ExportResult:
         """Plan from metadata (no I/O), then look at the destination: finish a dead writer's
@@ -171,13 +180,19 @@ class ExportJob:
         """Pad each planned header so its largest run of source bytes can be cloned (only where
         the destination's filesystem can clone from that source)."""
         assert self.plan is not None
-        locate = source_range(self.by_name)
         block, ok = clone_block((e.tensor.file for e in self.entries if e.tensor.file and not e.converted), self.dest)
         if not ok:
             return
+        locate = self.locate()
         for shard in self.plan.shards:
             self.result.header_padding += place_for_clone(
                 shard, lambda name: (w if (w := locate(name)) is not None and w[0] in ok else None), block)
+
+    def locate(self) -> Locate:
+        """Where each entry's bytes sit unchanged in a source file (made once for every shard)."""
+        if self._locate is None:
+            self._locate = source_range(self.by_name)
+        return self._locate
 
     def stage(self) -> Path:
         """Check the parent and its free space, create the staging directory; returns its data/."""
@@ -193,7 +208,7 @@ class ExportJob:
         from concurrent.futures import ThreadPoolExecutor
 
         assert self.plan is not None
-        tw = TensorWriter(self.opts.chunk_bytes)
+        tw = TensorWriter(self.opts.chunk_bytes, hashing=self.opts.manifest)
         progress = self.opts.progress
         done, total = 0, self.plan.total_size
 
@@ -204,6 +219,9 @@ class ExportJob:
                 progress(ProgressEvent("write", shard.name, done, total))
 
         syncer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckptctl-fsync")
+        hasher = ThreadPoolExecutor(max_workers=WORKERS, thread_name_prefix="ckptctl-hash")  # two shards at once
+        hashing: list[ShardDigest] = []
+        stop = self._hash_stop  # set on failure: a shard being hashed stops at its next chunk
         pending = []
         try:
             for shard in self.plan.shards:
@@ -214,12 +232,20 @@ class ExportJob:
                                               link=self.opts.link_unchanged), shard.file_size)
                         done += shard.data_bytes
                     else:
-                        fd = write_shard(data / shard.name, shard, self.by_name, tw, on_tensor=wrote)
+                        fd = write_shard(data / shard.name, shard, self.by_name, tw, on_tensor=wrote,
+                                         locate=self.locate())
+                        digest, tw.digest = tw.digest, None
                         try:
                             _faults.point("fsync-shard")
                         except BaseException:
                             os.close(fd)
+                            if digest is not None:
+                                digest.close()
                             raise
+                        if digest is not None:  # reads back what the kernel copied, beside the fsync
+                            hashing.append(digest)
+                            self.digests[shard.name] = (shard.file_size,
+                                                        hasher.submit(digest.finish, shard.file_size, stop))
                         if self.opts.fsync:
                             pending.append((shard.name, syncer.submit(fsync_and_close, fd)))
                         else:
@@ -234,8 +260,15 @@ class ExportJob:
                     fut.result()  # never retried: a failed fsync aborts the publish
                 except OSError as exc:
                     raise from_oserror(exc, f"cannot make {name} durable", phase="write") from None
+        except BaseException:
+            stop.set()
+            hasher.shutdown(wait=True, cancel_futures=True)
+            for digest in hashing:
+                digest.close()  # those never started keep their descriptor until here
+            raise
         finally:
             syncer.shutdown(wait=True)
+            hasher.shutdown(wait=False)  # the digests finish on their own; finalize waits for them
             tw.close()
             self.count_bytes(tw)
         _faults.point("shards-written")
@@ -255,24 +288,41 @@ class ExportJob:
         try:
             if plan.index_name:
                 _faults.point("index")
-                stage.write_file(plan.index_name, encode_index(
+                self.write_file(plan.index_name, encode_index(
                     plan.weight_map, plan.total_size, total_parameters=plan.total_parameters,
                     extra_metadata=with_alias_records(opts.metadata, plan.aliases)))
             for name, blob in sorted(self.extra_blobs.items()):
-                stage.write_file(name, blob)
+                self.write_file(name, blob)
             for name in self.result.carried:
                 link_or_copy(self.dest / name, data / name, fsync=opts.fsync)
             for name, path in sorted(self.inputs.variants.items()):
                 copy_verbatim(path, data / name, fsync=opts.fsync)
             _faults.point("extras-written")
             if opts.manifest:
-                stage.write_file(MANIFEST_NAME, encode_manifest(build_manifest(data, list_files(data),
-                                                                               label=opts.label, final=self.dest)))
+                stage.write_file(MANIFEST_NAME, encode_manifest(build_manifest(
+                    data, list_files(data), label=opts.label, final=self.dest, known=self.written_digests())))
             _faults.point("manifest-written")
         except OSError as exc:
             raise from_oserror(exc, "cannot write the index and extras", phase="finalize") from None
         stage.seal()
         stage.check_competitors()
+
+    def write_file(self, name: str, blob: bytes) -> None:
+        """A small file of the new version (index, extra), hashed from memory for the manifest."""
+        assert self.stage_ is not None
+        self.stage_.write_file(name, blob)
+        if self.opts.manifest:
+            self.digests[name] = (len(blob), hashlib.sha256(blob).hexdigest())
+
+    def written_digests(self) -> dict[str, tuple[int, str]]:
+        """The files hashed while they were written: name -> (size, sha256). A shard whose
+        writes did not go in file order is left out (the manifest reads it)."""
+        out = {}
+        for name, (size, digest) in self.digests.items():
+            value = digest if isinstance(digest, str) else digest.result()
+            if value is not None:
+                out[name] = (size, value)
+        return out
 
     def publish(self) -> ExportResult:
         """Make the staged version the destination, then remove the staging directory."""
@@ -289,6 +339,7 @@ class ExportJob:
         return self.result
 
     def abort(self) -> None:
+        self._hash_stop.set()
         if self.stage_ is not None:
             self.stage_.abort()
 

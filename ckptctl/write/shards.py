@@ -27,8 +27,9 @@ from typing import Any, Callable, Container, Iterable, Mapping
 from ckptctl import _faults
 from ckptctl.errors import InputError
 from ckptctl.format.header import TensorInfo
-from ckptctl.plan import Run, ShardPlan, runs
+from ckptctl.plan import Locate, Run, ShardPlan, runs
 from ckptctl.sources.base import Piece
+from ckptctl.write.digest import ShardDigest
 from ckptctl.write.inputs import Entry
 
 # copy_file_range cannot copy between these files: stream the rest instead.
@@ -45,8 +46,9 @@ FICLONERANGE = 0x4020940D
 
 def create_shard(path: Path, shard: ShardPlan) -> int:
     """Create ``path`` (it must not exist) with ``shard``'s header and its data area allocated to
-    the planned file size; returns the descriptor, open for writing. The caller closes it."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+    the planned file size; returns the descriptor, open for writing (and reading: the manifest
+    digest reads back what the kernel copied). The caller closes it."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
     try:
         pwrite_all(fd, shard.header, 0)
         os.ftruncate(fd, shard.file_size)
@@ -57,44 +59,65 @@ def create_shard(path: Path, shard: ShardPlan) -> int:
 
 
 def write_shard(path: Path, shard: ShardPlan, entries: Mapping[str, Entry], tw: "TensorWriter", *,
-                on_tensor: Callable[[int], None] | None = None) -> int:
+                on_tensor: Callable[[int], None] | None = None, locate: Locate | None = None) -> int:
     """Write all of ``shard`` at ``path`` (it must not exist): a clone of the source file when the
     shard is exactly that file's bytes and the filesystem can clone it, else :func:`create_shard`
     and :func:`write_into`. Returns the descriptor, open for writing; the caller fsyncs and
-    closes it."""
-    parts = runs(shard.layout, source_range(entries))
+    closes it. With ``tw.hashing``, ``tw.digest`` is then the shard's :class:`ShardDigest`
+    (its :meth:`~ShardDigest.finish` reads back what the kernel copied, before the close).
+    ``locate``: :func:`source_range` of ``entries``, when the caller made it once for every shard."""
+    if locate is None:
+        locate = source_range(shard_entries(shard.layout, entries))
+    parts = runs(shard.layout, locate)
+    tw.digest = None
     src = whole_file_source(shard, parts)
     if src is not None:
         fd = tw.clone_file(src, path, shard.file_size)
         if fd is not None:
+            if tw.hashing:
+                try:
+                    tw.digest = ShardDigest(fd)
+                except BaseException:
+                    os.close(fd)
+                    raise
+                tw.digest.final(0, shard.file_size)
             if on_tensor is not None:
                 on_tensor(shard.data_bytes)
             return fd
     fd = create_shard(path, shard)
     try:
+        if tw.hashing:
+            tw.digest = ShardDigest(fd)
+            tw.digest.written(0, shard.header)
         write_into(fd, shard, entries, tw, on_tensor=on_tensor, parts=parts)
     except BaseException:
         os.close(fd)
+        if tw.digest is not None:
+            tw.digest.close()
         raise
     return fd
 
 
-def source_range(entries: Mapping[str, Entry]) -> Callable[[str], tuple[str, int] | None]:
-    """Where a tensor's bytes sit unchanged in a source file (``(file, offset)``), or None when
-    they must be produced (converted, or the source has no file range)."""
-
-    def locate(name: str) -> tuple[str, int] | None:
-        e = entries.get(name)
-        if e is None or e.converted:
-            return None
+def source_range(entries: Mapping[str, Entry]) -> Locate:
+    """Where each of ``entries``' tensors' bytes sit unchanged in a source file (``(file,
+    offset)``), or None when they must be produced (converted, or the source has no file range).
+    Computed once for all of ``entries`` (give a shard's own): the lookup is a dict's."""
+    out: dict[str, tuple[str, int]] = {}
+    for name, e in entries.items():
+        if e.converted:
+            continue
         t = e.tensor
-        if len(t.pieces) == 1:  # one piece holds the whole tensor: a range like any other
-            return t.pieces[0].file, t.pieces[0].src_offset
-        if t.file is None or t.offset is None:
-            return None
-        return t.file, t.offset
+        pieces = t.pieces
+        if pieces and len(pieces) == 1:  # one piece holds the whole tensor: a range like any other
+            out[name] = (pieces[0].file, pieces[0].src_offset)
+        elif t.file is not None and t.offset is not None:
+            out[name] = (t.file, t.offset)
+    return out.get
 
-    return locate
+
+def shard_entries(layout: Iterable[TensorInfo], entries: Mapping[str, Entry]) -> dict[str, Entry]:
+    """The entries of the tensors in ``layout``."""
+    return {i.spec.name: entries[i.spec.name] for i in layout}
 
 
 def whole_file_source(shard: ShardPlan, parts: list[Run | TensorInfo]) -> str | None:
@@ -127,13 +150,16 @@ def write_into(fd: int, shard: ShardPlan, entries: Mapping[str, Entry], tw: "Ten
     caller has them already). ``on_tensor`` gets the bytes of each run or tensor written."""
     if parts is None or only is not None:
         layout = shard.layout if only is None else [i for i in shard.layout if i.name in only]
-        parts = runs(layout, source_range(entries))
+        parts = runs(layout, source_range(shard_entries(layout, entries)))
     written = 0
+    digest = tw.digest if only is None else None
     for part in parts:
         if isinstance(part, Run):
-            tw.copy_run(fd, shard.data_start + part.begin, [entries[i.name] for i in part.infos], part)
+            tw.copy_run(fd, shard.data_start + part.begin, entries, part)
         else:
             tw.write(fd, shard.data_start + part.begin, entries[part.name], part.nbytes)
+        if digest is not None:
+            digest.final(shard.data_start + part.begin, part.nbytes)
         written += part.nbytes
         if on_tensor is not None:
             on_tensor(part.nbytes)
@@ -143,25 +169,36 @@ def write_into(fd: int, shard: ShardPlan, entries: Mapping[str, Entry], tw: "Ten
 class TensorWriter:
     """Writes tensors' bytes at given file positions and counts how: ``cloned`` by the
     filesystem (blocks shared with the source), ``copied`` by the kernel, ``streamed`` through
-    Python. Keeps the source files it copies from open until :meth:`close`."""
+    Python. Keeps the source files it copies from open until :meth:`close`. With ``hashing``
+    (``--manifest``), :func:`write_shard` hashes each shard as it writes it (``digest``)."""
 
-    def __init__(self, chunk_bytes: int) -> None:
+    def __init__(self, chunk_bytes: int, *, hashing: bool = False) -> None:
         self.chunk_bytes = chunk_bytes
+        self.hashing = hashing
+        self.digest: ShardDigest | None = None  # the shard being written, when hashing
         self.cloned = 0
         self.copied = 0
         self.streamed = 0
         self._src_fds: dict[str, int] = {}
+        self._src_blocks: dict[str, int] = {}  # each open source's block size
 
     def close(self) -> None:
         for fd in self._src_fds.values():
             os.close(fd)
         self._src_fds.clear()
+        self._src_blocks.clear()
 
     def _src_fd(self, path: str) -> int:
         fd = self._src_fds.get(path)
         if fd is None:
             fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
             self._src_fds[path] = fd
+            try:
+                self._src_blocks[path] = os.fstatvfs(fd).f_bsize
+            except BaseException:
+                del self._src_fds[path]
+                os.close(fd)
+                raise
         return fd
 
     def count(self, how: str, nbytes: int) -> None:
@@ -176,7 +213,7 @@ class TensorWriter:
     def clone_file(self, src: str, path: Path, size: int) -> int | None:
         """Create ``path`` as a clone of ``src`` (``size`` bytes); returns its descriptor, or
         None (and no file) when the filesystem cannot clone it."""
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
         try:
             cloned = clone(self._src_fd(src), fd)
         except BaseException:
@@ -191,15 +228,15 @@ class TensorWriter:
         _faults.point("write-data")
         return fd
 
-    def copy_run(self, fd: int, pos: int, run_entries: list[Entry], run: Run) -> None:
-        """Copy ``run`` (its tensors are ``run_entries``) to ``pos``: where source and
+    def copy_run(self, fd: int, pos: int, entries: Mapping[str, Entry], run: Run) -> None:
+        """Copy ``run`` (its tensors' entries are in ``entries``) to ``pos``: where source and
         destination are congruent modulo the block size, the unaligned head by the kernel, the
         aligned middle (to both files' end, or whole blocks) cloned, the tail by the kernel;
         otherwise all by the kernel; whatever the kernel cannot copy streams."""
         src_fd = self._src_fd(run.file)
         length, src_pos = run.nbytes, run.src_offset
         done, kernel = 0, True
-        block = max(os.fstatvfs(fd).f_bsize, os.fstatvfs(src_fd).f_bsize)
+        block = max(os.fstatvfs(fd).f_bsize, self._src_blocks[run.file])
         if length >= block and (src_pos - pos) % block == 0:
             head = min((-pos) % block, length)
             done = _copy_range(src_fd, fd, src_pos, pos, head)
@@ -216,7 +253,8 @@ class TensorWriter:
             self.copied += n
             done += n
         offset = 0
-        for e in run_entries if done < length else ():  # the kernel stopped at ``done``: stream from there
+        for e in (entries[i.spec.name] for i in run.infos) if done < length else ():
+            # the kernel stopped at ``done``: stream from there
             n = e.tensor.nbytes
             if offset + n > done:
                 self._stream(fd, pos + offset, e, n, max(0, done - offset))
@@ -249,6 +287,8 @@ class TensorWriter:
     def _stream(self, fd: int, pos: int, e: Entry, length: int, skip: int) -> None:
         written = skip
         for chunk in _chunks_from(e, skip, self.chunk_bytes):
+            if self.digest is not None:
+                self.digest.written(pos + written, chunk)
             n = pwrite_all(fd, chunk, pos + written)
             written += n
             self.streamed += n

@@ -12,7 +12,8 @@ from ckptctl.manifest import MANIFEST_NAME
 MAIN = ("model", None)  # the slot of a transformers model without a variant
 
 
-def superseded(dest: Path, *, slot: tuple[str, str | None] = MAIN) -> tuple[list[str], list[str]]:
+def superseded(dest: Path, *, slot: tuple[str, str | None] = MAIN,
+               lay: L.Layout | None = None) -> tuple[list[str], list[str]]:
     """(files the new version drops, files carried over) among ``dest``'s top-level entries.
 
     A file is dropped only when it is provably superseded; everything else of the user's is
@@ -26,10 +27,12 @@ def superseded(dest: Path, *, slot: tuple[str, str | None] = MAIN) -> tuple[list
     LLaVA's ``mm_projector.safetensors``, a ``consolidated.safetensors``, a ``.tmpl/`` or a
     user's ``_tmp_scratch/`` directory. Other variants, other components (diffusers, PEFT
     adapters) are kept. The old manifest is always dropped: it describes the old version.
+    ``lay``: the scan of ``dest`` as it is now, when the caller has it.
     """
     if not os.path.isdir(dest):
         return [], []
-    lay = L.scan(dest)
+    if lay is None:
+        lay = L.scan(dest)
     live = staging.open_elsewhere([dest / n for n in lay.leftovers])
     drop: set[str] = {n for n in lay.leftovers if dest / n not in live}
     main = slot == MAIN

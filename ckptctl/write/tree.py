@@ -93,11 +93,12 @@ class RootResult:
         return doc
 
 
-def is_root(path: str | os.PathLike[str]) -> bool:
+def is_root(path: str | os.PathLike[str], lay: L.Layout | None = None) -> bool:
     """Whether ``path`` is a multi-component root that resave must write as a whole (False while
-    :func:`resave_root` resaves that root's module 0 through ``resave``)."""
+    :func:`resave_root` resaves that root's module 0 through ``resave``). ``lay``: its scan, when
+    the caller has it."""
     p = Path(path)
-    return not _ROOT_MODULE.get() and p.is_dir() and L.scan(p).kind in ROOTS
+    return not _ROOT_MODULE.get() and p.is_dir() and (lay if lay is not None else L.scan(p)).kind in ROOTS
 
 
 @contextlib.contextmanager
