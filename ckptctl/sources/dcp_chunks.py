@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ckptctl.sources.base import Piece
-from ckptctl.sources.torch_source import zip_members
+from ckptctl.sources.torch_archive import zip_members
 
 MAX_PICKLE_BYTES = 64 * 1024  # one tensor's data.pkl is a few hundred bytes
 
