@@ -27,6 +27,7 @@ import struct
 from dataclasses import dataclass
 from typing import Any
 
+from ckptctl.format.dcp_metadata import MetadataIndex
 from ckptctl.sources.base import Piece
 from ckptctl.sources.torch_archive import zip_members
 
@@ -164,8 +165,6 @@ def tensor_pieces(root: Any, fqn: str, item: Any, storage: Any, itemsize: int, s
     """The pieces of the DCP tensor ``fqn`` (its ``TensorStorageMetadata`` ``item``), or ``()``
     when it must stream. ``storage`` is the metadata's storage map (already checked to lie inside
     ``root``); ``fds`` caches open ``.distcp`` descriptors (the caller closes them)."""
-    from torch.distributed.checkpoint.metadata import MetadataIndex
-
     full = tuple(int(x) for x in item.size)
     numel = math.prod(full)
     if storage_name is None or not numel or not isinstance(item.chunks, (list, tuple)):
