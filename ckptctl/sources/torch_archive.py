@@ -11,8 +11,9 @@ exactly what torch loads when:
 - ``data.pkl`` is read by :mod:`ckptctl.format.torch_pickle` (allow-list, nothing imported or
   run; a global outside it refuses the file) and every tensor's rebuild arguments are exactly
   typed (no coercion was needed);
-- the archive is little-endian (its ``byteorder`` record, when there is one), ``data.pkl`` and
-  every storage record are stored uncompressed and lie inside the file;
+- the archive has a ``version`` record (torch's reader requires one) and is little-endian (its
+  ``byteorder`` record, when there is one); ``data.pkl`` and every storage record are stored
+  uncompressed and lie inside the file;
 - each storage record holds at least the storage's bytes (torch maps only that many; a shorter
   record would make torch read the next record's bytes: refused here), and each view lies
   inside its storage (torch refuses that too).
@@ -174,6 +175,12 @@ def read_archive(path: Path, key: str | None) -> dict[str, ArchiveTensor] | None
             if not little or len(pkls) != 1 or not members[pkls[0]].stored or members[pkls[0]].size > MAX_PICKLE_BYTES:
                 return None
             prefix = pkls[0][:-len("data.pkl")]
+            version = members.get(f"{prefix}version") or members.get(f"{prefix}.data/version")
+            if version is None:  # torch's reader refuses such an archive
+                raise InputError(f"{path}: not a readable torch checkpoint (the zip archive has no version record)",
+                                 _COMPLETE)
+            if not version.stored or version.size > 16 or not os.pread(fd, version.size, version.offset).strip().isdigit():
+                return None
             pkl = members[pkls[0]]
             raw = os.pread(fd, pkl.size, pkl.offset)
     except OSError as exc:

@@ -240,14 +240,13 @@ class TorchSource(Source):
                chunk_bytes: int = CHUNK_BYTES) -> Iterator[Any]:
         rec = self._records.get(t.name)
         if rec is not None and t.name not in self._tensors:
-            path, r = rec
             if not t.nbytes:
                 return
-            if r.offset is not None:  # contiguous in the archive: no torch
-                yield from file_chunks(str(path), r.offset, t.nbytes, t.dtype, target_dtype, chunk_bytes,
-                                       f"{path} is shorter than its zip directory says (tensor {t.name!r})")
+            if t.file is not None and t.offset is not None:  # contiguous in the archive: no torch
+                yield from file_chunks(t.file, t.offset, t.nbytes, t.dtype, target_dtype, chunk_bytes,
+                                       f"{t.file} is shorter than its zip directory says (tensor {t.name!r})")
                 return
-            self._load_file(path)
+            self._load_file(rec[0])  # a view to gather (or a caller that wants torch's bytes)
         import torch
 
         tensor = self._tensors[t.name].detach()
