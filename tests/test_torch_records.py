@@ -394,3 +394,23 @@ def test_two_rank_gloo_dcp_model_and_optimizer(tmp_path, layout):
     _save_two_ranks(_SAVE_TRAINING.replace("sys.argv[2]", repr(layout)), src)
     _same_metadata(read_dcp_metadata(src), read_dcp_metadata(src, torch_classes=True))
     _check_dcp_exports(src, tmp_path, {"model": layout == "columns", "optimizer": False})
+
+
+def test_dcp_of_every_dtype_is_copied_without_torch(tmp_path):
+    """Chunks of dtypes without a legacy storage class (uint16, float8: ``_rebuild_tensor_v3`` of
+    an untyped storage) are contiguous runs too, copied by the kernel like the others."""
+    import torch.distributed.checkpoint as dcp
+
+    src = tmp_path / "dcp"
+    state = _dtypes()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save(state, checkpoint_id=src, no_dist=True)
+    _same_metadata(read_dcp_metadata(src), read_dcp_metadata(src, torch_classes=True))
+    p, imported = _ckptctl("export", src, tmp_path / "fast", "--json")
+    assert p.returncode == 0 and not imported, p.stderr[-2000:]
+    doc = json.loads(p.stdout)
+    assert doc["bytes_streamed"] == 0
+    assert doc["bytes_copied_by_kernel"] + doc["bytes_cloned"] == sum(v.numel() * v.element_size() for v in state.values())
+    _streamed(src, tmp_path / "slow")
+    assert _files(tmp_path / "fast") == _files(tmp_path / "slow")

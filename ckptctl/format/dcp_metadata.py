@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from ckptctl.findings import ERROR, Finding
-from ckptctl.format.torch_pickle import STORAGE_DTYPES, TORCH_DTYPES
+from ckptctl.format.torch_pickle import TORCH_DTYPES
 
 MAX_METADATA_BYTES = 1 << 30
 _AGAIN = "the save did not finish or the file is damaged: save it again"
@@ -43,8 +43,6 @@ _DCP_CLASSES = {
     "collections": {"OrderedDict"},
     "builtins": {"set", "frozenset"},
 }
-# safetensors dtype -> the legacy storage class torch.save names for it (None: UntypedStorage)
-STORAGE_NAMES = {v: k for k, v in STORAGE_DTYPES.items()}
 
 
 class Record:

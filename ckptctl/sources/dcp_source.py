@@ -20,7 +20,7 @@ from ckptctl.errors import InputError, UsageError, from_oserror
 from ckptctl.format import dtypes as dt
 from ckptctl.format import names as N
 from ckptctl.format.dcp_metadata import read_dcp_metadata as read_allowed
-from ckptctl.format.dcp_metadata import STORAGE_NAMES, DType, TensorStorageMetadata, storage_needs
+from ckptctl.format.dcp_metadata import DType, TensorStorageMetadata, storage_needs
 from ckptctl.sources.base import CHUNK_BYTES, Source, SourceTensor
 from ckptctl.sources.dcp_chunks import tensor_pieces
 
@@ -146,8 +146,7 @@ class DcpSource(Source):
             except (TypeError, ValueError):
                 raise InputError(f"{root}: tensor {fqn!r} has no size", "the metadata is corrupt") from None
             name = fqn[len(prefix):]
-            pieces = () if d.name == "F4" else tensor_pieces(root, fqn, item, meta.storage_data, d.itemsize,
-                                                               STORAGE_NAMES.get(d.name), fds)
+            pieces = () if d.name == "F4" else tensor_pieces(root, fqn, item, meta.storage_data, d.name, fds)
             self.tensors.append(SourceTensor(name, d.name, shape, pieces=pieces))
             self._fqn[name] = fqn
             self._torch_dtype[name] = tdtype.torch_name
@@ -174,6 +173,8 @@ class DcpSource(Source):
 
     def chunks(self, t: SourceTensor, target_dtype: str | None = None,
                chunk_bytes: int = CHUNK_BYTES) -> Iterator[Any]:
+        if not t.nbytes:  # an empty tensor has no bytes to load
+            return
         import torch
 
         flat = self.load_tensor(t).reshape(-1)

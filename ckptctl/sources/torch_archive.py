@@ -97,25 +97,6 @@ def archive_members(f: Any) -> tuple[dict[str, Member], bool]:
     return out, little
 
 
-def zip_members(f: Any) -> dict[str, tuple[int, int]]:
-    """The members of the ``torch.save`` zip archive in ``f`` that are stored uncompressed:
-    ``archive/data.pkl`` and the storage records ``archive/data/<key>``, each as name -> (offset
-    of its data in ``f``, size). Empty when ``f`` is no such archive or is not little-endian.
-    Raises OSError."""
-    try:
-        members, little = archive_members(f)
-    except _Damaged:
-        return {}
-    if not little:
-        return {}
-    out = {}
-    for name, m in members.items():
-        parts = name.split("/")
-        if m.stored and (parts[1:] == ["data.pkl"] or (len(parts) == 3 and parts[1] == "data" and parts[2].isdigit())):
-            out[name] = (m.offset, m.size)
-    return out
-
-
 def select(obj: Any, path: Path, key: str | None, is_tensor: Any) -> dict[str, Any]:
     """The flat ``{name: tensor}`` state dict of the loaded object ``obj`` (under ``key``, a
     dotted path into nested dicts), as torch or the records read it. Raises InputError."""
@@ -156,37 +137,31 @@ def open_regular(path: Path) -> int:
     return fd
 
 
-def read_archive(path: Path, key: str | None) -> dict[str, ArchiveTensor] | None:
-    """The state dict (under ``key``) of the ``torch.save`` archive ``path`` as records, or None
-    when torch must load it (see the module docstring). Raises InputError for a file that is
-    refused whoever reads it: a pickle naming a global outside the allow-list (nothing is run),
-    a damaged archive, a storage record shorter than its storage, a view outside its storage."""
-    fd = open_regular(path)
+def _load(f: Any, path: Any, max_pickle: int) -> tuple[dict[str, Member], str, Any] | None:
+    """The members, the archive's prefix and the unpickled object of the ``torch.save`` archive
+    in the seekable binary file ``f`` (member offsets are relative to its start), or None when
+    torch must read it. Raises InputError (refused) and OSError."""
+    f.seek(0)
+    if f.read(4) != b"PK\x03\x04":
+        return None  # legacy (pre-1.6) format or not torch: torch.load says which
     try:
-        with os.fdopen(fd, "rb", closefd=False) as f:
-            if f.read(4) != b"PK\x03\x04":
-                return None  # legacy (pre-1.6) format or not torch: torch.load says which
-            try:
-                members, little = archive_members(f)
-            except _Damaged as exc:
-                raise InputError(f"{path}: not a readable torch checkpoint (damaged zip archive: {str(exc)[:160]})",
-                                 _COMPLETE) from None
-            pkls = [n for n in members if n.split("/")[1:] == ["data.pkl"]]
-            if not little or len(pkls) != 1 or not members[pkls[0]].stored or members[pkls[0]].size > MAX_PICKLE_BYTES:
-                return None
-            prefix = pkls[0][:-len("data.pkl")]
-            version = members.get(f"{prefix}version") or members.get(f"{prefix}.data/version")
-            if version is None:  # torch's reader refuses such an archive
-                raise InputError(f"{path}: not a readable torch checkpoint (the zip archive has no version record)",
-                                 _COMPLETE)
-            if not version.stored or version.size > 16 or not os.pread(fd, version.size, version.offset).strip().isdigit():
-                return None
-            pkl = members[pkls[0]]
-            raw = os.pread(fd, pkl.size, pkl.offset)
-    except OSError as exc:
-        raise from_oserror(exc, "cannot read pickle checkpoint") from None
-    finally:
-        os.close(fd)
+        members, little = archive_members(f)
+    except _Damaged as exc:
+        raise InputError(f"{path}: not a readable torch checkpoint (damaged zip archive: {str(exc)[:160]})",
+                         _COMPLETE) from None
+    pkls = [n for n in members if n.split("/")[1:] == ["data.pkl"]]
+    if not little or len(pkls) != 1 or not members[pkls[0]].stored or members[pkls[0]].size > max_pickle:
+        return None
+    prefix = pkls[0][:-len("data.pkl")]
+    version = members.get(f"{prefix}version") or members.get(f"{prefix}.data/version")
+    if version is None:  # torch's reader refuses such an archive
+        raise InputError(f"{path}: not a readable torch checkpoint (the zip archive has no version record)", _COMPLETE)
+    f.seek(version.offset)
+    if not version.stored or version.size > 16 or not f.read(version.size).strip().isdigit():
+        return None
+    pkl = members[pkls[0]]
+    f.seek(pkl.offset)
+    raw = f.read(pkl.size)
     objs, unsafe, err = load_pickles(raw)
     if unsafe:
         names = sorted(set(unsafe))
@@ -195,8 +170,27 @@ def read_archive(path: Path, key: str | None) -> dict[str, ArchiveTensor] | None
                          "only plain tensor checkpoints are read; convert it with trusted code first")
     if err or not objs:
         raise InputError(f"{path}: not a readable torch checkpoint (data.pkl: {err})", _COMPLETE)
+    return members, prefix, objs[0]
+
+
+def read_archive(path: Path, key: str | None) -> dict[str, ArchiveTensor] | None:
+    """The state dict (under ``key``) of the ``torch.save`` archive ``path`` as records, or None
+    when torch must load it (see the module docstring). Raises InputError for a file that is
+    refused whoever reads it: a pickle naming a global outside the allow-list (nothing is run),
+    a damaged archive, a storage record shorter than its storage, a view outside its storage."""
+    fd = open_regular(path)
+    try:
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            loaded = _load(f, path, MAX_PICKLE_BYTES)
+    except OSError as exc:
+        raise from_oserror(exc, "cannot read pickle checkpoint") from None
+    finally:
+        os.close(fd)
+    if loaded is None:
+        return None
+    members, prefix, obj = loaded
     # a quantized, sparse or meta tensor reads as Inert: torch loads the file and says what it is
-    flat = select(objs[0], path, key, lambda v: isinstance(v, (TensorRef, Inert)))
+    flat = select(obj, path, key, lambda v: isinstance(v, (TensorRef, Inert)))
     out: dict[str, ArchiveTensor] = {}
     for name, ref in flat.items():
         t = _record(path, name, ref, members, prefix)
@@ -204,6 +198,15 @@ def read_archive(path: Path, key: str | None) -> dict[str, ArchiveTensor] | None
             return None
         out[name] = t
     return out
+
+
+def tensor_record(f: Any, where: str, max_pickle: int) -> ArchiveTensor | None:
+    """The record of the one tensor a ``torch.save`` archive holds (a DCP chunk), read from the
+    seekable binary file ``f``; None when torch must read it. Raises InputError and OSError."""
+    loaded = _load(f, where, max_pickle)
+    if loaded is None or not isinstance(loaded[2], TensorRef):
+        return None
+    return _record(Path(where), "", loaded[2], loaded[0], loaded[1])
 
 
 def _record(path: Path, name: str, ref: TensorRef | Inert, members: dict[str, Member], prefix: str) -> ArchiveTensor | None:
