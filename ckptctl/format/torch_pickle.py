@@ -42,6 +42,8 @@ _REBUILD_FUNCS = frozenset({
     "_rebuild_sparse_tensor", "_rebuild_nested_tensor", "_rebuild_device_tensor_from_numpy",
     "_rebuild_device_tensor_from_cpu_tensor", "_rebuild_wrapper_subclass",
 })
+# When tied names alias each other, drop these in favour of the embedding (transformers' choice).
+DISCARD_SUFFIXES = ("lm_head.weight", "embed_out.weight", "output.weight", "decoder.weight")
 # What a hostile or damaged pickle makes the C unpickler raise.
 PICKLE_ERRORS = (pickle.UnpicklingError, EOFError, ValueError, TypeError, IndexError, KeyError, AttributeError,
                  struct.error, UnicodeDecodeError, RecursionError, OverflowError, MemoryError)
@@ -72,6 +74,13 @@ class TensorRef:
 
     def spec(self, name: str) -> TensorSpec:
         return TensorSpec(name, self.dtype, self.shape)
+
+
+def keep_name(names: list[str]) -> str:
+    """Of names that share one view (tied weights), the one stored: the first in sorted order
+    that is not an output head, as transformers keeps the embedding."""
+    preferred = [n for n in sorted(names) if not n.endswith(DISCARD_SUFFIXES)]
+    return (preferred or sorted(names))[0]
 
 
 class Inert:

@@ -19,6 +19,7 @@ from typing import Any, Iterator, Mapping
 from ckptctl.errors import InputError, from_oserror
 from ckptctl.format import dtypes as dt
 from ckptctl.format.tensor import TensorSpec
+from ckptctl.format.torch_pickle import DISCARD_SUFFIXES, keep_name
 from ckptctl.sources.base import CHUNK_BYTES, Source, SourceTensor, file_chunks
 from ckptctl.sources.torch_archive import ArchiveTensor, open_regular, read_archive, select
 
@@ -26,8 +27,6 @@ from ckptctl.sources.torch_archive import ArchiveTensor, open_regular, read_arch
 # weights-only unpickler's stack and memo errors, truncated structs, bad rebuild arguments.
 _CORRUPT = (EOFError, ValueError, KeyError, IndexError, TypeError, AttributeError, AssertionError, struct.error)
 
-# When tied names alias each other, drop these in favour of the embedding (transformers' choice).
-_DISCARD_SUFFIXES = ("lm_head.weight", "embed_out.weight", "output.weight", "decoder.weight")
 
 
 MAX_CONFIG_BYTES = 64 * 1024 * 1024  # as verify reads JSON files
@@ -64,11 +63,6 @@ def read_config(root: Path) -> Any:
         return json.loads(raw) if len(raw) <= MAX_CONFIG_BYTES else None
     except (ValueError, RecursionError):
         return None
-
-
-def _keep_name(names: list[str]) -> str:
-    preferred = [n for n in sorted(names) if not n.endswith(_DISCARD_SUFFIXES)]
-    return (preferred or sorted(names))[0]
 
 
 def load_pickle(path: Path, key: str | None) -> dict[str, Any]:
@@ -108,12 +102,12 @@ def _tie(idents: Mapping[str, tuple[Any, ...]], tie_heads: bool) -> tuple[set[st
     the loader would leave it randomly initialised, so it is stored with its own copy."""
     groups: dict[tuple[Any, ...], list[str]] = {}
     for name, ident in idents.items():
-        key = (*ident, name) if not tie_heads and name.endswith(_DISCARD_SUFFIXES) else ident
+        key = (*ident, name) if not tie_heads and name.endswith(DISCARD_SUFFIXES) else ident
         groups.setdefault(key, []).append(name)
     keep: set[str] = set()
     aliases: dict[str, str] = {}
     for names in groups.values():
-        kept = _keep_name(names)
+        kept = keep_name(names)
         keep.add(kept)
         aliases.update({n: kept for n in names if n != kept})
     return keep, aliases
@@ -183,7 +177,7 @@ class TorchSource(Source):
 
     def _fill(self, state: Mapping[str, Any], *, tie_heads: bool = True) -> None:
         """List ``state``'s tensors in its order; tensors that share storage exactly are listed
-        once (the name :func:`_keep_name` picks) and the others recorded as aliases
+        once (the name :func:`keep_name` picks) and the others recorded as aliases
         (:func:`_tie`)."""
         import torch
 

@@ -16,11 +16,9 @@ from ckptctl.findings import ERROR, INFO, WARNING, Finding
 from ckptctl.format import dtypes as dt
 from ckptctl.format.header import sniff
 from ckptctl.format.tensor import TensorSpec
-from ckptctl.format.torch_pickle import TensorRef, load_pickles
+from ckptctl.format.torch_pickle import TensorRef, keep_name, load_pickles
 
 _MAX_PICKLE = 1 << 30  # a data.pkl larger than this is not a state dict we can describe
-# Of tied weights pickled twice, the output layer is the alias (transformers keeps the embedding).
-_DISCARD_SUFFIXES = ("lm_head.weight", "embed_out.weight", "output.weight", "decoder.weight")
 
 
 @dataclass
@@ -144,7 +142,7 @@ def _collect(obj: Any, display: str, res: PickleScan, add: Callable[..., None], 
             groups.setdefault((v.storage.key, v.offset, v.shape, v.stride), []).append(str(k))
     for names in groups.values():
         if len(names) > 1:  # tied weights pickled twice: keep the embedding, as transformers does
-            keep = sorted(names, key=lambda n: (n.endswith(_DISCARD_SUFFIXES), n))[0]
+            keep = keep_name(names)
             res.aliases.update({n: keep for n in names if n != keep})
     if other:
         add("pickle.not_state_dict", INFO,
