@@ -179,6 +179,24 @@ def test_sharded_pickles_tie_only_within_a_file(tmp_path):
     assert torch.equal(out["x"], a) and torch.equal(out["y"], b)
 
 
+@pytest.mark.parametrize("obj, key, message", [
+    (lambda: torch.zeros(3), None, "holds a Tensor, not a state dict"),
+    (lambda: {"w": torch.zeros(2), "step": 3}, None, "mixes tensors with non-tensor entries (step)"),
+    (lambda: {"model": _views(), "step": 3}, None, "no tensors at the top level (keys: model, step)"),
+    (lambda: {"model": _views(), "step": 3}, "optim", "no key 'optim' in the checkpoint"),
+    (lambda: {"state": {"step": 3}}, "state", "no tensors at the top level (keys: step)"),
+])
+def test_what_is_not_a_state_dict_is_refused_as_before(tmp_path, obj, key, message):
+    """The records path refuses with the words the torch path used (both go through ``select``)."""
+    from ckptctl.errors import InputError
+    from ckptctl.sources.torch_archive import read_archive
+
+    torch.save(obj(), tmp_path / "pytorch_model.bin")
+    for read in (read_archive, load_pickle):
+        with pytest.raises(InputError, match=message.replace("(", r"\(").replace(")", r"\)")):
+            read(tmp_path / "pytorch_model.bin", key)
+
+
 def test_conversion_imports_torch_and_equals_streaming(tmp_path):
     src = tmp_path / "src"
     src.mkdir()

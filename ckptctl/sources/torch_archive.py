@@ -97,6 +97,11 @@ def archive_members(f: Any) -> tuple[dict[str, Member], bool]:
     return out, little
 
 
+def _kind(obj: Any) -> str:
+    """What a loaded object is, as torch's own object would be named (a record is a Tensor)."""
+    return "Tensor" if isinstance(obj, TensorRef) else type(obj).__name__
+
+
 def select(obj: Any, path: Path, key: str | None, is_tensor: Any) -> dict[str, Any]:
     """The flat ``{name: tensor}`` state dict of the loaded object ``obj`` (under ``key``, a
     dotted path into nested dicts), as torch or the records read it. Raises InputError."""
@@ -104,10 +109,10 @@ def select(obj: Any, path: Path, key: str | None, is_tensor: Any) -> dict[str, A
         for part in key.split("."):
             if not isinstance(obj, Mapping) or part not in obj:
                 raise InputError(f"{path}: no key {key!r} in the checkpoint",
-                                 f"top-level keys: {', '.join(map(str, list(obj)[:10])) if isinstance(obj, Mapping) else type(obj).__name__}")
+                                 f"top-level keys: {', '.join(map(str, list(obj)[:10])) if isinstance(obj, Mapping) else _kind(obj)}")
             obj = obj[part]
     if not isinstance(obj, Mapping):
-        raise InputError(f"{path}: holds a {type(obj).__name__}, not a state dict", "pass --key to select one")
+        raise InputError(f"{path}: holds a {_kind(obj)}, not a state dict", "pass --key to select one")
     flat: dict[str, Any] = {}
     nested = []
     for k, v in obj.items():
