@@ -13,7 +13,10 @@ import pytest
 import torch
 
 from ckptctl.api import save_state_dict
-from ckptctl.sources.torch_source import archive_offsets, load_pickle, stored_records
+from ckptctl.errors import InputError
+from ckptctl.format import dtypes as dt
+from ckptctl.sources.torch_archive import read_archive
+from ckptctl.sources.torch_source import load_pickle
 from tests.support import run_ckptctl
 
 
@@ -90,25 +93,30 @@ def test_dtype_conversion_streams_and_matches(tmp_path):
 
 
 def test_offsets_agree_with_torch_mmap(tmp_path):
+    """The records (read without torch) say where each contiguous tensor's bytes are; every byte
+    there is what ``torch.load(weights_only=True, mmap=True)`` gives for it."""
     sd = _state()
     path = tmp_path / "pytorch_model.bin"
     torch.save(sd, path)
-    records = stored_records(path)
-    assert len(records) == len({t.untyped_storage().data_ptr() for t in sd.values() if t.numel()}) + 1  # + empty
+    records = read_archive(path, None)
     mapped = load_pickle(path, None)
-    offsets = archive_offsets(path, mapped)
+    assert list(records) == list(mapped) == list(sd)
+    offsets = {k: r.offset for k, r in records.items() if r.offset is not None}
     assert set(offsets) == {k for k, t in sd.items() if t.is_contiguous() and t.numel()}
     raw = path.read_bytes()
-    for k, off in offsets.items():
-        t = sd[k]
-        n = t.numel() * t.element_size()
-        assert raw[off:off + n] == t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes(), k
+    for k, r in records.items():
+        t = mapped[k]
+        assert (r.shape, r.dtype) == (tuple(t.shape), dt.from_torch(t.dtype).name), k
+        if r.offset is not None:
+            n = t.numel() * t.element_size()
+            assert raw[r.offset:r.offset + n] == t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes(), k
 
 
-def test_not_an_archive_gives_no_offsets(tmp_path):
+def test_a_truncated_archive_is_refused_without_torch(tmp_path):
     path = tmp_path / "x.bin"
     path.write_bytes(b"PK\x03\x04 truncated")
-    assert stored_records(path) == {}
+    with pytest.raises(InputError, match="not a readable torch checkpoint .damaged zip archive"):
+        read_archive(path, None)
 
 
 def test_keep_writes_one_safetensors_per_pickle_shard(tmp_path):

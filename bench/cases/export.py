@@ -11,7 +11,7 @@ from bench.gen import WORK, Spec, ensure
 from bench.harness import CKPTCTL, Case, Command, clear
 
 SPEC = Spec(size=2 * 10**9, dtype="bf16", shards=4)
-BIN = Spec(size=10**9, dtype="bf16", bin=True)
+BIN = Spec(size=2 * 10**9, dtype="bf16", bin=True)
 
 # huggingface_hub's way: materialise every tensor, then write (deletes the old files first).
 HUB_SAVE = ("import os, sys, glob; from safetensors.torch import load_file; "
@@ -41,11 +41,12 @@ def _cases() -> list[Case]:
                       setup=c_hub, teardown=c_hub)],
              prepare=partial(ensure, SPEC), reference="cp -r + sync", prefault=2 * SPEC.size + 2**29),
         Case("export-bin", f"{BIN.name()}: pytorch_model.bin to safetensors",
-             [Command("ckptctl export", [*CKPTCTL, "export", str(bsrc), str(bout), "--max-shard-size", "1GB", "-q"],
+             [*(c for c in reference_commands(bsrc, "export-bin") if c.name == "cp -r + sync"),
+              Command("ckptctl export", [*CKPTCTL, "export", str(bsrc), str(bout), "--max-shard-size", "1GB", "-q"],
                       setup=clear(bout), teardown=clear(bout)),
               Command("hub torch.load + save_torch_state_dict", [sys.executable, "-c", HUB_SAVE_BIN, str(bsrc),
                                                                  str(bhub)], setup=clear(bhub), teardown=clear(bhub))],
-             prepare=partial(ensure, BIN), prefault=2 * BIN.size + 2**29),
+             prepare=partial(ensure, BIN), reference="cp -r + sync", prefault=2 * BIN.size + 2**29),
     ]
 
 

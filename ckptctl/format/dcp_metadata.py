@@ -1,25 +1,33 @@
-"""torch DCP's ``.metadata`` file, read without running anything it names.
+"""torch DCP's ``.metadata`` file, read without importing or running anything it names.
 
-``.metadata`` is a pickle of torch dataclasses, and torch's own reader unpickles it without
-restrictions. This is the one reader ckptctl has (``verify`` and the DCP export source both use
-it): the file must be a regular file under :data:`MAX_METADATA_BYTES`, every length field is
-checked against the bytes that are there before anything is allocated, and the unpickler resolves
-an explicit allow-list (DCP's metadata classes, ``torch.Size``, dtypes, layouts) and refuses
-every other global. torch is imported here, so only DCP directories pay for it.
+``.metadata`` is a pickle of torch dataclasses (``Metadata``, ``TensorStorageMetadata``,
+``ChunkStorageMetadata``, ``MetadataIndex``, ``_StorageInfo`` ...), and torch's own reader
+unpickles it without restrictions. This is the one reader ckptctl has (``verify`` and the DCP
+export source both use it): the file must be a regular file under :data:`MAX_METADATA_BYTES`,
+every length field is checked against the bytes that are there before anything is allocated,
+and the unpickler resolves an explicit allow-list and refuses every other global. By default
+the allow-list maps each class to a record of our own (:class:`Record` and its subclasses, with
+the same field names as torch's: ``md.state_dict_metadata[fqn].chunks[i].offsets``,
+``md.storage_data[MetadataIndex(fqn, offsets)].relative_path``; a dtype is a :class:`DType` that
+knows its safetensors name), so neither torch nor ``torch.distributed.checkpoint`` is imported.
+``torch_classes=True`` resolves the same allow-list to torch's own classes instead, for the one
+caller that hands the object to torch (``dcp.load`` of a tensor that must be gathered).
 """
 
 from __future__ import annotations
 
 import io
 import os
+import pathlib
 import pickle
 import pickletools
 import stat
 import struct
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from ckptctl.findings import ERROR, Finding
+from ckptctl.format.torch_pickle import TORCH_DTYPES
 
 MAX_METADATA_BYTES = 1 << 30
 _AGAIN = "the save did not finish or the file is damaged: save it again"
@@ -37,24 +45,163 @@ _DCP_CLASSES = {
 }
 
 
+class Record:
+    """A DCP metadata dataclass as its pickle states it (``NEWOBJ`` then ``BUILD`` with the
+    field dict); fields torch adds later simply appear as attributes."""
+
+    def __init__(self, **fields: Any) -> None:
+        self.__dict__.update(fields)
+
+    def __setstate__(self, state: Any) -> None:
+        if isinstance(state, tuple) and len(state) == 2 and isinstance(state[1], dict):
+            state = {**(state[0] or {}), **state[1]}  # (dict, slots) of a slotted dataclass
+        if not isinstance(state, dict) or not all(isinstance(k, str) for k in state):
+            raise pickle.UnpicklingError(f"{type(self).__name__} with a state of {type(state).__name__}")
+        self.__dict__.update(state)
+
+    def __getattr__(self, name: str) -> Any:  # a field this save did not store: its default
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return None
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.__dict__!r})"
+
+
+class Metadata(Record):
+    pass
+
+
+class TensorStorageMetadata(Record):
+    pass
+
+
+class BytesStorageMetadata(Record):
+    pass
+
+
+class ChunkStorageMetadata(Record):
+    pass
+
+
+class StorageMeta(Record):
+    pass
+
+
+class StorageInfo(Record):
+    pass
+
+
+class ExtensionTransform(Record):
+    pass
+
+
+class TensorProperties(Record):
+    """torch pickles it as a tuple: (dtype, layout, requires_grad, memory_format, pin_memory)."""
+
+    def __setstate__(self, state: Any) -> None:
+        if isinstance(state, tuple) and len(state) == 5:
+            state = dict(zip(("dtype", "layout", "requires_grad", "memory_format", "pin_memory"), state))
+        super().__setstate__(state)
+
+
+class MetadataIndex(Record):
+    """The key of the storage map: equal and hashed by ``fqn`` and ``offset`` (``index`` is a hint)."""
+
+    def __init__(self, fqn: str = "", offset: Any = None, index: int | None = None) -> None:
+        super().__init__(fqn=fqn, offset=None if offset is None else tuple(offset), index=index)
+
+    def _key(self) -> tuple[Any, ...]:
+        off = self.__dict__.get("offset")
+        return self.__dict__.get("fqn"), None if off is None else tuple(off)
+
+    def __setstate__(self, state: Any) -> None:
+        super().__setstate__(state)
+        self._key()  # an offset that is no sequence fails here, before it becomes a dict key
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, MetadataIndex) and self._key() == other._key()
+
+    def __hash__(self) -> int:
+        return hash(self._key())
+
+
+@dataclass(frozen=True)
+class DType:
+    """A torch dtype named in the metadata: ``torch_name`` (``float32``) and its safetensors
+    ``name`` (None when safetensors has none)."""
+
+    torch_name: str
+
+    @property
+    def name(self) -> str | None:
+        return TORCH_DTYPES.get(self.torch_name)
+
+
+_RECORDS: dict[str, Any] = {
+    "Metadata": Metadata, "MetadataIndex": MetadataIndex, "TensorStorageMetadata": TensorStorageMetadata,
+    "BytesStorageMetadata": BytesStorageMetadata, "ChunkStorageMetadata": ChunkStorageMetadata,
+    "TensorProperties": TensorProperties, "StorageMeta": StorageMeta, "_StorageInfo": StorageInfo,
+    "ExtensionTransform": ExtensionTransform, "_MEM_FORMAT_ENCODING": int,
+}
+# torch dtypes safetensors has no name for: read (the export then says it cannot store them).
+_OTHER_DTYPES = frozenset({"complex128", "cdouble", "complex32", "chalf", "qint8", "quint8", "qint32", "quint4x2",
+                           "quint2x4", "bits1x8", "bits2x4", "bits4x2", "bits8", "bits16",
+                           *(f"uint{n}" for n in range(1, 8)), *(f"int{n}" for n in range(1, 8))})
+_TORCH_CONSTANTS = frozenset({"strided", "sparse_coo", "sparse_csr", "contiguous_format", "channels_last",
+                              "channels_last_3d", "preserve_format"})
+
+
+def _record_class(module: str, name: str) -> Any:
+    """The allow-list resolved to our records (None: refused). Imports nothing."""
+    if name in _DCP_CLASSES.get(module, ()):
+        if module == "pathlib":
+            return pathlib.PurePosixPath if "Windows" not in name else pathlib.PureWindowsPath
+        if module in ("collections", "builtins"):
+            import builtins
+            import collections
+
+            return getattr(collections if module == "collections" else builtins, name)
+        return _RECORDS[name]
+    if module == "torch":
+        if name == "Size":
+            return lambda x=(): tuple(int(v) for v in x)
+        if name in TORCH_DTYPES or name in _OTHER_DTYPES:
+            return DType(name)
+        if name in _TORCH_CONSTANTS:
+            return f"torch.{name}"
+    if module == "torch.serialization" and name == "_get_layout":
+        return lambda n: n if isinstance(n, str) else None
+    return None
+
+
+def _torch_class(module: str, name: str) -> Any:
+    """The allow-list resolved to torch's own classes (None: refused). Imports torch."""
+    import torch
+
+    if module == "torch":
+        obj = getattr(torch, name, None)
+        if isinstance(obj, (torch.dtype, torch.layout, torch.memory_format)) or name == "Size":
+            return obj
+    if module == "torch.serialization" and name == "_get_layout":
+        return torch.serialization._get_layout
+    if name in _DCP_CLASSES.get(module, ()):
+        import importlib
+
+        return getattr(importlib.import_module(module), name)
+    return None
+
+
 class _AllowListUnpickler(pickle.Unpickler):
-    def __init__(self, data: bytes) -> None:
+    def __init__(self, data: bytes, resolve: Callable[[str, str], Any]) -> None:
         super().__init__(io.BytesIO(data))
         self.refused: list[str] = []
+        self._resolve = resolve
 
     def find_class(self, module: str, name: str) -> Any:
-        import torch
-
-        if module == "torch":
-            obj = getattr(torch, name, None)
-            if isinstance(obj, (torch.dtype, torch.layout, torch.memory_format)) or name == "Size":
-                return obj
-        if module == "torch.serialization" and name == "_get_layout":
-            return torch.serialization._get_layout
-        if name in _DCP_CLASSES.get(module, ()):
-            import importlib
-
-            return getattr(importlib.import_module(module), name)
+        obj = self._resolve(module, name)
+        if obj is not None:
+            return obj
         self.refused.append(f"{module}.{name}")
         raise pickle.UnpicklingError(f"global {module}.{name} is not allowed in DCP metadata")
 
@@ -63,9 +210,11 @@ def _bad(display: str, why: str, hint: str = _AGAIN) -> tuple[None, list[Finding
     return None, [Finding("dcp.bad_metadata", ERROR, display, f"{display}: {why}", hint)]
 
 
-def read_dcp_metadata(path: str | os.PathLike[str], display: str) -> tuple[Any | None, list[Finding]]:
-    """The Metadata object of a DCP ``.metadata`` file, or None with the findings that say why
-    (``dcp.bad_metadata``, ``dcp.unsafe_global``). Raises OSError when the file cannot be read."""
+def read_dcp_metadata(path: str | os.PathLike[str], display: str, *, torch_classes: bool = False
+                      ) -> tuple[Any | None, list[Finding]]:
+    """The Metadata of a DCP ``.metadata`` file (our records; torch's objects with
+    ``torch_classes``), or None with the findings that say why (``dcp.bad_metadata``,
+    ``dcp.unsafe_global``). Raises OSError when the file cannot be read."""
     # O_NONBLOCK: opening a FIFO must not wait for a writer; fstat then tells what it is.
     fd = os.open(os.fspath(path), os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     with os.fdopen(fd, "rb") as f:
@@ -82,7 +231,7 @@ def read_dcp_metadata(path: str | os.PathLike[str], display: str) -> tuple[Any |
             pass
     except (ValueError, struct.error, OverflowError, RecursionError) as exc:  # garbage, short data, bad lengths
         return _bad(display, f"unreadable DCP metadata ({type(exc).__name__}: {str(exc)[:160]})")
-    up = _AllowListUnpickler(data)
+    up = _AllowListUnpickler(data, _torch_class if torch_classes else _record_class)
     try:
         md = up.load()
     except (pickle.UnpicklingError, EOFError, ValueError, TypeError, IndexError, KeyError, AttributeError,
@@ -123,9 +272,7 @@ def storage_needs(md: Any) -> list[StorageNeed]:
 
 
 def missing_chunks(md: Any) -> tuple[int, list[str]]:
-    """(tensor count, tensor chunks and objects without a storage entry) of a Metadata object."""
-    from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
-
+    """(tensor count, tensor chunks and objects without a storage entry) of a records Metadata."""
     storage = md.storage_data
     tensors = 0
     missing: list[str] = []

@@ -65,6 +65,9 @@ class Source:
     # safetensors name of a pickle family) and its variant: an export writes the same names.
     stem: str | None = None
     variant: str | None = None
+    # The files torch had to load (a view to gather, a tensor the records cannot describe, a DCP
+    # tensor assembled by ``dcp.load``); empty when every byte came from the records.
+    torch_loaded: list[str] = field(default_factory=list)
     # Where each listed tensor came from (a file name), for the one duplicate check: :meth:`claim`.
     _origins: dict[str, str] = field(default_factory=dict, repr=False)
 
@@ -109,6 +112,36 @@ def convert_bytes(raw: Any, src_dtype: str, dst_dtype: str) -> bytes:
     t = torch.frombuffer(bytearray(raw), dtype=getattr(torch, src.torch_name))
     out = t.to(getattr(torch, dst.torch_name))
     return out.view(torch.uint8).numpy().tobytes()
+
+
+def file_chunks(file: str, offset: int, total: int, src_dtype: str, target_dtype: str | None,
+                chunk_bytes: int, short: str) -> Iterator[bytes]:
+    """``total`` bytes of ``src_dtype`` elements at ``offset`` of ``file`` (converted to
+    ``target_dtype`` when given), read with ``pread`` at most about ``chunk_bytes`` at a time.
+    ``short`` is the message when the file ends first. Raises InputError."""
+    from ckptctl.errors import from_oserror
+
+    src_bits = dt.BY_NAME[src_dtype].bits
+    # Keep chunks on element boundaries so each one converts on its own.
+    step = max(8, chunk_bytes - chunk_bytes % 8)
+    try:
+        fd = os.open(file, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError as exc:
+        raise from_oserror(exc, "cannot read source shard") from None
+    try:
+        done = 0
+        while done < total:
+            n = min(step, total - done)
+            data = os.pread(fd, n, offset + done)
+            if len(data) != n:
+                raise InputError(short, "the source is truncated: restore it or export it again")
+            done += n
+            if target_dtype and target_dtype != src_dtype and src_bits >= 8:
+                yield convert_bytes(data, src_dtype, target_dtype)
+            else:
+                yield data
+    finally:
+        os.close(fd)
 
 
 def open_source(path: str | os.PathLike[str], *, key: str | None = None, only: str | None = None) -> Source:

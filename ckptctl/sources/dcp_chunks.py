@@ -4,16 +4,16 @@ torch's ``FileSystemWriter`` stores each chunk of a tensor (``ChunkStorageMetada
 sizes in the global tensor) as one ``torch.save`` zip archive at the ``offset``/``length`` the
 ``.metadata`` storage map gives. Inside that archive the chunk's storage is an uncompressed record
 (``archive/data/0``) and ``archive/data.pkl`` says how the tensor views it (storage type, storage
-offset, size, stride). That pickle is read with an allow-list unpickler whose globals are our own
-record builders: nothing it names is imported or run.
+offset, size, stride). The archive is read as any ``torch.save`` archive is
+(:func:`ckptctl.sources.torch_archive.tensor_record`: the allow-list reader, nothing imported or run).
 
 A chunk whose view is contiguous and which is a contiguous run of the global tensor in row-major
 order (the whole tensor, or rows ``[a, b)`` of a dim-0 sharding, or any block that only splits the
 first dimension it does not cover whole) becomes one :class:`~ckptctl.sources.base.Piece`: copy
 ``nbytes`` from ``file`` at ``src_offset`` to ``dst_offset`` of the tensor's bytes. A tensor gets
 pieces only when every chunk is such a run and together they tile the tensor exactly; any other
-tensor (a column-sharded one, a compressed or extension-transformed chunk, a dtype without a
-legacy storage name) streams through ``dcp.load`` as before.
+tensor (a column-sharded one, a compressed or extension-transformed chunk, an archive the reader
+refuses) streams through ``dcp.load`` as before.
 """
 
 from __future__ import annotations
@@ -21,61 +21,15 @@ from __future__ import annotations
 import io
 import math
 import os
-import pickle
-import pickletools
-import struct
-from dataclasses import dataclass
 from typing import Any
 
+from ckptctl.errors import InputError
+from ckptctl.format import dtypes as dt
+from ckptctl.format.dcp_metadata import MetadataIndex
 from ckptctl.sources.base import Piece
-from ckptctl.sources.torch_source import zip_members
+from ckptctl.sources.torch_archive import tensor_record
 
 MAX_PICKLE_BYTES = 64 * 1024  # one tensor's data.pkl is a few hundred bytes
-
-
-@dataclass(frozen=True)
-class _Storage:
-    key: str
-    type_name: str
-    numel: int
-
-
-@dataclass(frozen=True)
-class _View:
-    storage: _Storage
-    storage_offset: int
-    size: tuple[int, ...]
-    stride: tuple[int, ...]
-
-
-def _rebuild(storage: Any, storage_offset: Any, size: Any, stride: Any, *_rest: Any) -> _View:
-    if not isinstance(storage, _Storage):
-        raise pickle.UnpicklingError("tensor without a storage")
-    return _View(storage, int(storage_offset), tuple(int(x) for x in size), tuple(int(x) for x in stride))
-
-
-class _StorageName(str):
-    """The name of a ``torch.<X>Storage`` global, resolved to itself."""
-
-
-class _ViewUnpickler(pickle.Unpickler):
-    """Reads ``torch._utils._rebuild_tensor_v2(persistent storage, offset, size, stride, ...)``
-    into a :class:`_View`; every other global is refused."""
-
-    def find_class(self, module: str, name: str) -> Any:
-        if module == "torch._utils" and name == "_rebuild_tensor_v2":
-            return _rebuild
-        if module == "torch" and name.endswith("Storage"):
-            return _StorageName(name)
-        if module == "collections" and name == "OrderedDict":
-            return dict
-        raise pickle.UnpicklingError(f"global {module}.{name} is not read")
-
-    def persistent_load(self, pid: Any) -> _Storage:
-        if (not isinstance(pid, tuple) or len(pid) != 5 or pid[0] != "storage"
-                or not isinstance(pid[1], _StorageName) or not isinstance(pid[2], str)):
-            raise pickle.UnpicklingError("not a storage reference")
-        return _Storage(pid[2], str(pid[1]), int(pid[4]))
 
 
 class _Slice(io.RawIOBase):
@@ -114,35 +68,19 @@ def contiguous_strides(size: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(reversed(out))
 
 
-def chunk_bytes_at(fd: int, start: int, length: int, storage_name: str, size: tuple[int, ...],
-                   itemsize: int) -> int | None:
+def chunk_bytes_at(fd: int, start: int, length: int, dtype: str, size: tuple[int, ...]) -> int | None:
     """The absolute offset in the file open at ``fd`` of the contiguous bytes of the chunk whose
     ``torch.save`` archive is stored at ``start`` (``length`` bytes), or None when they are not
-    there as one contiguous, uncompressed, little-endian range of ``size`` elements of the storage
-    type ``storage_name``. Raises OSError."""
-    view_file = _Slice(fd, start, length)
-    members = zip_members(view_file)
-    pkl = next((v for k, v in members.items() if k.endswith("/data.pkl")), None)
-    if pkl is None or pkl[1] > MAX_PICKLE_BYTES:
-        return None
-    raw = os.pread(fd, pkl[1], start + pkl[0])
+    there as one contiguous, uncompressed, little-endian range of ``size`` elements of the
+    safetensors ``dtype`` (:func:`ckptctl.sources.torch_archive.tensor_record` reads the
+    archive; whatever it refuses streams through ``dcp.load``, which decides). Raises OSError."""
     try:
-        for _ in pickletools.genops(raw):  # every length field checked before the unpickler allocates
-            pass
-        view = _ViewUnpickler(io.BytesIO(raw)).load()
-    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, IndexError, KeyError, AttributeError,
-            RecursionError, OverflowError, struct.error, UnicodeDecodeError):
+        rec = tensor_record(io.BufferedReader(_Slice(fd, start, length)), f"chunk at {start}", MAX_PICKLE_BYTES)
+    except InputError:
         return None
-    if not isinstance(view, _View) or view.size != size or view.storage.type_name != storage_name:
+    if rec is None or rec.dtype != dtype or rec.shape != size or rec.offset is None:
         return None
-    if any(s != c for s, c, n in zip(view.stride, contiguous_strides(size), size) if n > 1):
-        return None
-    record = next((v for k, v in members.items() if k.split("/")[1:] == ["data", view.storage.key]), None)
-    numel = math.prod(size)
-    if (record is None or view.storage_offset < 0 or record[1] != view.storage.numel * itemsize
-            or (view.storage_offset + numel) * itemsize > record[1]):
-        return None
-    return start + record[0] + view.storage_offset * itemsize
+    return start + rec.offset
 
 
 def run_start(offsets: tuple[int, ...], sizes: tuple[int, ...], full: tuple[int, ...]) -> int | None:
@@ -159,16 +97,14 @@ def run_start(offsets: tuple[int, ...], sizes: tuple[int, ...], full: tuple[int,
     return sum(o * s for o, s in zip(offsets, contiguous_strides(full)))
 
 
-def tensor_pieces(root: Any, fqn: str, item: Any, storage: Any, itemsize: int, storage_name: str | None,
-                  fds: dict[str, int]) -> tuple[Piece, ...]:
+def tensor_pieces(root: Any, fqn: str, item: Any, storage: Any, dtype: str, fds: dict[str, int]) -> tuple[Piece, ...]:
     """The pieces of the DCP tensor ``fqn`` (its ``TensorStorageMetadata`` ``item``), or ``()``
     when it must stream. ``storage`` is the metadata's storage map (already checked to lie inside
     ``root``); ``fds`` caches open ``.distcp`` descriptors (the caller closes them)."""
-    from torch.distributed.checkpoint.metadata import MetadataIndex
-
     full = tuple(int(x) for x in item.size)
     numel = math.prod(full)
-    if storage_name is None or not numel or not isinstance(item.chunks, (list, tuple)):
+    itemsize = dt.BY_NAME[dtype].itemsize
+    if not numel or not isinstance(item.chunks, (list, tuple)):
         return ()
     pieces: list[Piece] = []
     for chunk in item.chunks:
@@ -184,7 +120,7 @@ def tensor_pieces(root: Any, fqn: str, item: Any, storage: Any, itemsize: int, s
         fd = fds.get(path)
         if fd is None:
             fd = fds[path] = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
-        at = chunk_bytes_at(fd, int(info.offset), int(info.length), storage_name, sizes, itemsize)
+        at = chunk_bytes_at(fd, int(info.offset), int(info.length), dtype, sizes)
         if at is None:
             return ()
         pieces.append(Piece(path, at, first * itemsize, count * itemsize))

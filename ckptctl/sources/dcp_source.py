@@ -1,11 +1,13 @@
 """torch DCP checkpoints (``.metadata`` + ``*.distcp``) as a source.
 
 ``.metadata`` is a pickle; torch's own reader unpickles it without restrictions, so ckptctl reads
-it with the allow-list reader of :mod:`ckptctl.format.dcp_metadata` (DCP's metadata classes,
-torch.Size, dtypes, layouts) and hands that object to torch's FileSystemReader. Every referenced
-``.distcp`` byte range is checked to exist inside the checkpoint before anything is read. Tensors
-are then loaded one at a time with ``dcp.load`` (chunks from several ranks assembled by torch), so
-peak memory is bounded by the largest tensor.
+it with the allow-list reader of :mod:`ckptctl.format.dcp_metadata` into records of its own, without
+importing torch. Every referenced ``.distcp`` byte range is checked to exist inside the checkpoint
+before anything is read. A tensor whose chunks are contiguous runs is copied by the kernel
+(:mod:`ckptctl.sources.dcp_chunks`, torch-free too); any other tensor (strided chunks, a dtype
+conversion) is loaded with ``dcp.load`` when it is written (torch imported then, and the metadata
+read again into torch's own classes for torch's FileSystemReader), one at a time, so peak memory
+is bounded by the largest tensor.
 """
 
 from __future__ import annotations
@@ -18,16 +20,17 @@ from ckptctl.errors import InputError, UsageError, from_oserror
 from ckptctl.format import dtypes as dt
 from ckptctl.format import names as N
 from ckptctl.format.dcp_metadata import read_dcp_metadata as read_allowed
-from ckptctl.format.dcp_metadata import storage_needs
+from ckptctl.format.dcp_metadata import DType, TensorStorageMetadata, storage_needs
 from ckptctl.sources.base import CHUNK_BYTES, Source, SourceTensor
 from ckptctl.sources.dcp_chunks import tensor_pieces
 
 
-def read_dcp_metadata(root: Path) -> Any:
-    """The checkpoint's Metadata object, unpickled with the allow-list. Raises InputError."""
+def read_dcp_metadata(root: Path, *, torch_classes: bool = False) -> Any:
+    """The checkpoint's Metadata (records; torch's objects with ``torch_classes``), unpickled
+    with the allow-list. Raises InputError."""
     path = root / N.DCP_METADATA
     try:
-        meta, findings = read_allowed(path, str(path))
+        meta, findings = read_allowed(path, str(path), torch_classes=torch_classes)
     except FileNotFoundError:
         raise InputError(f"{root}: no .metadata file; the DCP save did not finish",
                          "save the checkpoint again (DCP writes .metadata last)") from None
@@ -98,14 +101,12 @@ class DcpSource(Source):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._meta: Any = None
+        self._torch_meta: Any = None  # torch's own Metadata, read when a tensor must go through dcp.load
         self._fqn: dict[str, str] = {}
-        self._torch_dtype: dict[str, Any] = {}
+        self._torch_dtype: dict[str, str] = {}
 
     @classmethod
     def open(cls, root: Path, *, key: str | None = None) -> "DcpSource":
-        import torch
-        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
         meta = read_dcp_metadata(root)
         check_storage(root, meta)
         src = cls(path=root, kind="dcp")
@@ -113,10 +114,9 @@ class DcpSource(Source):
         if not key:
             _refuse_mixed(root, meta, TensorStorageMetadata)
         prefix = f"{key}." if key else ""
-        storage_names = torch.storage._dtype_to_storage_type_map()
         fds: dict[str, int] = {}
         try:
-            src._list(meta, prefix, storage_names, fds)
+            src._list(meta, prefix, fds)
         except OSError as exc:
             raise from_oserror(exc, "cannot read DCP storage") from None
         finally:
@@ -127,39 +127,41 @@ class DcpSource(Source):
             raise InputError(f"{root}: no tensors in the DCP checkpoint" + (f" under {key!r}" if key else ""), hint)
         return src
 
-    def _list(self, meta: Any, prefix: str, storage_names: dict[Any, str], fds: dict[str, int]) -> None:
+    def _list(self, meta: Any, prefix: str, fds: dict[str, int]) -> None:
         """List the tensors under ``prefix``, each with its pieces where its chunks are
         contiguous runs (:mod:`ckptctl.sources.dcp_chunks`)."""
-        import torch
-        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
         root = self.path
         for fqn, item in meta.state_dict_metadata.items():
             if not isinstance(item, TensorStorageMetadata) or not fqn.startswith(prefix):
                 continue
-            tdtype = item.properties.dtype
-            if not isinstance(tdtype, torch.dtype):
+            tdtype = getattr(item.properties, "dtype", None)
+            if not isinstance(tdtype, DType):
                 raise InputError(f"{root}: tensor {fqn!r} has no dtype", "the metadata is corrupt")
+            d = dt.get(tdtype.name) if tdtype.name else None
+            if d is None:
+                raise InputError(f"{root}: tensor {fqn!r} has dtype torch.{tdtype.torch_name}, which safetensors "
+                                 "cannot store", "convert it before exporting")
             try:
-                d = dt.from_torch(tdtype)
-            except ValueError:
-                raise InputError(f"{root}: tensor {fqn!r} has dtype {tdtype}, which safetensors cannot store",
-                                 "convert it before exporting") from None
+                shape = tuple(int(x) for x in item.size)
+            except (TypeError, ValueError):
+                raise InputError(f"{root}: tensor {fqn!r} has no size", "the metadata is corrupt") from None
             name = fqn[len(prefix):]
-            pieces = () if d.name == "F4" else tensor_pieces(root, fqn, item, meta.storage_data, d.itemsize,
-                                                               storage_names.get(tdtype), fds)
-            self.tensors.append(SourceTensor(name, d.name, tuple(int(x) for x in item.size), pieces=pieces))
+            pieces = () if d.name == "F4" else tensor_pieces(root, fqn, item, meta.storage_data, d.name, fds)
+            self.tensors.append(SourceTensor(name, d.name, shape, pieces=pieces))
             self._fqn[name] = fqn
-            self._torch_dtype[name] = tdtype
+            self._torch_dtype[name] = tdtype.torch_name
 
     def load_tensor(self, t: SourceTensor) -> Any:
         import torch
         import torch.distributed.checkpoint as dcp
 
         fqn = self._fqn[t.name]
-        buf = torch.empty(t.shape, dtype=self._torch_dtype[t.name])
+        if self._torch_meta is None:
+            self._torch_meta = read_dcp_metadata(self.path, torch_classes=True)
+            self.torch_loaded.append(str(self.path / N.DCP_METADATA))
+        buf = torch.empty(t.shape, dtype=getattr(torch, self._torch_dtype[t.name]))
         try:
-            dcp.load({fqn: buf}, storage_reader=_reader_class()(self.path, self._meta), no_dist=True)
+            dcp.load({fqn: buf}, storage_reader=_reader_class()(self.path, self._torch_meta), no_dist=True)
         except Exception as exc:  # noqa: BLE001 - torch wraps read errors in CheckpointException
             cause = exc.__cause__ or exc.__context__
             if isinstance(exc, OSError) or isinstance(cause, OSError):
@@ -171,6 +173,8 @@ class DcpSource(Source):
 
     def chunks(self, t: SourceTensor, target_dtype: str | None = None,
                chunk_bytes: int = CHUNK_BYTES) -> Iterator[Any]:
+        if not t.nbytes:  # an empty tensor has no bytes to load
+            return
         import torch
 
         flat = self.load_tensor(t).reshape(-1)

@@ -1,5 +1,5 @@
 """A torch DCP family: ``.metadata`` read with the allow-list reader, every storage file it names
-present and long enough, every ``*.distcp`` file named. torch is imported for these only."""
+present and long enough, every ``*.distcp`` file named. torch is not imported."""
 
 from __future__ import annotations
 
