@@ -27,9 +27,9 @@ from typing import Any, Mapping
 from ckptctl._version import __version__
 from ckptctl.findings import ERROR, Finding
 from ckptctl.format import small
+from ckptctl.format.names import MANIFEST_NAME
 from ckptctl.threads import check, ordered_map
 
-MANIFEST_NAME = "ckptctl.manifest.json"
 SCHEMA_VERSION = 1
 HASH_CHUNK = 8 * 1024 * 1024
 

@@ -324,10 +324,20 @@ def test_gc_tmp_does_not_import_torch(tmp_path: Path) -> None:
 
 
 def test_the_probe_sees_torch_when_it_is_needed(tmp_path: Path) -> None:
-    """The probe is not blind: inspecting a pickle must import torch."""
+    """The probe is not blind: converting a pickle's dtype needs torch, and the probe sees it."""
+    import torch
+
+    write_pickle(tmp_path / "src", {"w": torch.zeros(3)})
+    result, out = probe(["export", tmp_path / "src", tmp_path / "dst", "--dtype", "fp16", "--json"])
+    assert json.loads(out)["ok"] is True
+    assert result["exit"] == 0 and "torch" in result["heavy"]
+
+
+def test_inspect_pickle_does_not_import_torch(tmp_path: Path) -> None:
+    """A torch.save archive's records are read by our own allow-list reader: no torch."""
     import torch
 
     write_pickle(tmp_path, {"w": torch.zeros(3)})
     result, out = probe(["inspect", tmp_path, "--json"])
     assert json.loads(out)["parameters"] == 3
-    assert result["exit"] == 0 and "torch" in result["heavy"]
+    assert result == {"exit": 0, "heavy": []}

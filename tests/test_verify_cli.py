@@ -68,11 +68,12 @@ def test_safetensors_and_bin_verification_never_import_torch(tmp_path: Path) -> 
     assert all(r["ok"] for r in doc["results"] if r["path"] in (str(tmp_path / "st"), str(tmp_path / "adapter")))
 
 
-def test_dcp_directories_may_import_torch(tmp_path: Path) -> None:
+def test_dcp_directories_do_not_import_torch(tmp_path: Path) -> None:
+    """DCP metadata is read by our own allow-list reader (format/dcp_metadata)."""
     corpus.make_clean_dcp(tmp_path / "dcp")
     proc = subprocess_verify(tmp_path / "dcp", "--fail-on", "warning")
     assert proc.returncode == 0, proc.stderr
-    assert "TORCH-IMPORTED" in proc.stderr
+    assert "TORCH-FREE" in proc.stderr
 
 
 def test_dcp_result_counts_the_tensors_of_the_metadata(tmp_path: Path) -> None:

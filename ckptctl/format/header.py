@@ -8,7 +8,6 @@ place of a shard, a tensor named ``__metadata__``, unaligned offsets). Every pro
 
 from __future__ import annotations
 
-import gc
 import json
 import operator
 import os
@@ -18,7 +17,6 @@ import struct
 from array import array
 from collections import Counter
 from collections.abc import ItemsView, Iterable, Iterator, Mapping, ValuesView
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from itertools import islice
 from math import prod
@@ -29,6 +27,7 @@ from ckptctl.errors import InputError, from_oserror
 from ckptctl.findings import ERROR, WARNING, Finding, has_errors
 from ckptctl.format import dtypes as dt
 from ckptctl.format.tensor import SpecFields, TensorSpec
+from ckptctl.gcpause import paused
 
 MAX_HEADER_SIZE = 100_000_000  # safetensors' MAX_HEADER_SIZE
 HUB_MAX_HEADER_SIZE = 25_000_000  # huggingface_hub refuses larger headers in its metadata API
@@ -399,24 +398,10 @@ def parse_header_bytes(data: bytes, *, path: str = "<bytes>") -> Header:
     return hdr
 
 
-@contextmanager
-def _no_cyclic_gc() -> Iterator[None]:
-    """A header decodes (or encodes) into hundreds of thousands of acyclic objects: the cyclic
-    collector would only re-scan them (a third of the parse time at 90k tensors), so it waits
-    until the header is done."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
-
-
 def _parse_into(hdr: Header, raw: bytearray) -> None:
     """Decode and check the header bytes; ``raw`` is emptied once decoded, and the text is
     dropped once read (a 90 MB header is never held twice, nor beside its names' set)."""
-    with _no_cyclic_gc():
+    with paused():
         _parse_text(hdr, raw)
 
 
@@ -935,7 +920,7 @@ def encode_header(specs: Iterable[TensorSpec], metadata: dict[str, str] | None =
     kernel can clone them)."""
     if extra_pad < 0 or extra_pad % 8:
         raise ValueError("extra header padding must be a non-negative multiple of 8")
-    with _no_cyclic_gc():
+    with paused():
         return _encode(layout_order(specs), metadata, extra_pad)
 
 

@@ -25,7 +25,7 @@ from typing import Any, BinaryIO, Callable, Iterator
 from ckptctl.findings import ERROR, INFO, WARNING, Finding
 from ckptctl.format.header import Header, TensorInfo
 from ckptctl.threads import check, ordered_map
-from ckptctl.verify.context import Context
+from ckptctl.verify.context import DEEP_NOT_ASKED, Context
 
 CHUNK_BYTES = 8 * 1024 * 1024
 BUFFERS = 3
@@ -293,14 +293,12 @@ def _findings(display: str, plan: list[tuple[int, int, TensorInfo]], scanners: d
 SHA256_NAME = re.compile(r"[0-9a-f]{64}")
 
 
-NOT_ASKED = "not asked: --deep"
-
 
 def deep_step(ctx: Context) -> str | None:
     """Every weights file that was read, every DCP file, every file the manifest lists: hashed,
     floats decoded (safetensors), the digest compared with the manifest's."""
     if not ctx.options.deep:
-        return NOT_ASKED
+        return DEEP_NOT_ASKED
     queue = dict(ctx.deep_queue)
     manifest = ctx.manifest or {}
     for name in manifest:
