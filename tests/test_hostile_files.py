@@ -180,3 +180,8 @@ def test_dead_siblings_with_a_symlinked_lock_or_fifo_owner_never_block_or_get_fo
     assert by_name[siblings[0].name]["kind"] == "ours" and by_name[siblings[0].name]["decision"] == "failed"
     assert [e["path"] for e in doc["errors"]] == [str(siblings[0])] and "symbolic link" in doc["errors"][0]["message"]
     assert r.returncode == 3 and siblings[0].is_dir() and (tmp_path / "out" / "model.safetensors").is_file()
+    assert "remove it by hand" in doc["errors"][0]["hint"]
+    # the human form says what happened to the lock, not "fix the permissions"
+    r = run_ckptctl("gc-tmp", tmp_path, "--min-age", "0", timeout=TIMEOUT)
+    assert r.returncode == 3 and "symbolic link" in r.stderr and "remove it by hand" in r.stderr
+    assert "fix the permissions" not in r.stderr

@@ -56,8 +56,11 @@ def gc_tmp(
     for p in result.problems:
         out.error(f"{p.path}: {p.message}")
     if result.problems:
-        out.err.print("hint: fix the permissions (or run as the owner of those paths) and run gc-tmp again; "
-                      "everything else was handled", style="cyan")
+        for hint in dict.fromkeys(p.hint for p in result.problems if p.hint):
+            out.err.print(f"hint: {hint}", style="cyan")
+        if any(p.hint is None for p in result.problems):
+            out.err.print("hint: fix the permissions (or run as the owner of those paths) and run gc-tmp again; "
+                          "everything else was handled", style="cyan")
     elif check and result.leaked:
         out.err.print(f"hint: {len(result.leaked)} leftover(s) found; run `ckptctl gc-tmp` without --check "
                       "(same options) to remove them", style="cyan")

@@ -77,9 +77,13 @@ class Candidate:
 class GcProblem:
     path: str
     message: str
+    hint: str | None = None  # what to do about it, where it is not "fix the permissions"
 
     def to_dict(self) -> dict[str, str]:
-        return {"path": self.path, "message": self.message}
+        out = {"path": self.path, "message": self.message}
+        if self.hint:
+            out["hint"] = self.hint
+        return out
 
 
 @dataclass

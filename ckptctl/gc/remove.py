@@ -98,6 +98,8 @@ def remove(res: GcResult, progress: Progress | None = None) -> GcResult:
                 _remove_foreign(c, parent_fd)
         except staging.Deferred as exc:
             c.decide(Decision.DEFERRED, exc.strerror or str(exc))
+        except staging.NotALock as exc:
+            _fail(res, c, exc.strerror or str(exc), hint=NOT_A_LOCK_HINT)
         except FileNotFoundError as exc:
             # an overlapping gc run removed it while we looked (its re-check lists the directory
             # before any lock is taken): vanished, not a failure; anything else missing is one
@@ -115,7 +117,11 @@ def remove(res: GcResult, progress: Progress | None = None) -> GcResult:
     return res
 
 
-def _fail(res: GcResult, c: Candidate, message: str) -> None:
+NOT_A_LOCK_HINT = ("its lock was replaced by a symbolic link or a non-file, so no writer can hold it and gc-tmp "
+                   "will not remove it: look at the directory and remove it by hand")
+
+
+def _fail(res: GcResult, c: Candidate, message: str, hint: str | None = None) -> None:
     c.decision, c.error = Decision.FAILED, message
     c.reason = f"{c.reason}; removal failed: {message}" if c.reason else message
-    res.problems.append(GcProblem(str(c.path), message))
+    res.problems.append(GcProblem(str(c.path), message, hint))
