@@ -119,7 +119,7 @@ def merge(ctx: Context, reads: dict[str, WeightsRead]) -> Mapping[str, TensorSpe
     table: dict[str, TensorSpec] = {}
     if len(set().union(*(r.names or () for r in reads.values()))) == sum(len(r.names or ()) for r in reads.values()):
         for r in reads.values():  # no name in two files: the first-wins table below, in one C loop each
-            table.update(r.tensors)
+            table.update(r.tensors.items())  # a header's specs built from its columns, not by name
         return table
     where: dict[str, list[str]] = {}
     for name, r in reads.items():
