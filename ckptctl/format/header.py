@@ -575,13 +575,22 @@ class _Columns:
         """Take the canonical entries from ``pos`` on, a chunk of about ``_CHUNK`` characters at
         a time (ending after an entry's ``},``), with every per-entry step done by C loops: the
         regex's matches must tile the chunk exactly (so nothing between them was skipped), each
-        size must match its dtype and shape. Returns where it stopped and
-        the end of the chunk it refused (the caller reads that one entry by entry; ``pos`` when the
-        entry at ``pos`` is not canonical), or ``len(text)`` when no whole chunk is left."""
-        findall = _CANONICAL.findall
-        while ((cut := text.find('},"', pos + _CHUNK)) != -1 or (cut := text.rfind('},"', pos)) > pos):
+        size must match its dtype and shape. Returns where it stopped and the end of the chunk it
+        refused (the caller reads that one entry by entry before it calls again; ``pos`` when the
+        entry at ``pos`` is not canonical; the end of two chunks, or of ``text``, when no entry
+        boundary is left to cut a chunk at)."""
+        findall, n = _CANONICAL.findall, len(text)
+        while True:
+            # Every step here is bounded by two chunks, so a header that is never canonical (written
+            # with ", " separators, say) costs one failed match per entry, not a search to its end.
             if _CANONICAL.match(text, pos) is None:
                 return pos, pos  # this entry needs the JSON parser (``__metadata__`` first, most often)
+            window = pos + 2 * _CHUNK
+            if window >= n:  # the tail: up to the last entry followed by another
+                if (cut := text.rfind('},"', pos)) <= pos:
+                    return pos, n
+            elif (cut := text.find('},"', pos + _CHUNK, window)) == -1 and (cut := text.rfind('},"', pos, window)) <= pos:
+                return pos, window  # no entry boundary in two chunks: the entry path reads them
             stop = cut + 2
             found = findall(text, pos, stop)
             if not found:
@@ -603,7 +612,6 @@ class _Columns:
             self.end.extend(end)
             self.kind.extend(map(operator.itemgetter(0), kinds))
             pos = stop
-        return pos, len(text)
 
     def one_by_one(self, text: str, pos: int, stop: int) -> int:
         """Canonical entries one regex match at a time, up to ``stop``; returns where the first
