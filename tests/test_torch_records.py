@@ -281,6 +281,58 @@ def test_an_archive_naming_a_global_outside_the_allow_list_is_refused_and_never_
     assert not marker.exists()
 
 
+def _tuple_bomb(width: int, depth: int) -> bytes:
+    """A dict keyed by a tuple of ``width`` references to a tuple of ``width`` references ...,
+    ``depth`` levels: 319 bytes at 20 and 7, whose hash visits 20**7 tuples."""
+    out = bytearray(b"\x80\x02)q\x00")  # PROTO 2, EMPTY_TUPLE, BINPUT 0
+    for i in range(depth):
+        out += b"(" + (b"h" + bytes([i])) * width + b"tq" + bytes([i + 1])  # MARK, BINGET i * width, TUPLE, BINPUT
+    return bytes(out + b"}h" + bytes([depth]) + b"Ns.")  # EMPTY_DICT, BINGET depth, NONE, SETITEM, STOP
+
+
+_BOMBS = {
+    "memoised tuples hashed as a key": (_tuple_bomb(20, 7), "repeat more objects by memo reference"),
+    "a tuple two million deep hashed as a key": (b"\x80\x02})" + b"\x85" * 2_000_000 + b"Ns.", "nest more than 1000 deep"),
+    "lists five thousand deep": (b"\x80\x02" + b"]" * 5000 + b"a" * 4999 + b".", "nest more than 1000 deep"),
+}
+
+
+@pytest.mark.parametrize("bomb", sorted(_BOMBS))
+def test_a_pickle_too_costly_to_hash_is_refused_before_it_is_unpickled(tmp_path, bomb):
+    """Before the opcode model, the first bomb took minutes in verify and export, the second
+    crashed the process (CPython hashes nested tuples by C recursion)."""
+    from ckptctl.format.torch_pickle import load_pickles
+
+    pkl, why = _BOMBS[bomb]
+    objs, unsafe, err = load_pickles(pkl)
+    assert objs == [] and unsafe == [] and err is not None and why in err
+    (tmp_path / "src").mkdir()
+    _archive(tmp_path / "src" / "pytorch_model.bin", pkl, {})
+    _export_refused(tmp_path, why)
+    p, imported = _ckptctl("verify", tmp_path / "src" / "pytorch_model.bin", "--json")
+    assert p.returncode == 1 and not imported, p.stderr[-2000:]
+    codes = {f["code"]: f["message"] for f in json.loads(p.stdout)["results"][0]["findings"]}
+    assert why in codes["pickle.unreadable"]
+
+
+def test_a_large_plain_state_dict_stays_well_inside_the_budget() -> None:
+    """What torch.save writes for 20,000 tensors uses a small part of what a pickle may charge."""
+    import io
+
+    from ckptctl.format import torch_pickle as tp
+
+    buf = io.BytesIO()
+    torch.save(collections.OrderedDict((f"layer.{i}.weight", torch.zeros(2)) for i in range(20_000)), buf)
+    with zipfile.ZipFile(buf) as z:
+        data = z.read(next(n for n in z.namelist() if n.endswith("data.pkl")))
+    budget = tp._BUDGET_BASE + tp._BUDGET_PER_BYTE * len(data)
+    shape = tp._Shape(budget)
+    assert shape.walk(data, 0, io.BytesIO(data)) == len(data)
+    assert budget - shape.budget < budget // 20
+    objs, unsafe, err = tp.load_pickles(data)
+    assert err is None and unsafe == [] and len(objs[0]) == 20_000
+
+
 def test_an_archive_without_a_version_record_is_refused_as_torch_refuses_it(tmp_path):
     (tmp_path / "src").mkdir()
     with zipfile.ZipFile(tmp_path / "src" / "pytorch_model.bin", "w", zipfile.ZIP_STORED) as z:
