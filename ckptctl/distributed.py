@@ -247,7 +247,7 @@ def _write(ctx: _Ctx, inputs: ExportInputs, dest: str | os.PathLike[str], *, sto
         return w == ctx.rank
 
     def write() -> tuple[dict[str, int], int, int]:
-        tw = TensorWriter(opts.chunk_bytes)
+        tw = TensorWriter(opts.chunk_bytes, writeback=opts.fsync)
         written: dict[str, int] = {}
         try:
             for i, shard in enumerate(planned.shards):

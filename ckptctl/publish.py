@@ -31,39 +31,27 @@ error aborts the publish and is never retried (fsyncgate).
 
 from __future__ import annotations
 
-import ctypes
 import errno
 import json
 import os
 from pathlib import Path
-from typing import Any
 
-from ckptctl import _faults, staging
+from ckptctl import _faults, _libc, staging
 from ckptctl.errors import CkptctlError, LockHeldError, OperationalError, UsageError, from_oserror
 from ckptctl.format.names import destination_problem, parse_staging_name, staging_name, visible_staging_name
 from ckptctl.staging import fsync_path
 from ckptctl.staging.keep import carry_late, entries, keep_permissions
 
-AT_FDCWD = -100
 RENAME_NOREPLACE = 1
 RENAME_EXCHANGE = 2
 
-_libc: Any = None
-
 
 def _renameat2(src: Path, dst: Path, flags: int) -> None:
-    """renameat2(2) through ctypes; raises OSError (ENOSYS where libc lacks it)."""
-    global _libc
-    if _libc is None:
-        _libc = ctypes.CDLL(None, use_errno=True)
-    fn = getattr(_libc, "renameat2", None)
-    if fn is None:
-        raise OSError(errno.ENOSYS, "renameat2 not available")
-    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
-    fn.restype = ctypes.c_int
-    if fn(AT_FDCWD, os.fsencode(src), AT_FDCWD, os.fsencode(dst), flags) != 0:
-        err = ctypes.get_errno()
-        raise OSError(err, os.strerror(err), str(src), None, str(dst))
+    """renameat2(2); raises OSError naming both paths (ENOSYS where libc lacks it)."""
+    try:
+        _libc.renameat2(os.fsencode(src), os.fsencode(dst), flags)
+    except OSError as exc:
+        raise OSError(exc.errno, exc.strerror, str(src), None, str(dst)) from None
 
 
 class Stage:

@@ -19,7 +19,7 @@ from ckptctl.api import export
 from ckptctl.format.header import encode_header, read_header
 from ckptctl.plan import Run, runs
 from ckptctl.write.options import ExportOptions
-from ckptctl.write.shards import link_or_copy
+from ckptctl.write.files import link_or_copy
 from tests.support.builders import INDEX, state, tiny_llama, write_pickle, write_sharded, write_single
 from tests.support.loaders import load_glob, load_hub, load_single_first, load_with_transformers, same
 

@@ -3,6 +3,7 @@ placement, the one duplicate-name check of each layer, plan names."""
 
 from __future__ import annotations
 
+import errno
 import os
 from pathlib import Path
 
@@ -113,6 +114,56 @@ def test_create_shard_allocates_header_and_data_area_and_never_overwrites(tmp_pa
         create_shard(out, shard)
 
 
+def _mib_shard(tmp_path: Path):
+    src_dir = tmp_path / "src"
+    src_dir.mkdir()
+    save_file({"w": torch.ones(256, 1024)}, str(src_dir / "model.safetensors"))
+    [shard] = make_plan([t.spec for t in SafetensorsSource.open(src_dir, ["model.safetensors"]).tensors],
+                        max_shard_size=10**9).shards
+    return shard
+
+
+def test_create_shard_reserves_the_data_areas_blocks_unless_told_not_to(tmp_path):
+    """Blocks reserved up front (a full disk fails before any copy; ext4 writes copied tensors
+    with less cpu); a shard whose blocks a clone will share is sized by ftruncate, sparse."""
+    from ckptctl import _libc
+
+    shard = _mib_shard(tmp_path)
+    with open(tmp_path / "probe", "wb") as f:
+        try:
+            _libc.fallocate(f.fileno(), 0, 4096)
+        except OSError as exc:
+            pytest.skip(f"{tmp_path} cannot fallocate: {exc}")
+    os.close(create_shard(tmp_path / "reserved", shard))
+    os.close(create_shard(tmp_path / "sparse", shard, allocate=False))
+    reserved, sparse = os.stat(tmp_path / "reserved"), os.stat(tmp_path / "sparse")
+    assert reserved.st_size == sparse.st_size == shard.file_size
+    assert reserved.st_blocks * 512 >= shard.data_bytes > sparse.st_blocks * 512
+    for name in ("reserved", "sparse"):
+        raw = (tmp_path / name).read_bytes()
+        assert raw[:shard.data_start] == shard.header and raw[shard.data_start:] == bytes(shard.data_bytes)
+
+
+def test_create_shard_where_the_filesystem_cannot_allocate_sizes_the_file_by_ftruncate(tmp_path):
+    """A FUSE filesystem without a fallocate operation (as NFSv3): EOPNOTSUPP, never zeros
+    written by hand (``posix_fallocate``'s fallback), the same file."""
+    from ckptctl import _libc
+    from tests.fusefs import MountRefused, mounted
+
+    shard = _mib_shard(tmp_path)
+    try:
+        with mounted(tmp_path / "fuse", refuse_rename_flags=False, silly="none") as m:
+            with open(m.mnt / "probe", "wb") as f, pytest.raises(OSError) as refused:
+                _libc.fallocate(f.fileno(), 0, 4096)
+            assert refused.value.errno in (errno.EOPNOTSUPP, errno.ENOSYS)
+            os.close(create_shard(m.mnt / "shard", shard))
+            raw = (m.mnt / "shard").read_bytes()
+    except MountRefused as exc:
+        pytest.skip(str(exc))
+    assert len(raw) == shard.file_size
+    assert raw[:shard.data_start] == shard.header and raw[shard.data_start:] == bytes(shard.data_bytes)
+
+
 def test_tensors_placed_by_two_writers_give_the_reference_file(tmp_path):
     path, src = _source(tmp_path)
     entries = {e.name: e for e in entries_for(src, None)}
@@ -132,6 +183,40 @@ def test_tensors_placed_by_two_writers_give_the_reference_file(tmp_path):
         assert tw.copied == counts[-1] and tw.streamed == 0  # unchanged dtype: the kernel copies
     assert sum(counts) == shard.data_bytes and counts[0] == 24
     assert out.read_bytes() == path.read_bytes()
+
+
+@pytest.mark.parametrize("dtype", [None, "fp16"])
+def test_writeback_in_steps_gives_the_same_file_as_one_copy(tmp_path, monkeypatch, dtype):
+    """With fsync ahead, kernel copies go in steps, each one's writeback started: runs longer
+    than a step, a step boundary inside a tensor, and streamed (converted) chunks land where one
+    copy would have put them."""
+    from ckptctl.write import shards as shards_mod
+
+    monkeypatch.setattr(shards_mod, "WRITEBACK_STEP", 4096 * 3)
+    src_dir = tmp_path / "src"
+    src_dir.mkdir()
+    save_file({"a": torch.randn(7, 1000), "b": torch.randn(3, 333), "c": torch.randn(10_000)},
+              str(src_dir / "model.safetensors"))
+    src = SafetensorsSource.open(src_dir, ["model.safetensors"])
+    entries = {e.name: e for e in entries_for(src, dtype)}
+    [shard] = make_plan([e.spec for e in entries.values()], max_shard_size=10**9).shards
+    files = {}
+    for writeback in (False, True):
+        out = tmp_path / f"writeback-{writeback}.safetensors"
+        tw = TensorWriter(chunk_bytes=5000, writeback=writeback)
+        fd = create_shard(out, shard)
+        try:
+            write_into(fd, shard, entries, tw)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+            tw.close()
+        assert tw.writeback == writeback  # the filesystem took every hint
+        assert (tw.copied, tw.streamed) == ((shard.data_bytes, 0) if dtype is None else (0, shard.data_bytes))
+        files[writeback] = out.read_bytes()
+    assert files[True] == files[False]
+    if dtype is None:
+        assert files[True][shard.data_start:] == (src_dir / "model.safetensors").read_bytes()[-shard.data_bytes:]
 
 
 def test_converted_tensors_stream_in_chunks(tmp_path):

@@ -36,8 +36,8 @@ from ckptctl.write.extras import read_extras
 from ckptctl.write.digest import ShardDigest
 from ckptctl.write.inputs import Entry, ExportInputs, build_inputs
 from ckptctl.write.options import ExportOptions, ProgressEvent, validate
-from ckptctl.write.shards import (TensorWriter, clone_block, copy_file, fsync_and_close, link_or_copy,
-                                  source_range, write_shard)
+from ckptctl.write.files import clone_block, copy_file, fsync_and_close, link_or_copy
+from ckptctl.write.shards import TensorWriter, source_range, write_shard
 from ckptctl.write.superseded import superseded
 
 BLOCK_MARGIN = 4096  # per file written: the last partial block, directory entries
@@ -118,6 +118,7 @@ class ExportJob:
         # --manifest: the files hashed as they were written, name -> (size, sha256 or its future)
         self.digests: dict[str, tuple[int, Any]] = {}
         self._locate: Locate | None = None
+        self.clones = False  # the destination's filesystem can share blocks with a source (place_for_clone)
         self._hash_stop = threading.Event()  # the job failed: digests still being read stop
 
     def prepare(self, *, recover: bool = True, place: bool = False) -> ExportResult:
@@ -183,6 +184,7 @@ class ExportJob:
         block, ok = clone_block((e.tensor.file for e in self.entries if e.tensor.file and not e.converted), self.dest)
         if not ok:
             return
+        self.clones = True
         locate = self.locate()
         for shard in self.plan.shards:
             self.result.header_padding += place_for_clone(
@@ -208,7 +210,8 @@ class ExportJob:
         from concurrent.futures import ThreadPoolExecutor
 
         assert self.plan is not None
-        tw = TensorWriter(self.opts.chunk_bytes, hashing=self.opts.manifest)
+        tw = TensorWriter(self.opts.chunk_bytes, hashing=self.opts.manifest, allocate=not self.clones,
+                          writeback=self.opts.fsync)
         progress = self.opts.progress
         done, total = 0, self.plan.total_size
 

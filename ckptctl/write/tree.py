@@ -42,7 +42,7 @@ from ckptctl.staging import recover_destination
 from ckptctl.write.inputs import check_paths, open_inputs
 from ckptctl.write.job import copy_verbatim, create_stage, failed, write_inputs
 from ckptctl.write.options import ExportOptions, validate
-from ckptctl.write.shards import link_or_copy
+from ckptctl.write.files import link_or_copy
 from ckptctl.write.superseded import superseded
 
 ROOTS = (L.PIPELINE, L.SENTENCE_TRANSFORMERS)
