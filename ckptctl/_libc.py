@@ -12,19 +12,23 @@ import os
 from typing import Any
 
 _libc: Any = None
+_functions: dict[str, Any] = {}  # name -> the C function, its argument types set
 
 
 def _call(names: tuple[str, ...], argtypes: list[Any], *args: Any) -> None:
     """The first of ``names`` the C library has, called with ``args``."""
     import ctypes
 
-    global _libc
-    if _libc is None:
-        _libc = ctypes.CDLL(None, use_errno=True)
-    fn = next((f for f in (getattr(_libc, n, None) for n in names) if f is not None), None)
+    fn = _functions.get(names[0])
     if fn is None:
-        raise OSError(errno.ENOSYS, f"{names[0]} not available")
-    fn.argtypes, fn.restype = argtypes, ctypes.c_int
+        global _libc
+        if _libc is None:
+            _libc = ctypes.CDLL(None, use_errno=True)
+        fn = next((f for f in (getattr(_libc, n, None) for n in names) if f is not None), None)
+        if fn is None:
+            raise OSError(errno.ENOSYS, f"{names[0]} not available")
+        fn.argtypes, fn.restype = argtypes, ctypes.c_int
+        _functions[names[0]] = fn
     if fn(*args) != 0:
         err = ctypes.get_errno()
         raise OSError(err, os.strerror(err))

@@ -160,6 +160,7 @@ def write_into(fd: int, shard: ShardPlan, entries: Mapping[str, Entry], tw: "Ten
         layout = shard.layout if only is None else [i for i in shard.layout if i.name in only]
         parts = runs(layout, source_range(shard_entries(layout, entries)))
     written = 0
+    tw.start_file()
     digest = tw.digest if only is None else None
     for part in parts:
         if isinstance(part, Run):
@@ -187,6 +188,7 @@ class TensorWriter:
         self.allocate = allocate  # shards it creates get their blocks up front (see create_shard)
         # the shards will be fsynced: start writing each WRITEBACK_STEP back as soon as it is there
         self.writeback = writeback
+        self._unflushed: tuple[int, int, int] | None = None  # (fd, lowest, highest) written since the last hint
         self.digest: ShardDigest | None = None  # the shard being written, when hashing
         self.cloned = 0
         self.copied = 0
@@ -313,12 +315,27 @@ class TensorWriter:
                 break
         return done
 
+    def start_file(self) -> None:
+        """A new shard file: what was written to the last one since the last hint is its fsync's."""
+        self._unflushed = None
+
     def _start_writeback(self, fd: int, pos: int, length: int) -> None:
-        if self.writeback and length:
-            try:
-                _libc.sync_file_range(fd, pos, length)
-            except OSError:
-                self.writeback = False  # a hint the filesystem does not take: the fsync alone decides
+        """``[pos, pos + length)`` of ``fd`` is written: once ``WRITEBACK_STEP`` bytes of one file
+        are, start their writeback (one hint for the span, however many small runs made it)."""
+        if not (self.writeback and length):
+            return
+        last = self._unflushed
+        lo, hi = pos, pos + length
+        if last is not None and last[0] == fd:
+            lo, hi = min(last[1], lo), max(last[2], hi)
+        if hi - lo < WRITEBACK_STEP:
+            self._unflushed = (fd, lo, hi)
+            return
+        self._unflushed = None
+        try:
+            _libc.sync_file_range(fd, lo, hi - lo)
+        except OSError:
+            self.writeback = False  # a hint the filesystem does not take: the fsync alone decides
 
     def _stream(self, fd: int, pos: int, e: Entry, length: int, skip: int) -> None:
         written = skip
