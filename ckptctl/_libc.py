@@ -59,8 +59,9 @@ def sync_file_range(fd: int, offset: int, length: int) -> None:
     ``[offset, offset + length)`` started, not waited for. A hint only: durability is fsync's."""
     import ctypes
 
-    write = 2
-    _call(("sync_file_range",), [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint], fd, offset, length, write)
+    sync_file_range_write = 2
+    _call(("sync_file_range",), [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint],
+          fd, offset, length, sync_file_range_write)
 
 
 def madvise(address: int, length: int, advice: int) -> None:
