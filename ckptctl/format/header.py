@@ -16,9 +16,9 @@ import stat
 import struct
 from array import array
 from collections import Counter
-from collections.abc import ItemsView, Iterable, Iterator, Mapping, ValuesView
+from collections.abc import ItemsView, Iterable, Iterator, KeysView, Mapping, ValuesView
 from dataclasses import dataclass, field
-from itertools import islice
+from itertools import chain, islice, repeat
 from math import prod
 from json.decoder import scanstring
 from typing import Any
@@ -26,7 +26,7 @@ from typing import Any
 from ckptctl.errors import InputError, from_oserror
 from ckptctl.findings import ERROR, WARNING, Finding, has_errors
 from ckptctl.format import dtypes as dt
-from ckptctl.format.tensor import SpecFields, TensorSpec
+from ckptctl.format.tensor import SpecFields, TensorSpec, dtypes
 from ckptctl.gcpause import paused
 
 MAX_HEADER_SIZE = 100_000_000  # safetensors' MAX_HEADER_SIZE
@@ -96,6 +96,9 @@ class TensorTable(Mapping[str, TensorInfo]):
     def __repr__(self) -> str:
         return f"TensorTable({len(self)} tensors)"
 
+    def keys(self) -> KeysView[str]:
+        return _Keys(self)
+
     def values(self) -> ValuesView[TensorInfo]:
         return _Values(self)
 
@@ -145,6 +148,10 @@ class TensorTable(Mapping[str, TensorInfo]):
             out[self._kinds[k][0]] += n
         return out
 
+    def dtype_set(self) -> set[str]:
+        """The dtypes the tensors are stored in (from the kinds in use, no record per tensor)."""
+        return {self._kinds[k][0] for k in set(self._kind)}
+
 
 class SpecView(Mapping[str, TensorSpec]):
     """A :class:`TensorTable`'s specs by name, in its order."""
@@ -164,11 +171,17 @@ class SpecView(Mapping[str, TensorSpec]):
     def __contains__(self, name: object) -> bool:
         return name in self._table
 
+    def keys(self) -> KeysView[str]:
+        return _Keys(self)
+
     def values(self) -> ValuesView[TensorSpec]:
         return _Values(self)
 
     def items(self) -> ItemsView[str, TensorSpec]:
         return _Items(self)
+
+    def dtype_set(self) -> set[str]:
+        return self._table.dtype_set()
 
     def _iter_values(self) -> Iterator[TensorSpec]:
         kinds = self._table.kinds
@@ -179,6 +192,66 @@ class SpecView(Mapping[str, TensorSpec]):
     def _iter_items(self) -> Iterator[tuple[str, TensorSpec]]:
         for s in self._iter_values():
             yield s.name, s
+
+
+class MergedSpecs(Mapping[str, TensorSpec]):
+    """Several tensor mappings (the files of a family: each a header's :class:`SpecView` or a
+    pickle's dict) read as one, by name; a name in more than one is the last one's, in the order
+    ``dict.update`` would give. Only an index from each name to its part is built, by C loops: a
+    spec is looked up in its part when asked for, so the 92k tensors of 163 headers are not made
+    one spec each unless a rule reads them all."""
+
+    def __init__(self, parts: list[Mapping[str, TensorSpec]]) -> None:
+        self._parts = parts
+        self._where: dict[str, Mapping[str, TensorSpec]] = {}
+        for part in parts:
+            self._where.update(zip(part, repeat(part)))
+        self._disjoint = len(self._where) == sum(map(len, parts))  # no name in two parts
+
+    def __getitem__(self, name: str) -> TensorSpec:
+        return self._where[name][name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._where)
+
+    def __len__(self) -> int:
+        return len(self._where)
+
+    def __contains__(self, name: object) -> bool:
+        try:
+            return name in self._where
+        except TypeError:  # not hashable
+            return False
+
+    def keys(self) -> KeysView[str]:
+        return _Keys(self)
+
+    def values(self) -> ValuesView[TensorSpec]:
+        return _Values(self)
+
+    def items(self) -> ItemsView[str, TensorSpec]:
+        return _Items(self)
+
+    def dtype_set(self) -> set[str | None]:
+        if self._disjoint:
+            return set().union(*map(dtypes, self._parts))
+        return set(map(operator.attrgetter("dtype"), self.values()))
+
+    def _iter_values(self) -> Iterator[TensorSpec]:
+        if self._disjoint:  # the merged order is each part's order in turn: no look-up by name
+            return chain.from_iterable(part.values() for part in self._parts)
+        return map(self.__getitem__, self._where)
+
+    def _iter_items(self) -> Iterator[tuple[str, TensorSpec]]:
+        return zip(self._where, self._iter_values())
+
+
+class _Keys(KeysView):  # type: ignore[type-arg]
+    """The names, iterated by the list's own iterator (``KeysView`` yields them one by one from a
+    generator: set operations on 90k names would pay a Python step each)."""
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._mapping)  # type: ignore[no-any-return]
 
 
 class _Values(ValuesView):  # type: ignore[type-arg]

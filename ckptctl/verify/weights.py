@@ -15,7 +15,7 @@ from ckptctl import layout as L
 from ckptctl.errors import CkptctlError
 from ckptctl.findings import ERROR, INFO, WARNING, Finding
 from ckptctl.format import dtypes as dt
-from ckptctl.format.header import Header, read_header
+from ckptctl.format.header import Header, MergedSpecs, read_header
 from ckptctl.format.tensor import TensorSpec
 from ckptctl.verify.context import Context, FamilyTensors, WeightsRead
 
@@ -118,9 +118,9 @@ def merge(ctx: Context, reads: dict[str, WeightsRead]) -> Mapping[str, TensorSpe
         return next(iter(reads.values())).tensors
     table: dict[str, TensorSpec] = {}
     if len(set().union(*(r.names or () for r in reads.values()))) == sum(len(r.names or ()) for r in reads.values()):
-        for r in reads.values():  # no name in two files: the first-wins table below, in one C loop each
-            table.update(r.tensors.items())  # a header's specs built from its columns, not by name
-        return table
+        # no name in two files: the first-wins table below is each file's own, side by side (an
+        # index of names; a header's spec made only when a rule asks for it)
+        return MergedSpecs([r.tensors for r in reads.values()])
     where: dict[str, list[str]] = {}
     for name, r in reads.items():
         for t in sorted(r.names or ()):

@@ -1,0 +1,128 @@
+"""The whole-collection shortcuts verify and repair take at 90k tensors give what the long way
+gives: several files' tensors merged as a view of their tables (against the dict ``update`` made
+of them), and the index cross-check decided by comparing two dicts (against the per-shard sets
+it replaced). Each case mixes the oddities the shortcuts must not lose: a name stored in two
+files, a name holding a newline, an unreadable shard, an index naming a shard that is not read."""
+
+from __future__ import annotations
+
+import json
+import random
+import struct
+from operator import attrgetter
+
+import pytest
+
+from ckptctl.format.header import MergedSpecs, parse_header_bytes
+from ckptctl.format.tensor import TensorSpec, dtypes
+from ckptctl.verify.context import WeightsRead
+from ckptctl.verify.index import _agrees
+
+NAMES = ["a", "b.weight", "c\nd", "é", "x.experts.1.w", "__metadata__x", "z", " sp ace"]
+DTYPES = ["BF16", "F32", "F8_E4M3", "U8"]
+
+
+def _header(specs: list[TensorSpec]):
+    """A real header's table (the view verify merges), written canonically."""
+    obj, offset = {"__metadata__": {"format": "pt"}}, 0
+    for s in specs:
+        obj[s.name] = {"dtype": s.dtype, "shape": list(s.shape), "data_offsets": [offset, offset + s.nbytes]}
+        offset += s.nbytes
+    raw = json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode()
+    raw += b" " * (-len(raw) % 8)
+    hdr = parse_header_bytes(struct.pack("<Q", len(raw)) + raw + bytes(offset))
+    assert hdr.ok, hdr.findings
+    return hdr.tensors.specs()
+
+
+def _parts(rng: random.Random, overlap: bool) -> list:
+    pool = NAMES + [f"model.layers.{i}.w" for i in range(12)]
+    rng.shuffle(pool)
+    parts, start = [], 0
+    for k in range(rng.randint(1, 4)):
+        take = rng.randint(0, 6)
+        names = pool[start:start + take]
+        if overlap and start and rng.random() < 0.7:
+            names = names + [pool[rng.randrange(start)]]  # a name an earlier part holds
+        start += take
+        specs = [TensorSpec(n, rng.choice(DTYPES), (rng.randint(1, 3), 2)) for n in names]
+        parts.append(_header(specs) if k % 2 == 0 else {s.name: s for s in specs})  # a header, a pickle's dict
+    return parts
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("seed", range(40))
+def test_merged_view_reads_as_the_updated_dict(seed: int, overlap: bool) -> None:
+    parts = _parts(random.Random(seed), overlap)
+    merged, slow = MergedSpecs(parts), {}
+    for p in parts:
+        slow.update(p.items())
+    assert list(merged) == list(slow) and len(merged) == len(slow)
+    assert list(merged.items()) == list(slow.items())
+    assert list(merged.values()) == list(slow.values())
+    assert set(merged.keys()) == set(slow) and merged == slow
+    assert all(merged[n] == slow[n] and n in merged for n in slow)
+    assert "nope" not in merged and [] not in merged
+    assert dtypes(merged) == set(map(attrgetter("dtype"), slow.values()))
+    for p in parts:  # a header's table answers from its columns, as its specs would
+        assert dtypes(p) == set(map(attrgetter("dtype"), p.values()))
+
+
+def test_an_overlapping_name_is_the_last_parts() -> None:
+    first = _header([TensorSpec("w", "F32", (2,)), TensorSpec("u", "U8", (1,))])
+    second = {"w": TensorSpec("w", "BF16", (3,))}
+    merged = MergedSpecs([first, second])
+    assert list(merged) == ["w", "u"] and merged["w"].dtype == "BF16"
+    assert dtypes(merged) == {"BF16", "U8"}  # the overridden F32 is stored nowhere that counts
+
+
+def _by_shard_sets(wm: dict[str, str], reads: dict[str, WeightsRead]) -> bool:
+    """The check as it was written first: each readable shard's names against the index's set for it."""
+    by_shard: dict[str, set[str]] = {}
+    for t, shard in wm.items():
+        by_shard.setdefault(shard, set()).add(t)
+    return all(r.names is None or set(r.names) == by_shard.get(s, set()) for s, r in reads.items())
+
+
+@pytest.mark.parametrize("seed", range(300))
+def test_index_agreement_by_dicts_is_the_per_shard_sets(seed: int) -> None:
+    rng = random.Random(seed)
+    shards = [f"s{i}" for i in range(rng.randint(1, 4))]
+    names = NAMES + [f"t{i}" for i in range(6)]
+    held = {s: set() for s in shards}
+    for n in names:
+        held[rng.choice(shards)].add(n)
+    wm = {n: s for s, ns in held.items() for n in ns}
+    reads = {s: WeightsRead(set(ns), {}) for s, ns in held.items()}
+    for _ in range(rng.randint(0, 3)):  # the damage a checkpoint may have
+        kind, s = rng.randrange(6), rng.choice(shards)
+        if s not in reads:
+            continue
+        if kind == 0:
+            reads[s].names = None  # unreadable
+        elif kind == 1:
+            wm[rng.choice(names)] = rng.choice(shards)  # mapped to another shard
+        elif kind == 2 and reads[s].names is not None:
+            reads[s].names.add(rng.choice(names))  # stored twice
+        elif kind == 3:
+            wm[f"ghost{rng.randrange(3)}"] = rng.choice(shards + ["elsewhere.safetensors"])
+        elif kind == 4:
+            del reads[s]  # not read at all (missing)
+        elif kind == 5 and reads[s].names is not None:
+            reads[s].names.add("not-indexed")
+    index_shards = sorted(set(wm.values()))
+    assert _agrees(wm, reads, index_shards) == _by_shard_sets(wm, reads)
+
+
+def test_index_agreement_sees_both_answers() -> None:
+    """The fuzz above is not one-sided: a sound set agrees, each kind of damage does not."""
+    wm = {"a": "s1", "b": "s2", "c\nd": "s2"}
+    good = {"s1": WeightsRead({"a"}, {}), "s2": WeightsRead({"b", "c\nd"}, {})}
+    assert _agrees(wm, good, ["s1", "s2"]) and _by_shard_sets(wm, good)
+    twice = {"s1": WeightsRead({"a", "b"}, {}), "s2": WeightsRead({"b", "c\nd"}, {})}
+    assert not _agrees(wm, twice, ["s1", "s2"])
+    moved = {"s1": WeightsRead({"a", "b"}, {}), "s2": WeightsRead({"c\nd"}, {})}
+    assert not _agrees(wm, moved, ["s1", "s2"])
+    unread = {"s1": WeightsRead(None, {}), "s2": WeightsRead({"b", "c\nd"}, {})}
+    assert _agrees(wm, unread, ["s1", "s2"])  # an unreadable shard is reported elsewhere
+    assert not _agrees(wm, {"s1": WeightsRead(None, {}), "s2": WeightsRead({"b"}, {})}, ["s1", "s2"])
