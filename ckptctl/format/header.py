@@ -201,9 +201,9 @@ class MergedSpecs(Mapping[str, TensorSpec]):
     spec is looked up in its part when asked for, so the 92k tensors of 163 headers are not made
     one spec each unless a rule reads them all."""
 
-    def __init__(self, parts: list[Mapping[str, TensorSpec]]) -> None:
+    def __init__(self, parts: list[Mapping[str, Any]]) -> None:
         self._parts = parts
-        self._where: dict[str, Mapping[str, TensorSpec]] = {}
+        self._where: dict[str, Mapping[str, Any]] = {}
         for part in parts:
             self._where.update(zip(part, repeat(part)))
         self._disjoint = len(self._where) == sum(map(len, parts))  # no name in two parts
