@@ -126,3 +126,38 @@ def test_index_agreement_sees_both_answers() -> None:
     unread = {"s1": WeightsRead(None, {}), "s2": WeightsRead({"b", "c\nd"}, {})}
     assert _agrees(wm, unread, ["s1", "s2"])  # an unreadable shard is reported elsewhere
     assert not _agrees(wm, {"s1": WeightsRead(None, {}), "s2": WeightsRead({"b"}, {})}, ["s1", "s2"])
+
+
+def test_a_tables_records_by_column_are_its_records_by_name() -> None:
+    """values()/items() are made by C loops over the columns; a look-up by name makes each one
+    from its row: the same records, in the same order (an empty table too)."""
+    specs = [TensorSpec(n, DTYPES[i % 4], (i % 3 + 1, 2)) for i, n in enumerate(NAMES)]
+    for view in (_header(specs), _header([])):
+        table = view._table
+        assert list(table.values()) == [table[n] for n in table]
+        assert list(table.items()) == [(n, table[n]) for n in table]
+        assert list(view.values()) == [table[n].spec for n in table] == [view[n] for n in view]
+        assert list(view.items()) == [(n, view[n]) for n in view]
+        assert list(table.keys()) == list(view.keys()) == [s.name for s in view.values()]
+
+
+@pytest.mark.parametrize("name_filter", [None, "*.w", "nothing*"])
+def test_inspect_counts_by_column_equal_counts_by_row(name_filter: str | None) -> None:
+    """Every row shown (any order): the columns are counted as stored; the rows one by one give
+    the same count, and so does a part of them."""
+    from ckptctl.inspect import TensorRows
+
+    rng = random.Random(7)
+    rows = TensorRows()
+    for f in range(3):
+        specs = [TensorSpec(f"f{f}.{n}", rng.choice(DTYPES), (rng.randint(1, 3),)) for n in NAMES + ["x.w", "y.w"]]
+        rows.add_table(_header(specs)._table, f"file{f}", None)
+    rows.arrange(by_component=False, name_filter=name_filter)
+    shown = list(rows._rows())
+    assert rows.counts() == rows.counts(list(shown))  # a list is counted row by row
+    assert rows.counts(range(len(rows._names))) == rows.counts(list(range(len(rows._names))))
+    assert rows.counts(range(2, 9)) == rows.counts(list(range(2, 9)))
+    single = TensorRows()
+    single.add_table(_header([TensorSpec(n, "F32", (2,)) for n in NAMES])._table, "one", None)
+    single.arrange(by_component=False, name_filter=name_filter)
+    assert single.counts() == single.counts(list(single._rows()))

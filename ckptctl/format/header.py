@@ -106,14 +106,15 @@ class TensorTable(Mapping[str, TensorInfo]):
         return _Items(self)
 
     def _iter_values(self) -> Iterator[TensorInfo]:
-        kinds = self._kinds
-        for name, k, b, e in zip(self._names, self._kind, self._begin, self._end):
-            dtype, shape = kinds[k]
-            yield TensorInfo(TensorSpec(name, dtype, shape), b, e)
+        # C loops over the columns: the records' own constructors are the only Python work
+        return map(TensorInfo, self._iter_specs(), self._begin, self._end)
 
     def _iter_items(self) -> Iterator[tuple[str, TensorInfo]]:
-        for t in self._iter_values():
-            yield t.spec.name, t
+        return zip(self._names, self._iter_values())
+
+    def _iter_specs(self) -> Iterator[TensorSpec]:
+        dtypes, shapes = [k[0] for k in self._kinds], [k[1] for k in self._kinds]
+        return map(TensorSpec, self._names, map(dtypes.__getitem__, self._kind), map(shapes.__getitem__, self._kind))
 
     def specs(self) -> "SpecView":
         """The tensors' specs by name (a view, built on demand)."""
@@ -184,14 +185,10 @@ class SpecView(Mapping[str, TensorSpec]):
         return self._table.dtype_set()
 
     def _iter_values(self) -> Iterator[TensorSpec]:
-        kinds = self._table.kinds
-        for name, k in zip(self._table, self._table.kind_codes):
-            dtype, shape = kinds[k]
-            yield TensorSpec(name, dtype, shape)
+        return self._table._iter_specs()
 
     def _iter_items(self) -> Iterator[tuple[str, TensorSpec]]:
-        for s in self._iter_values():
-            yield s.name, s
+        return zip(self._table, self._iter_values())
 
 
 class MergedSpecs(Mapping[str, TensorSpec]):
