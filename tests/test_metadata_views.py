@@ -161,3 +161,28 @@ def test_inspect_counts_by_column_equal_counts_by_row(name_filter: str | None) -
     single.add_table(_header([TensorSpec(n, "F32", (2,)) for n in NAMES])._table, "one", None)
     single.arrange(by_component=False, name_filter=name_filter)
     assert single.counts() == single.counts(list(single._rows()))
+
+
+@pytest.mark.parametrize("seed", range(200))
+def test_no_name_twice_by_the_merged_index_is_the_union_of_names(seed: int) -> None:
+    """Whether a family stores a name twice: from the merged view's index when every file's
+    names are its tensors', else from the union of the names (a pickle's aliases, a name only a
+    finding mentions, an unreadable file)."""
+    from ckptctl.verify.weights import _no_name_twice
+
+    rng = random.Random(seed)
+    reads = {}
+    for f in range(rng.randint(2, 4)):
+        names = set(rng.sample(NAMES, rng.randint(0, 4)))
+        tensors = {n: TensorSpec(n, "F32", (1,)) for n in names}
+        kind = rng.randrange(4)
+        if kind == 0:
+            reads[f"f{f}"] = WeightsRead(None, {})
+            continue
+        if kind == 1 and tensors:  # an alias (pickle) or a name a finding mentions (header)
+            names.add(rng.choice(NAMES))
+        view = _header(list(tensors.values())) if kind == 2 else tensors
+        reads[f"f{f}"] = WeightsRead(set(view) | names if kind != 2 else view.keys(), view)
+    merged = MergedSpecs([r.tensors for r in reads.values()])
+    union = set().union(*(r.names or () for r in reads.values()))
+    assert _no_name_twice(reads, merged) == (len(union) == sum(len(r.names or ()) for r in reads.values()))

@@ -205,6 +205,11 @@ class MergedSpecs(Mapping[str, TensorSpec]):
             self._where.update(zip(part, repeat(part)))
         self._disjoint = len(self._where) == sum(map(len, parts))  # no name in two parts
 
+    @property
+    def disjoint(self) -> bool:
+        """No name is in two parts."""
+        return self._disjoint
+
     def __getitem__(self, name: str) -> TensorSpec:
         return self._where[name][name]
 

@@ -58,8 +58,9 @@ def read_indexed(ctx: Context, fam: L.Family) -> FamilyTensors:
         _numbering(ctx, shown, shards, ext)
     if fam.container == L.SAFETENSORS:
         _totals(ctx, shown, doc.metadata, reads, shards)
-    names = set().union(*(r.names or set() for r in reads.values()))
-    ctx.extend(W.alias_findings(doc.metadata, names, shown))
+    if W.alias_records(doc.metadata):  # the stored names are collected only for alias records to look up
+        names = set().union(*(r.names or set() for r in reads.values()))
+        ctx.extend(W.alias_findings(doc.metadata, names, shown))
     W.shard_sizes(ctx, reads)
     return FamilyTensors(fam, table, complete)
 
