@@ -186,3 +186,27 @@ def test_no_name_twice_by_the_merged_index_is_the_union_of_names(seed: int) -> N
     merged = MergedSpecs([r.tensors for r in reads.values()])
     union = set().union(*(r.names or () for r in reads.values()))
     assert _no_name_twice(reads, merged) == (len(union) == sum(len(r.names or ()) for r in reads.values()))
+
+
+@pytest.mark.parametrize("at_once", [1, 3, 4096])
+def test_streamed_inspect_rows_are_json_dumps_bytes(capsys, monkeypatch, at_once: int) -> None:
+    """inspect --json writes its rows a chunk at a time, each distinct object encoded once: the
+    bytes ``json.dumps`` gives for the whole document, whatever the chunk size, with names json
+    must escape (a quote, a backslash, control characters) and names it must not."""
+    from ckptctl.cli import _output
+    from ckptctl.cli._output import Output
+    from ckptctl.inspect import TensorRows
+
+    monkeypatch.setattr(_output, "_ROWS_AT_ONCE", at_once)
+
+    odd = ['q"uote', "back\\slash", "new\nline", "tab\t", "nul\x00", "\x7f", "é", "\u2028", "<>&'", "\x1f"]
+    rows = TensorRows()
+    plain = [f"model.layers.{i}.w" for i in range(4096 + 5)]  # a whole chunk of plain names
+    for i, n in enumerate(plain + odd + [f"z.{i}" for i in range(7)]):
+        rows.add(TensorSpec(n, DTYPES[i % 4], (i % 3 + 1,)), f"f{i % 2}", "comp" if i % 5 == 0 else None)
+    rows.arrange(by_component=False, name_filter=None)
+    out = Output("inspect", json_mode=True)
+    doc = out.document(True, path="x", note="é\n")
+    out.emit_json(doc, rows=("tensors", rows.named_rows()))
+    expected = json.dumps({**doc, "tensors": list(rows.json_rows())}, ensure_ascii=False, default=str) + "\n"
+    assert capsys.readouterr().out == expected
