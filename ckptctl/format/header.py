@@ -135,6 +135,11 @@ class TensorTable(Mapping[str, TensorInfo]):
         return sum(self._end) - sum(self._begin)
 
     @property
+    def data_end(self) -> int:
+        """Where the last tensor in offset order ends (0 without tensors)."""
+        return self._end[-1] if len(self._end) else 0
+
+    @property
     def numel(self) -> int:
         """Elements of every tensor together."""
         return sum(prod(self._kinds[k][1]) * n for k, n in self.kind_counts().items())
