@@ -27,6 +27,7 @@ from ckptctl.format import dtypes as dt
 from ckptctl.format import small
 from ckptctl.format.header import TensorTable, load_header
 from ckptctl.format.tensor import SpecFields, TensorSpec
+from ckptctl.gcpause import paused
 
 CONFIG_FIELDS = (
     "model_type", "architectures", "hidden_size", "num_hidden_layers", "num_attention_heads",
@@ -297,7 +298,12 @@ def inspect_path(path: str | os.PathLike[str], *, only: str | None = None,
     sentence-transformers model) is described component by component. ``key`` selects the
     state dict of a pickle or DCP source that holds several (a training state is refused
     without it, with the keys to choose from)."""
-    p = Path(path)
+    with paused():  # the index and every header: acyclic objects, freed by reference counting
+        return _inspect(Path(path), only=only, name_filter=name_filter, key=key)
+
+
+def _inspect(p: Path, *, only: str | None, name_filter: str | None, key: str | None) -> Inspection:
+    """:func:`inspect_path`'s steps."""
     lay = L.scan(p)
     if not lay.components:
         fam = lay.primary(only) if lay.families else None

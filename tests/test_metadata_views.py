@@ -210,3 +210,23 @@ def test_streamed_inspect_rows_are_json_dumps_bytes(capsys, monkeypatch, at_once
     out.emit_json(doc, rows=("tensors", rows.named_rows()))
     expected = json.dumps({**doc, "tensors": list(rows.json_rows())}, ensure_ascii=False, default=str) + "\n"
     assert capsys.readouterr().out == expected
+
+
+def test_inspect_restores_the_garbage_collector(tmp_path) -> None:
+    """inspect pauses the collector while it reads the headers and streams its rows, then turns
+    it back on (and leaves it off when it was off)."""
+    import gc
+
+    from tests.support import invoke, write_tiny_checkpoint
+
+    d = write_tiny_checkpoint(tmp_path / "ckpt")
+    assert gc.isenabled()
+    for args in (("inspect", d), ("inspect", d, "--json")):
+        assert invoke(*args).exit_code == 0
+        assert gc.isenabled()
+    gc.disable()
+    try:
+        assert invoke("inspect", d, "--json").exit_code == 0
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
