@@ -27,6 +27,7 @@ from ckptctl.format import dtypes as dt
 from ckptctl.format import small
 from ckptctl.format.header import TensorTable, load_header
 from ckptctl.format.tensor import SpecFields, TensorSpec
+from ckptctl.gcpause import paused
 
 CONFIG_FIELDS = (
     "model_type", "architectures", "hidden_size", "num_hidden_layers", "num_attention_heads",
@@ -159,13 +160,17 @@ class TensorRows(Sequence[TensorRow]):
         """Each row shown as its JSON object."""
         return ({"name": name, **fields} for name, fields in self.named_rows())
 
-    def counts(self, rows: Iterable[int] | None = None) -> Counter[tuple[int, int]]:
-        """How many of the rows shown (or of ``rows``) have each (place, kind)."""
+    def counts(self, rows: Sequence[int] | None = None) -> Counter[tuple[int, int]]:
+        """How many of the rows shown (or of ``rows``) have each (place, kind). A count does not
+        depend on the order: when every row is counted (all of them shown, in name order, or
+        ``rows`` the whole range), the columns are counted as they are stored."""
         rows = self._rows() if rows is None else rows
+        every = len(rows) == len(self._names) and (rows is self._order or rows == range(len(self._names)))
+        where = self._where if every else map(self._where.__getitem__, rows)
+        kinds = self._kind if every else map(self._kind.__getitem__, rows)
         if len(self._places) == 1:  # one file: count the kinds alone (one C pass)
-            kinds = self._kind if rows is self._rows() and self._order is None else map(self._kind.__getitem__, rows)
             return Counter({(0, k): n for k, n in Counter(kinds).items()})
-        return Counter(zip(map(self._where.__getitem__, rows), map(self._kind.__getitem__, rows)))
+        return Counter(zip(where, kinds))
 
 
 class _Fields(dict):  # type: ignore[type-arg]
@@ -293,7 +298,12 @@ def inspect_path(path: str | os.PathLike[str], *, only: str | None = None,
     sentence-transformers model) is described component by component. ``key`` selects the
     state dict of a pickle or DCP source that holds several (a training state is refused
     without it, with the keys to choose from)."""
-    p = Path(path)
+    with paused():  # the index and every header: acyclic objects, freed by reference counting
+        return _inspect(Path(path), only=only, name_filter=name_filter, key=key)
+
+
+def _inspect(p: Path, *, only: str | None, name_filter: str | None, key: str | None) -> Inspection:
+    """:func:`inspect_path`'s steps."""
     lay = L.scan(p)
     if not lay.components:
         fam = lay.primary(only) if lay.families else None

@@ -50,6 +50,9 @@ def test_layer_numbers_in_one_pass_equal_name_by_name():
     hostile = names + ["broken\nmodel.layers.99.x", "x\n.h.5.y"]  # a name with a line break: name by name
     assert _layer_numbers(hostile) == {int(m.group(1)) for m in map(_LAYER.search, hostile) if m} == slow | {99, 5}
     assert _layer_numbers([]) == set()
+    # the first match of a name is its leftmost whole match (a false start does not end the name)
+    tricky = ["q.layers.1a.layers.6.b", "q.h.2.h.3.", "layers.4.x", "q.blocks..blocks.9.", "q.layers.5"]
+    assert _layer_numbers(tricky) == {int(m.group(1)) for m in map(_LAYER.search, tricky) if m} == {6, 2, 9}
     tensors = {n: None for n in names}
     assert config_mismatches(tensors, {"num_hidden_layers": 8}) == 1  # the numbers are not 0..7
     assert config_mismatches({f"model.layers.{i}.w": None for i in range(4)}, {"num_hidden_layers": 4}) == 0

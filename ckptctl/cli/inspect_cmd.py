@@ -25,6 +25,7 @@ def inspect(
     with out.guard():
         from ckptctl import layout as L
         from ckptctl.errors import UsageError
+        from ckptctl.gcpause import paused
         from ckptctl.inspect import inspect_path
         from ckptctl.resolve import resolve
         from ckptctl.write.options import check_key
@@ -42,7 +43,8 @@ def inspect(
         if json_:
             # the tensor rows are encoded and written a chunk at a time, never one string
             doc = out.document(True, **res.to_dict(with_tensors=False))
-            out.emit_json(doc, rows=("tensors", res.tensors.named_rows()))
+            with paused():  # a tuple per row, none in a cycle: no collection needed while they stream
+                out.emit_json(doc, rows=("tensors", res.tensors.named_rows()))
             return
         _render(out, res, show_tensors=tensors or bool(filter_))
 

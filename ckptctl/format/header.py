@@ -16,9 +16,9 @@ import stat
 import struct
 from array import array
 from collections import Counter
-from collections.abc import ItemsView, Iterable, Iterator, Mapping, ValuesView
+from collections.abc import ItemsView, Iterable, Iterator, KeysView, Mapping, ValuesView
 from dataclasses import dataclass, field
-from itertools import islice
+from itertools import chain, islice, repeat
 from math import prod
 from json.decoder import scanstring
 from typing import Any
@@ -26,7 +26,7 @@ from typing import Any
 from ckptctl.errors import InputError, from_oserror
 from ckptctl.findings import ERROR, WARNING, Finding, has_errors
 from ckptctl.format import dtypes as dt
-from ckptctl.format.tensor import SpecFields, TensorSpec
+from ckptctl.format.tensor import SpecFields, TensorSpec, dtypes
 from ckptctl.gcpause import paused
 
 MAX_HEADER_SIZE = 100_000_000  # safetensors' MAX_HEADER_SIZE
@@ -96,6 +96,9 @@ class TensorTable(Mapping[str, TensorInfo]):
     def __repr__(self) -> str:
         return f"TensorTable({len(self)} tensors)"
 
+    def keys(self) -> KeysView[str]:
+        return _Keys(self)
+
     def values(self) -> ValuesView[TensorInfo]:
         return _Values(self)
 
@@ -103,14 +106,15 @@ class TensorTable(Mapping[str, TensorInfo]):
         return _Items(self)
 
     def _iter_values(self) -> Iterator[TensorInfo]:
-        kinds = self._kinds
-        for name, k, b, e in zip(self._names, self._kind, self._begin, self._end):
-            dtype, shape = kinds[k]
-            yield TensorInfo(TensorSpec(name, dtype, shape), b, e)
+        # C loops over the columns: the records' own constructors are the only Python work
+        return map(TensorInfo, self._iter_specs(), self._begin, self._end)
 
     def _iter_items(self) -> Iterator[tuple[str, TensorInfo]]:
-        for t in self._iter_values():
-            yield t.spec.name, t
+        return zip(self._names, self._iter_values())
+
+    def _iter_specs(self) -> Iterator[TensorSpec]:
+        dtypes, shapes = [k[0] for k in self._kinds], [k[1] for k in self._kinds]
+        return map(TensorSpec, self._names, map(dtypes.__getitem__, self._kind), map(shapes.__getitem__, self._kind))
 
     def specs(self) -> "SpecView":
         """The tensors' specs by name (a view, built on demand)."""
@@ -131,6 +135,11 @@ class TensorTable(Mapping[str, TensorInfo]):
         return sum(self._end) - sum(self._begin)
 
     @property
+    def data_end(self) -> int:
+        """Where the last tensor in offset order ends (0 without tensors)."""
+        return self._end[-1] if len(self._end) else 0
+
+    @property
     def numel(self) -> int:
         """Elements of every tensor together."""
         return sum(prod(self._kinds[k][1]) * n for k, n in self.kind_counts().items())
@@ -144,6 +153,10 @@ class TensorTable(Mapping[str, TensorInfo]):
         for k, n in self.kind_counts().items():
             out[self._kinds[k][0]] += n
         return out
+
+    def dtype_set(self) -> set[str]:
+        """The dtypes the tensors are stored in (from the kinds in use, no record per tensor)."""
+        return {self._kinds[k][0] for k in set(self._kind)}
 
 
 class SpecView(Mapping[str, TensorSpec]):
@@ -164,21 +177,88 @@ class SpecView(Mapping[str, TensorSpec]):
     def __contains__(self, name: object) -> bool:
         return name in self._table
 
+    def keys(self) -> KeysView[str]:
+        return _Keys(self)
+
     def values(self) -> ValuesView[TensorSpec]:
         return _Values(self)
 
     def items(self) -> ItemsView[str, TensorSpec]:
         return _Items(self)
 
+    def dtype_set(self) -> set[str]:
+        return self._table.dtype_set()
+
     def _iter_values(self) -> Iterator[TensorSpec]:
-        kinds = self._table.kinds
-        for name, k in zip(self._table, self._table.kind_codes):
-            dtype, shape = kinds[k]
-            yield TensorSpec(name, dtype, shape)
+        return self._table._iter_specs()
 
     def _iter_items(self) -> Iterator[tuple[str, TensorSpec]]:
-        for s in self._iter_values():
-            yield s.name, s
+        return zip(self._table, self._iter_values())
+
+
+class MergedSpecs(Mapping[str, TensorSpec]):
+    """Several tensor mappings (the files of a family: each a header's :class:`SpecView` or a
+    pickle's dict) read as one, by name; a name in more than one is the last one's, in the order
+    ``dict.update`` would give. Only an index from each name to its part is built, by C loops: a
+    spec is looked up in its part when asked for, so the 92k tensors of 163 headers are not made
+    one spec each unless a rule reads them all."""
+
+    def __init__(self, parts: list[Mapping[str, Any]]) -> None:
+        self._parts = parts
+        self._where: dict[str, Mapping[str, Any]] = {}
+        for part in parts:
+            self._where.update(zip(part, repeat(part)))
+        self._disjoint = len(self._where) == sum(map(len, parts))  # no name in two parts
+
+    @property
+    def disjoint(self) -> bool:
+        """No name is in two parts."""
+        return self._disjoint
+
+    def __getitem__(self, name: str) -> TensorSpec:
+        return self._where[name][name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._where)
+
+    def __len__(self) -> int:
+        return len(self._where)
+
+    def __contains__(self, name: object) -> bool:
+        try:
+            return name in self._where
+        except TypeError:  # not hashable
+            return False
+
+    def keys(self) -> KeysView[str]:
+        return _Keys(self)
+
+    def values(self) -> ValuesView[TensorSpec]:
+        return _Values(self)
+
+    def items(self) -> ItemsView[str, TensorSpec]:
+        return _Items(self)
+
+    def dtype_set(self) -> set[str | None]:
+        if self._disjoint:
+            return set().union(*map(dtypes, self._parts))
+        return set(map(operator.attrgetter("dtype"), self.values()))
+
+    def _iter_values(self) -> Iterator[TensorSpec]:
+        if self._disjoint:  # the merged order is each part's order in turn: no look-up by name
+            return chain.from_iterable(part.values() for part in self._parts)
+        return map(self.__getitem__, self._where)
+
+    def _iter_items(self) -> Iterator[tuple[str, TensorSpec]]:
+        return zip(self._where, self._iter_values())
+
+
+class _Keys(KeysView):  # type: ignore[type-arg]
+    """The names, iterated by the list's own iterator (``KeysView`` yields them one by one from a
+    generator: set operations on 90k names would pay a Python step each)."""
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._mapping)  # type: ignore[no-any-return]
 
 
 class _Values(ValuesView):  # type: ignore[type-arg]

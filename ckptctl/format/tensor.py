@@ -5,8 +5,10 @@ bytes sit in, a verify or inspect row) holds a ``TensorSpec`` and adds only its 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from math import prod
+from operator import attrgetter
 
 from ckptctl.format import dtypes as dt
 
@@ -60,3 +62,11 @@ class SpecFields:
     @property
     def nbytes(self) -> int:
         return self.spec.nbytes
+
+
+
+def dtypes(tensors: Mapping[str, TensorSpec]) -> set[str | None]:
+    """The dtypes the tensors are stored in. A header's table (and a view of several) answers from
+    its columns (``dtype_set``), without a spec per tensor."""
+    fast = getattr(tensors, "dtype_set", None)
+    return fast() if fast is not None else set(map(attrgetter("dtype"), tensors.values()))

@@ -40,8 +40,8 @@ from ckptctl.gcpause import paused
 from ckptctl.format import names as N
 from ckptctl.plan import Plan
 from ckptctl.resave.analyze import Chosen, Repair, analyze
-from ckptctl.resave.keep import (already_so, keep_layout_plan, keep_layout_source, link_matching, note_index_changes,
-                                 own_metadata)
+from ckptctl.resave.keep import (already_so, keep_layout_plan, keep_layout_source, kept_files, link_matching,
+                                 note_index_changes, own_metadata)
 from ckptctl.sources.safetensors_source import SafetensorsSource
 from ckptctl.write.inputs import Entry, build_inputs, entries_for
 from ckptctl.write.job import ExportResult, write_inputs
@@ -145,19 +145,21 @@ def _resave(root: Path, opts: ExportOptions, *, output: str | os.PathLike[str] |
         link_matching(plan, root, entries)
         inputs = build_inputs(entries, opts, settings, extras=extras)
     else:
-        plan, kept = keep_layout_plan(root, chosen, rep)
+        kf = kept_files(root, chosen, rep)  # the plan decided, no record per tensor made yet
         metadata = None
-        weight_map = plan.weight_map if plan.index_name else None  # built once for both checks
-        if plan.index_name and chosen.index is not None:
+        weight_map = kf.weight_map if kf.index_name else None  # built once for both checks
+        if kf.index_name and chosen.index is not None:
             metadata = own_metadata(chosen.index)
-            note_index_changes(chosen.index, plan, rep, weight_map=weight_map)
+            note_index_changes(chosen.index, kf, rep, weight_map=weight_map)
+        # before the plan's records and any input (a tensor lost is a fix: never "already so")
+        if repair and not output and already_so(root, chosen, kf, rep, weight_map=weight_map):
+            return _unchanged(dest, opts, rep, chosen.errors)
+        plan, kept = keep_layout_plan(kf)
         if rep.lost:  # DESIGN.md I9: no tensor lost
             raise UnrepairableError(
                 f"{root}: {len(rep.lost)} tensor(s) the index names are in no file: {', '.join(rep.lost[:8])}"
                 + (" ..." if len(rep.lost) > 8 else "") + "; rebuilding the index around them would lose them",
                 "restore the files that hold them from a copy; nothing was changed")
-        if repair and not output and already_so(root, chosen, plan, rep, weight_map=weight_map):  # before any input
-            return _unchanged(dest, opts, rep, chosen.errors)
         src, entries = keep_layout_source(root, kept)
         inputs = build_inputs(entries, opts, settings, extras=extras, metadata=metadata)
     return ResaveResult(write_inputs(inputs, dest, plan=plan, check=check), rep)

@@ -6,13 +6,15 @@ the plan is the directory as it already is (a repair with nothing to do)."""
 from __future__ import annotations
 
 import hashlib
+from dataclasses import dataclass
+from itertools import repeat
 from math import prod
 from pathlib import Path
 
 from ckptctl import layout as L
 from ckptctl.errors import UnrepairableError
 from ckptctl.format import names as N
-from ckptctl.format.header import Header, TensorInfo, encode_header, read_header
+from ckptctl.format.header import Header, TensorInfo, TensorTable, encode_header, read_header
 from ckptctl.format.index import Index
 from ckptctl.manifest import MANIFEST_NAME
 from ckptctl.plan import Plan, ShardPlan
@@ -40,47 +42,97 @@ def _hash_range(path: Path, offset: int, length: int) -> str:
 Kept = list[tuple[str, int, list[TensorInfo]]]
 
 
-def keep_layout_plan(root: Path, chosen: Chosen, rep: Repair) -> tuple[Plan, Kept]:
-    """A plan that keeps each file's tensors together, linking every file that does not change;
-    the files keep their library's names and variant. With it, what each file contributes
-    (:func:`keep_layout_source` makes the source of it, once the plan is not a no-op)."""
+@dataclass
+class KeptFiles:
+    """A keep-layout plan decided file by file, before a record of any tensor is made (a repair
+    with nothing to do makes none): the files that keep tensors (name order), each one's name in
+    the new version, what it keeps (its whole table, or the records left once a tensor stored
+    twice is dropped) and whether it stays byte for byte as it is (then it is hard-linked)."""
+
+    root: Path
+    headers: dict[str, Header]
+    files: list[str]
+    names: list[str]
+    keeps: list[TensorTable | list[TensorInfo]]
+    unchanged: list[bool]
+    index_name: str | None
+
+    @property
+    def total_size(self) -> int:
+        """The plan's tensor bytes: a file kept as it is ends where its last tensor ends, a
+        rewritten one holds its tensors back to back (``encode_header``'s layout)."""
+        return sum(self.headers[n].tensors.data_end if same else sum(t.spec.nbytes for t in _records(keep))
+                   for n, keep, same in zip(self.files, self.keeps, self.unchanged))
+
+    @property
+    def weight_map(self) -> dict[str, str]:
+        """The plan's ``weight_map`` (each kept tensor to its file's new name, in plan order), from
+        the headers' names."""
+        out: dict[str, str] = {}
+        for keep, name in zip(self.keeps, self.names):
+            out.update(zip(keep if isinstance(keep, TensorTable) else (t.name for t in keep), repeat(name)))
+        return out
+
+
+def _records(keep: TensorTable | list[TensorInfo]) -> list[TensorInfo]:
+    return list(keep.values()) if isinstance(keep, TensorTable) else keep
+
+
+def kept_files(root: Path, chosen: Chosen, rep: Repair) -> KeptFiles:
+    """What a keep-layout plan does with each file: each file keeps its tensors together under
+    its library's name and variant; a file that does not change is linked. The fixes it implies
+    (a tensor stored twice, a renamed file, trailing bytes dropped) are added to ``rep``."""
     files = chosen.files
     headers = {n: chosen.headers.get(n) or read_header(root / n, display=str(root / n)) for n in files}
-    per_file: dict[str, list[TensorInfo]] = {}
+    keeps: dict[str, TensorTable | list[TensorInfo]]
     if len(set().union(*(headers[n].tensors for n in files))) == sum(len(headers[n].tensors) for n in files):
         # no tensor stored twice: every file keeps all its tensors
-        per_file = {n: list(headers[n].tensors.values()) for n in sorted(files) if headers[n].tensors}
+        keeps = {n: headers[n].tensors for n in sorted(files) if headers[n].tensors}
     else:
+        per_file: dict[str, list[TensorInfo]] = {}
         _drop_duplicates(root, headers, per_file, rep)
+        keeps = dict(per_file)
     if rep.duplicates:
         rep.fixes.append(f"kept {len(rep.duplicates)} tensor(s) stored twice with identical bytes once")
-    ordered = sorted(per_file)
+    ordered = sorted(keeps)
     n_out = len(ordered)
-    shards: list[ShardPlan] = []
+    names, unchanged = [], []
     for i, n in enumerate(ordered, start=1):
         new_name = N.weights_file_name(chosen.stem, N.SAFETENSORS_EXT, variant=chosen.variant,
                                        shard=(i, n_out) if n_out > 1 else None)
         h = headers[n]
-        keep = per_file[n]
-        unchanged = (len(keep) == len(h.tensors) and h.data_start + h.data_bytes == h.file_size)
-        specs = [t.spec for t in keep]
-        if unchanged:
-            with open(root / n, "rb") as f:
+        whole = h.data_start + h.data_bytes == h.file_size
+        same = len(keeps[n]) == len(h.tensors) and whole
+        if same and new_name != n:
+            rep.fixes.append(f"renamed {n} to {new_name} (content unchanged)")
+        elif not whole:
+            rep.fixes.append(f"dropped {h.file_size - h.data_start - h.data_bytes} trailing bytes of {n}")
+        names.append(new_name)
+        unchanged.append(same)
+    index = N.index_name(chosen.stem, N.SAFETENSORS_EXT, variant=chosen.variant) if n_out > 1 else None
+    return KeptFiles(root, headers, ordered, names, [keeps[n] for n in ordered], unchanged, index)
+
+
+def keep_layout_plan(kf: KeptFiles) -> tuple[Plan, Kept]:
+    """The plan of :func:`kept_files`' decisions (a record per tensor), with what each file
+    contributes (:func:`keep_layout_source` makes the source of it)."""
+    shards: list[ShardPlan] = []
+    kept: Kept = []
+    for n, new_name, keep, same in zip(kf.files, kf.names, kf.keeps, kf.unchanged):
+        h = kf.headers[n]
+        infos = _records(keep)
+        specs = [t.spec for t in infos]
+        if same:
+            with open(kf.root / n, "rb") as f:
                 raw_header = f.read(h.data_start)
-            sp = ShardPlan(new_name, specs, h.metadata, raw_header, list(keep), link_from=str(root / n))
-            if new_name != n:
-                rep.fixes.append(f"renamed {n} to {new_name} (content unchanged)")
+            shards.append(ShardPlan(new_name, specs, h.metadata, raw_header, list(infos), link_from=str(kf.root / n)))
         else:
             md = h.metadata if h.metadata is not None else {"format": "pt"}
             header, lay = encode_header(specs, md)
-            sp = ShardPlan(new_name, specs, md, header, lay)
-            if h.data_start + h.data_bytes != h.file_size:
-                rep.fixes.append(f"dropped {h.file_size - h.data_start - h.data_bytes} trailing bytes of {n}")
-        shards.append(sp)
-    total = sum(s.data_bytes for s in shards)
+            shards.append(ShardPlan(new_name, specs, md, header, lay))
+        kept.append((str(kf.root / n), h.data_start, infos))
     params = sum(map(prod, (t.shape for s in shards for t in s.specs)))
-    index = N.index_name(chosen.stem, N.SAFETENSORS_EXT, variant=chosen.variant) if n_out > 1 else None
-    return Plan(shards, index, total, params), [(str(root / n), headers[n].data_start, per_file[n]) for n in ordered]
+    return Plan(shards, kf.index_name, kf.total_size, params), kept
 
 
 def _drop_duplicates(root: Path, headers: dict[str, Header], per_file: dict[str, list[TensorInfo]],
@@ -138,7 +190,7 @@ def link_matching(plan: Plan, root: Path, entries: list[Entry]) -> None:
 
 
 
-def already_so(root: Path, chosen: Chosen, plan: Plan, rep: Repair, *,
+def already_so(root: Path, chosen: Chosen, kf: KeptFiles, rep: Repair, *,
                weight_map: dict[str, str] | None = None) -> bool:
     """The keep-layout plan is the directory as it is: nothing to fix, every shard an unchanged
     file under its own name, the index (as its library wrote it) mapping every tensor to the
@@ -146,25 +198,26 @@ def already_so(root: Path, chosen: Chosen, plan: Plan, rep: Repair, *,
     ``weight_map``: the plan's, when the caller has it."""
     from ckptctl.write.superseded import superseded
 
-    if rep.fixes or any(sp.link_from != str(root / sp.name) for sp in plan.shards):
+    if rep.fixes or not all(kf.unchanged) or kf.names != kf.files:
         return False
-    if plan.index_name != chosen.index_file:
+    if kf.index_name != chosen.index_file:
         return False
-    if plan.index_name is not None:
+    if kf.index_name is not None:
         old = chosen.index
-        if old is None or old.metadata.get("total_size") != plan.total_size or old.weight_map != (
-                plan.weight_map if weight_map is None else weight_map):
+        if old is None or old.metadata.get("total_size") != kf.total_size or old.weight_map != (
+                kf.weight_map if weight_map is None else weight_map):
             return False
     dropped, _ = superseded(root, slot=L.slot_of(chosen.stem, chosen.variant), lay=chosen.layout)
-    return set(dropped) <= set(plan.files) | {MANIFEST_NAME}
+    return set(dropped) <= set(kf.names) | {kf.index_name} - {None} | {MANIFEST_NAME}
 
 
-def note_index_changes(old: Index, plan: Plan, rep: Repair, *, weight_map: dict[str, str] | None = None) -> None:
+def note_index_changes(old: Index, kf: KeptFiles, rep: Repair, *, weight_map: dict[str, str] | None = None) -> None:
     """Say what the rebuilt index corrects in the old (readable) one. ``weight_map``: the
     plan's, when the caller has it."""
-    new_map = plan.weight_map if weight_map is None else weight_map
-    if old.metadata.get("total_size") != plan.total_size:
-        rep.fixes.append(f"index total_size {old.metadata.get('total_size')!r} -> {plan.total_size}")
+    new_map = kf.weight_map if weight_map is None else weight_map
+    total = kf.total_size
+    if old.metadata.get("total_size") != total:
+        rep.fixes.append(f"index total_size {old.metadata.get('total_size')!r} -> {total}")
     if old.weight_map == new_map:
         return  # the same entries: nothing missing, stale or moved
     missing = sorted(set(new_map) - set(old.weight_map))

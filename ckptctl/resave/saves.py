@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
+from operator import methodcaller
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +23,7 @@ from ckptctl import layout as L
 from ckptctl.config_fields import ConfigFields, as_int
 from ckptctl.findings import ERROR, Finding
 from ckptctl.format import names as N
-from ckptctl.format.header import Header, TensorInfo, read_header
+from ckptctl.format.header import Header, MergedSpecs, read_header
 
 
 def read_all(root: Path, names: list[str]) -> tuple[dict[str, Header], list[Finding]]:
@@ -42,7 +44,9 @@ def read_all(root: Path, names: list[str]) -> tuple[dict[str, Header], list[Find
 
 
 _LAYER = re.compile(r"\.(?:layers|h|blocks)\.(\d+)\.")
-_LAYER_PER_LINE = re.compile(r"^.*?\.(?:layers|h|blocks)\.(\d+)\.", re.MULTILINE)
+# _LAYER's first match in each line, the rest of the line taken with it (so the next search starts
+# on the next line): no lazy prefix tried at every character of every name
+_LAYER_PER_LINE = re.compile(r"\.(?:layers|h|blocks)\.(\d+)\.[^\n]*")
 
 
 def _layer_numbers(names: list[str]) -> set[int]:
@@ -51,20 +55,25 @@ def _layer_numbers(names: list[str]) -> set[int]:
     a name holds a line break itself."""
     text = "\n".join(names)
     if text.count("\n") == max(len(names) - 1, 0):
-        return {int(n) for n in _LAYER_PER_LINE.findall(text)}
+        return set(map(int, set(_LAYER_PER_LINE.findall(text))))  # each distinct text read once
     return {int(m.group(1)) for m in map(_LAYER.search, names) if m}
 
 
-def config_mismatches(tensors: dict[str, TensorInfo], cfg: dict[str, Any] | None) -> int:
-    """How many of config.json's basic facts a tensor set contradicts (0 = consistent)."""
+_EMBEDDINGS = ("embed_tokens.weight", "wte.weight", "lm_head.weight")
+
+
+def config_mismatches(tensors: Mapping[str, Any], cfg: dict[str, Any] | None) -> int:
+    """How many of config.json's basic facts a tensor set (records with a ``shape``, by name)
+    contradicts (0 = consistent). Only the embeddings' records are looked up."""
     if not cfg:
         return 0
     bad = 0
     fields = ConfigFields(cfg)
     vocab = as_int(fields.get("vocab_size"))
     layers = as_int(fields.get("num_hidden_layers"))
-    for name, t in tensors.items():
-        if vocab and name.endswith(("embed_tokens.weight", "wte.weight", "lm_head.weight")) and t.shape:
+    for name in filter(methodcaller("endswith", _EMBEDDINGS), tensors) if vocab else ():
+        t = tensors[name]
+        if t.shape:
             bad += t.shape[0] != vocab
     if isinstance(layers, int):
         idx = _layer_numbers(list(tensors))
@@ -149,9 +158,7 @@ def assess(root: Path, save: Save, cfg: dict[str, Any] | None,
     tensors, and when it was last written. ``read``: ``read_all`` of the save's files, when the
     caller has it (the headers are then not read again)."""
     headers, problems = read if read is not None else read_all(root, save.family.files)
-    tensors: dict[str, TensorInfo] = {}
-    for h in headers.values():
-        tensors.update(h.tensors)
+    tensors = MergedSpecs([h.tensors for h in headers.values()])  # by name, no record per tensor
     mtime = max((_mtime(root / n) for n in save.family.all_files), default=0.0)
     return L.Assessment(complete=not problems and not save.missing and bool(save.family.files),
                         agrees=config_mismatches(tensors, cfg) == 0, tensors=len(tensors), mtime=mtime,

@@ -10,6 +10,7 @@ one speaks through its own findings and the family is read by its file names.
 from __future__ import annotations
 
 import os
+from itertools import repeat
 from typing import Any
 
 from ckptctl import layout as L
@@ -40,7 +41,8 @@ def read_indexed(ctx: Context, fam: L.Family) -> FamilyTensors:
     ext = "." + (N.SAFETENSORS_EXT if fam.container == L.SAFETENSORS else N.BIN_EXT)
     files = set(fam.files)  # layout: the named shards that are safe names and regular files
     reads: dict[str, WeightsRead] = {}
-    for shard in doc.shards:
+    shards = doc.shards  # sorted once
+    for shard in shards:
         if N.member_problem(shard):
             continue  # layout.shard_missing says why
         if not shard.endswith(ext):
@@ -50,24 +52,40 @@ def read_indexed(ctx: Context, fam: L.Family) -> FamilyTensors:
         if shard in files and ctx.inside(shard) is not None:
             reads[shard] = W.read_file(ctx, shard, fam.container)
     table = W.merge(ctx, reads)
-    complete = set(doc.shards) <= set(reads) and all(r.names is not None for r in reads.values())
-    _cross_check(ctx, shown, doc.weight_map, reads)
-    if not any(N.member_problem(s) for s in doc.shards):
-        _numbering(ctx, shown, doc.shards, ext)
+    complete = set(shards) <= set(reads) and all(r.names is not None for r in reads.values())
+    _cross_check(ctx, shown, doc.weight_map, reads, shards)
+    if not any(N.member_problem(s) for s in shards):
+        _numbering(ctx, shown, shards, ext)
     if fam.container == L.SAFETENSORS:
-        _totals(ctx, shown, doc.metadata, reads, doc.shards)
-    names = set().union(*(r.names or set() for r in reads.values()))
-    ctx.extend(W.alias_findings(doc.metadata, names, shown))
+        _totals(ctx, shown, doc.metadata, reads, shards)
+    if W.alias_records(doc.metadata):  # the stored names are collected only for alias records to look up
+        names = set().union(*(r.names or set() for r in reads.values()))
+        ctx.extend(W.alias_findings(doc.metadata, names, shown))
     W.shard_sizes(ctx, reads)
     return FamilyTensors(fam, table, complete)
 
 
-def _cross_check(ctx: Context, shown: str, wm: dict[str, str], reads: dict[str, WeightsRead]) -> None:
-    by_shard: dict[str, set[str]] = {}
-    for t, shard in wm.items():
-        by_shard.setdefault(shard, set()).add(t)
-    if all(r.names is None or r.names == by_shard.get(s, set()) for s, r in reads.items()):
-        return  # every readable shard holds exactly what the index maps to it: nothing below can fire
+def _agrees(wm: dict[str, str], reads: dict[str, WeightsRead], shards: list[str]) -> bool:
+    """Every readable shard holds exactly the names the index maps to it. Said with whole-dict
+    operations: no name is in two readable shards, and the index's entries for those shards are
+    exactly the map of each stored name to its shard (one comparison of two dicts when the index
+    names no other shard)."""
+    readable = {s: r.names for s, r in reads.items() if r.names is not None}
+    stored: dict[str, str] = {}
+    for s, names in readable.items():
+        stored.update(zip(names, repeat(s)))
+    if len(stored) != sum(map(len, readable.values())):
+        return False  # a name in two shards: the index maps it to one of them at most
+    if readable.keys() >= set(shards):
+        return stored == wm
+    return stored == {t: s for t, s in wm.items() if s in readable}
+
+
+def _cross_check(ctx: Context, shown: str, wm: dict[str, str], reads: dict[str, WeightsRead],
+                 shards: list[str]) -> None:
+    """``shards``: the index's shard names (``Index.shards``)."""
+    if _agrees(wm, reads, shards):
+        return  # nothing below can fire
     located: dict[str, list[str]] = {}
     for shard, r in reads.items():
         for t in r.names or ():

@@ -27,9 +27,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import cached_property
 from itertools import repeat
-from operator import attrgetter
 
-from ckptctl.format.tensor import TensorSpec
+from ckptctl.format.tensor import TensorSpec, dtypes
 
 
 @dataclass(frozen=True)
@@ -111,11 +110,6 @@ class TensorNames:
         if self.text is None:
             return [(n, m) for n in self.names if (m := pattern.one.match(n))]
         return [(m.group()[1:], m) for m in pattern.run.finditer(self.text)]
-
-
-def dtypes(tensors: Mapping[str, TensorSpec]) -> set[str | None]:
-    """The dtypes the tensors are stored in."""
-    return set(map(attrgetter("dtype"), tensors.values()))
 
 
 def run_pattern(core: str, tail: str, more: str, keys: tuple[str, ...] = ()) -> RunPattern:

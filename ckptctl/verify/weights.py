@@ -15,7 +15,7 @@ from ckptctl import layout as L
 from ckptctl.errors import CkptctlError
 from ckptctl.findings import ERROR, INFO, WARNING, Finding
 from ckptctl.format import dtypes as dt
-from ckptctl.format.header import Header, read_header
+from ckptctl.format.header import Header, MergedSpecs, read_header
 from ckptctl.format.tensor import TensorSpec
 from ckptctl.verify.context import Context, FamilyTensors, WeightsRead
 
@@ -62,15 +62,23 @@ def dtype_notes(hdr: Header) -> list[Finding]:
     return out
 
 
-def alias_findings(meta: dict[str, Any], names: Set[str], display: str) -> list[Finding]:
-    """Alias records ``{removed: kept}`` (huggingface_hub / safetensors ``save_model``) must name a
-    tensor that is stored."""
-    out: list[Finding] = []
+def alias_records(meta: dict[str, Any]) -> list[tuple[str, str]]:
+    """The entries of a metadata map that read as alias records ``{removed: kept}``
+    (huggingface_hub / safetensors ``save_model``): two names with the same last part."""
+    out = []
     for k, v in meta.items():
         if k in _RESERVED_META or not isinstance(k, str) or not isinstance(v, str) or k == v:
             continue
         if "." not in k or "." not in v or k.rsplit(".", 1)[1] != v.rsplit(".", 1)[1] or " " in v:
             continue
+        out.append((k, v))
+    return out
+
+
+def alias_findings(meta: dict[str, Any], names: Set[str], display: str) -> list[Finding]:
+    """Alias records must name a tensor that is stored."""
+    out: list[Finding] = []
+    for k, v in alias_records(meta):
         if k not in names and v not in names:
             out.append(Finding("metadata.alias_dangling", WARNING, display,
                                f"{display}: metadata records {k!r} as an alias of {v!r}, which is not stored",
@@ -116,11 +124,12 @@ def merge(ctx: Context, reads: dict[str, WeightsRead]) -> Mapping[str, TensorSpe
     """All tensors of a family; a name stored in two files is an error."""
     if len(reads) == 1:  # one file: its own table (a name cannot repeat in it)
         return next(iter(reads.values())).tensors
+    # No name in two files: the first-wins table below is each file's own, side by side (an index
+    # of names; a header's spec made only when a rule asks for it).
+    merged = MergedSpecs([r.tensors for r in reads.values()])
+    if _no_name_twice(reads, merged):
+        return merged
     table: dict[str, TensorSpec] = {}
-    if len(set().union(*(r.names or () for r in reads.values()))) == sum(len(r.names or ()) for r in reads.values()):
-        for r in reads.values():  # no name in two files: the first-wins table below, in one C loop each
-            table.update(r.tensors.items())  # a header's specs built from its columns, not by name
-        return table
     where: dict[str, list[str]] = {}
     for name, r in reads.items():
         for t in sorted(r.names or ()):
@@ -134,6 +143,15 @@ def merge(ctx: Context, reads: dict[str, WeightsRead]) -> Mapping[str, TensorSpe
                     "uses depends on the loader", "run `ckptctl resave --repair` to keep one copy",
                     tensor=t, files=files)
     return table
+
+
+def _no_name_twice(reads: dict[str, WeightsRead], merged: MergedSpecs) -> bool:
+    """No name is in two files. A file's names hold its tensors' (and a pickle's aliases, a
+    header's names that only a finding mentions): when no file has more, the merged view's own
+    index answers; else every name is collected."""
+    if all(len(r.names or ()) == len(r.tensors) for r in reads.values()):
+        return merged.disjoint
+    return len(set().union(*(r.names or () for r in reads.values()))) == sum(len(r.names or ()) for r in reads.values())
 
 
 def shard_sizes(ctx: Context, reads: dict[str, WeightsRead]) -> None:

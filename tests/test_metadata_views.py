@@ -1,0 +1,232 @@
+"""The whole-collection shortcuts verify and repair take at 90k tensors give what the long way
+gives: several files' tensors merged as a view of their tables (against the dict ``update`` made
+of them), and the index cross-check decided by comparing two dicts (against the per-shard sets
+it replaced). Each case mixes the oddities the shortcuts must not lose: a name stored in two
+files, a name holding a newline, an unreadable shard, an index naming a shard that is not read."""
+
+from __future__ import annotations
+
+import json
+import random
+import struct
+from operator import attrgetter
+
+import pytest
+
+from ckptctl.format.header import MergedSpecs, parse_header_bytes
+from ckptctl.format.tensor import TensorSpec, dtypes
+from ckptctl.verify.context import WeightsRead
+from ckptctl.verify.index import _agrees
+
+NAMES = ["a", "b.weight", "c\nd", "é", "x.experts.1.w", "__metadata__x", "z", " sp ace"]
+DTYPES = ["BF16", "F32", "F8_E4M3", "U8"]
+
+
+def _header(specs: list[TensorSpec]):
+    """A real header's table (the view verify merges), written canonically."""
+    obj, offset = {"__metadata__": {"format": "pt"}}, 0
+    for s in specs:
+        obj[s.name] = {"dtype": s.dtype, "shape": list(s.shape), "data_offsets": [offset, offset + s.nbytes]}
+        offset += s.nbytes
+    raw = json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode()
+    raw += b" " * (-len(raw) % 8)
+    hdr = parse_header_bytes(struct.pack("<Q", len(raw)) + raw + bytes(offset))
+    assert hdr.ok, hdr.findings
+    return hdr.tensors.specs()
+
+
+def _parts(rng: random.Random, overlap: bool) -> list:
+    pool = NAMES + [f"model.layers.{i}.w" for i in range(12)]
+    rng.shuffle(pool)
+    parts, start = [], 0
+    for k in range(rng.randint(1, 4)):
+        take = rng.randint(0, 6)
+        names = pool[start:start + take]
+        if overlap and start and rng.random() < 0.7:
+            names = names + [pool[rng.randrange(start)]]  # a name an earlier part holds
+        start += take
+        specs = [TensorSpec(n, rng.choice(DTYPES), (rng.randint(1, 3), 2)) for n in names]
+        parts.append(_header(specs) if k % 2 == 0 else {s.name: s for s in specs})  # a header, a pickle's dict
+    return parts
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("seed", range(40))
+def test_merged_view_reads_as_the_updated_dict(seed: int, overlap: bool) -> None:
+    parts = _parts(random.Random(seed), overlap)
+    merged, slow = MergedSpecs(parts), {}
+    for p in parts:
+        slow.update(p.items())
+    assert list(merged) == list(slow) and len(merged) == len(slow)
+    assert list(merged.items()) == list(slow.items())
+    assert list(merged.values()) == list(slow.values())
+    assert set(merged.keys()) == set(slow) and merged == slow
+    assert all(merged[n] == slow[n] and n in merged for n in slow)
+    assert "nope" not in merged and [] not in merged
+    assert dtypes(merged) == set(map(attrgetter("dtype"), slow.values()))
+    for p in parts:  # a header's table answers from its columns, as its specs would
+        assert dtypes(p) == set(map(attrgetter("dtype"), p.values()))
+
+
+def test_an_overlapping_name_is_the_last_parts() -> None:
+    first = _header([TensorSpec("w", "F32", (2,)), TensorSpec("u", "U8", (1,))])
+    second = {"w": TensorSpec("w", "BF16", (3,))}
+    merged = MergedSpecs([first, second])
+    assert list(merged) == ["w", "u"] and merged["w"].dtype == "BF16"
+    assert dtypes(merged) == {"BF16", "U8"}  # the overridden F32 is stored nowhere that counts
+
+
+def _by_shard_sets(wm: dict[str, str], reads: dict[str, WeightsRead]) -> bool:
+    """The check as it was written first: each readable shard's names against the index's set for it."""
+    by_shard: dict[str, set[str]] = {}
+    for t, shard in wm.items():
+        by_shard.setdefault(shard, set()).add(t)
+    return all(r.names is None or set(r.names) == by_shard.get(s, set()) for s, r in reads.items())
+
+
+@pytest.mark.parametrize("seed", range(300))
+def test_index_agreement_by_dicts_is_the_per_shard_sets(seed: int) -> None:
+    rng = random.Random(seed)
+    shards = [f"s{i}" for i in range(rng.randint(1, 4))]
+    names = NAMES + [f"t{i}" for i in range(6)]
+    held = {s: set() for s in shards}
+    for n in names:
+        held[rng.choice(shards)].add(n)
+    wm = {n: s for s, ns in held.items() for n in ns}
+    reads = {s: WeightsRead(set(ns), {}) for s, ns in held.items()}
+    for _ in range(rng.randint(0, 3)):  # the damage a checkpoint may have
+        kind, s = rng.randrange(6), rng.choice(shards)
+        if s not in reads:
+            continue
+        if kind == 0:
+            reads[s].names = None  # unreadable
+        elif kind == 1:
+            wm[rng.choice(names)] = rng.choice(shards)  # mapped to another shard
+        elif kind == 2 and reads[s].names is not None:
+            reads[s].names.add(rng.choice(names))  # stored twice
+        elif kind == 3:
+            wm[f"ghost{rng.randrange(3)}"] = rng.choice(shards + ["elsewhere.safetensors"])
+        elif kind == 4:
+            del reads[s]  # not read at all (missing)
+        elif kind == 5 and reads[s].names is not None:
+            reads[s].names.add("not-indexed")
+    index_shards = sorted(set(wm.values()))
+    assert _agrees(wm, reads, index_shards) == _by_shard_sets(wm, reads)
+
+
+def test_index_agreement_sees_both_answers() -> None:
+    """The fuzz above is not one-sided: a sound set agrees, each kind of damage does not."""
+    wm = {"a": "s1", "b": "s2", "c\nd": "s2"}
+    good = {"s1": WeightsRead({"a"}, {}), "s2": WeightsRead({"b", "c\nd"}, {})}
+    assert _agrees(wm, good, ["s1", "s2"]) and _by_shard_sets(wm, good)
+    twice = {"s1": WeightsRead({"a", "b"}, {}), "s2": WeightsRead({"b", "c\nd"}, {})}
+    assert not _agrees(wm, twice, ["s1", "s2"])
+    moved = {"s1": WeightsRead({"a", "b"}, {}), "s2": WeightsRead({"c\nd"}, {})}
+    assert not _agrees(wm, moved, ["s1", "s2"])
+    unread = {"s1": WeightsRead(None, {}), "s2": WeightsRead({"b", "c\nd"}, {})}
+    assert _agrees(wm, unread, ["s1", "s2"])  # an unreadable shard is reported elsewhere
+    assert not _agrees(wm, {"s1": WeightsRead(None, {}), "s2": WeightsRead({"b"}, {})}, ["s1", "s2"])
+
+
+def test_a_tables_records_by_column_are_its_records_by_name() -> None:
+    """values()/items() are made by C loops over the columns; a look-up by name makes each one
+    from its row: the same records, in the same order (an empty table too)."""
+    specs = [TensorSpec(n, DTYPES[i % 4], (i % 3 + 1, 2)) for i, n in enumerate(NAMES)]
+    for view in (_header(specs), _header([])):
+        table = view._table
+        assert list(table.values()) == [table[n] for n in table]
+        assert list(table.items()) == [(n, table[n]) for n in table]
+        assert list(view.values()) == [table[n].spec for n in table] == [view[n] for n in view]
+        assert list(view.items()) == [(n, view[n]) for n in view]
+        assert list(table.keys()) == list(view.keys()) == [s.name for s in view.values()]
+
+
+@pytest.mark.parametrize("name_filter", [None, "*.w", "nothing*"])
+def test_inspect_counts_by_column_equal_counts_by_row(name_filter: str | None) -> None:
+    """Every row shown (any order): the columns are counted as stored; the rows one by one give
+    the same count, and so does a part of them."""
+    from ckptctl.inspect import TensorRows
+
+    rng = random.Random(7)
+    rows = TensorRows()
+    for f in range(3):
+        specs = [TensorSpec(f"f{f}.{n}", rng.choice(DTYPES), (rng.randint(1, 3),)) for n in NAMES + ["x.w", "y.w"]]
+        rows.add_table(_header(specs)._table, f"file{f}", None)
+    rows.arrange(by_component=False, name_filter=name_filter)
+    shown = list(rows._rows())
+    assert rows.counts() == rows.counts(list(shown))  # a list is counted row by row
+    assert rows.counts(range(len(rows._names))) == rows.counts(list(range(len(rows._names))))
+    assert rows.counts(range(2, 9)) == rows.counts(list(range(2, 9)))
+    single = TensorRows()
+    single.add_table(_header([TensorSpec(n, "F32", (2,)) for n in NAMES])._table, "one", None)
+    single.arrange(by_component=False, name_filter=name_filter)
+    assert single.counts() == single.counts(list(single._rows()))
+
+
+@pytest.mark.parametrize("seed", range(200))
+def test_no_name_twice_by_the_merged_index_is_the_union_of_names(seed: int) -> None:
+    """Whether a family stores a name twice: from the merged view's index when every file's
+    names are its tensors', else from the union of the names (a pickle's aliases, a name only a
+    finding mentions, an unreadable file)."""
+    from ckptctl.verify.weights import _no_name_twice
+
+    rng = random.Random(seed)
+    reads = {}
+    for f in range(rng.randint(2, 4)):
+        names = set(rng.sample(NAMES, rng.randint(0, 4)))
+        tensors = {n: TensorSpec(n, "F32", (1,)) for n in names}
+        kind = rng.randrange(4)
+        if kind == 0:
+            reads[f"f{f}"] = WeightsRead(None, {})
+            continue
+        if kind == 1 and tensors:  # an alias (pickle) or a name a finding mentions (header)
+            names.add(rng.choice(NAMES))
+        view = _header(list(tensors.values())) if kind == 2 else tensors
+        reads[f"f{f}"] = WeightsRead(set(view) | names if kind != 2 else view.keys(), view)
+    merged = MergedSpecs([r.tensors for r in reads.values()])
+    union = set().union(*(r.names or () for r in reads.values()))
+    assert _no_name_twice(reads, merged) == (len(union) == sum(len(r.names or ()) for r in reads.values()))
+
+
+@pytest.mark.parametrize("at_once", [1, 3, 4096])
+def test_streamed_inspect_rows_are_json_dumps_bytes(capsys, monkeypatch, at_once: int) -> None:
+    """inspect --json writes its rows a chunk at a time, each distinct object encoded once: the
+    bytes ``json.dumps`` gives for the whole document, whatever the chunk size, with names json
+    must escape (a quote, a backslash, control characters) and names it must not."""
+    from ckptctl.cli import _output
+    from ckptctl.cli._output import Output
+    from ckptctl.inspect import TensorRows
+
+    monkeypatch.setattr(_output, "_ROWS_AT_ONCE", at_once)
+
+    odd = ['q"uote', "back\\slash", "new\nline", "tab\t", "nul\x00", "\x7f", "é", "\u2028", "<>&'", "\x1f"]
+    rows = TensorRows()
+    plain = [f"model.layers.{i}.w" for i in range(4096 + 5)]  # a whole chunk of plain names
+    for i, n in enumerate(plain + odd + [f"z.{i}" for i in range(7)]):
+        rows.add(TensorSpec(n, DTYPES[i % 4], (i % 3 + 1,)), f"f{i % 2}", "comp" if i % 5 == 0 else None)
+    rows.arrange(by_component=False, name_filter=None)
+    out = Output("inspect", json_mode=True)
+    doc = out.document(True, path="x", note="é\n")
+    out.emit_json(doc, rows=("tensors", rows.named_rows()))
+    expected = json.dumps({**doc, "tensors": list(rows.json_rows())}, ensure_ascii=False, default=str) + "\n"
+    assert capsys.readouterr().out == expected
+
+
+def test_inspect_restores_the_garbage_collector(tmp_path) -> None:
+    """inspect pauses the collector while it reads the headers and streams its rows, then turns
+    it back on (and leaves it off when it was off)."""
+    import gc
+
+    from tests.support import invoke, write_tiny_checkpoint
+
+    d = write_tiny_checkpoint(tmp_path / "ckpt")
+    assert gc.isenabled()
+    for args in (("inspect", d), ("inspect", d, "--json")):
+        assert invoke(*args).exit_code == 0
+        assert gc.isenabled()
+    gc.disable()
+    try:
+        assert invoke("inspect", d, "--json").exit_code == 0
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
