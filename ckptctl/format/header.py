@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from itertools import chain, islice, repeat
 from math import prod
 from json.decoder import scanstring
-from typing import Any
+from typing import Any, TypeVar
 
 from ckptctl.errors import InputError, from_oserror
 from ckptctl.findings import ERROR, WARNING, Finding, has_errors
@@ -53,7 +53,31 @@ class TensorInfo(SpecFields):
 Offsets = Any  # array("Q"), or a list once an offset does not fit 64 bits (a hostile header)
 
 
-class TensorTable(Mapping[str, TensorInfo]):
+_V = TypeVar("_V")
+
+
+class _ByColumn(Mapping[str, _V]):
+    """A read-only mapping whose views iterate by the subclass's own iterators over its columns
+    (``_iter_values``, ``_iter_items``: C loops), not by a ``__getitem__`` per name as
+    ``Mapping``'s views would."""
+
+    def keys(self) -> KeysView[str]:
+        return _Keys(self)
+
+    def values(self) -> ValuesView[_V]:
+        return _Values(self)
+
+    def items(self) -> ItemsView[str, _V]:
+        return _Items(self)
+
+    def _iter_values(self) -> Iterator[_V]:
+        raise NotImplementedError
+
+    def _iter_items(self) -> Iterator[tuple[str, _V]]:
+        raise NotImplementedError
+
+
+class TensorTable(_ByColumn[TensorInfo]):
     """The tensors of a header by name, in data-offset order, stored by column: a dict from each
     name to its row, the begin and end offsets (``array``), and per row a code into a table of
     the (dtype, shape) pairs the tensors share. A :class:`TensorInfo` is built when it is asked
@@ -95,15 +119,6 @@ class TensorTable(Mapping[str, TensorInfo]):
 
     def __repr__(self) -> str:
         return f"TensorTable({len(self)} tensors)"
-
-    def keys(self) -> KeysView[str]:
-        return _Keys(self)
-
-    def values(self) -> ValuesView[TensorInfo]:
-        return _Values(self)
-
-    def items(self) -> ItemsView[str, TensorInfo]:
-        return _Items(self)
 
     def _iter_values(self) -> Iterator[TensorInfo]:
         # C loops over the columns: the records' own constructors are the only Python work
@@ -159,7 +174,7 @@ class TensorTable(Mapping[str, TensorInfo]):
         return {self._kinds[k][0] for k in set(self._kind)}
 
 
-class SpecView(Mapping[str, TensorSpec]):
+class SpecView(_ByColumn[TensorSpec]):
     """A :class:`TensorTable`'s specs by name, in its order."""
 
     def __init__(self, table: TensorTable) -> None:
@@ -177,15 +192,6 @@ class SpecView(Mapping[str, TensorSpec]):
     def __contains__(self, name: object) -> bool:
         return name in self._table
 
-    def keys(self) -> KeysView[str]:
-        return _Keys(self)
-
-    def values(self) -> ValuesView[TensorSpec]:
-        return _Values(self)
-
-    def items(self) -> ItemsView[str, TensorSpec]:
-        return _Items(self)
-
     def dtype_set(self) -> set[str]:
         return self._table.dtype_set()
 
@@ -196,7 +202,7 @@ class SpecView(Mapping[str, TensorSpec]):
         return zip(self._table, self._iter_values())
 
 
-class MergedSpecs(Mapping[str, TensorSpec]):
+class MergedSpecs(_ByColumn[TensorSpec]):
     """Several tensor mappings (the files of a family: each a header's :class:`SpecView` or a
     pickle's dict) read as one, by name; a name in more than one is the last one's, in the order
     ``dict.update`` would give. Only an index from each name to its part is built, by C loops: a
@@ -229,15 +235,6 @@ class MergedSpecs(Mapping[str, TensorSpec]):
             return name in self._where
         except TypeError:  # not hashable
             return False
-
-    def keys(self) -> KeysView[str]:
-        return _Keys(self)
-
-    def values(self) -> ValuesView[TensorSpec]:
-        return _Values(self)
-
-    def items(self) -> ItemsView[str, TensorSpec]:
-        return _Items(self)
 
     def dtype_set(self) -> set[str | None]:
         if self._disjoint:
