@@ -30,8 +30,12 @@ from ckptctl.write.inputs import Entry
 
 # With fsync, writeback of copied or streamed bytes is started every this many bytes.
 WRITEBACK_STEP = 16 << 20
-# fallocate cannot reserve blocks here (NFSv3, FUSE, a C library without it): ftruncate instead.
-_NO_ALLOCATE = (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)
+_PAGE = 4096  # a hint ends on a page boundary: a page under writeback is never written again
+# fallocate failed for want of space or of a working device: that is the write's error. Any other
+# (EOPNOTSUPP on NFSv3 and FUSE, ENOSYS, EINVAL, EPERM from a seccomp filter, EINTR): ftruncate.
+_ALLOCATE_FAILS = (errno.ENOSPC, errno.EDQUOT, errno.EIO)
+# sync_file_range is not taken here (a pipe, an old kernel, a filesystem without it): no hints.
+_NO_HINT = (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ESPIPE)
 
 
 def create_shard(path: Path, shard: ShardPlan, *, allocate: bool = True) -> int:
@@ -100,9 +104,9 @@ def _allocate(fd: int, offset: int, length: int) -> bool:
     try:
         _libc.fallocate(fd, offset, length)
     except OSError as exc:
-        if exc.errno in _NO_ALLOCATE:
-            return False
-        raise
+        if exc.errno in _ALLOCATE_FAILS:
+            raise
+        return False
     return True
 
 
@@ -321,21 +325,26 @@ class TensorWriter:
 
     def _start_writeback(self, fd: int, pos: int, length: int) -> None:
         """``[pos, pos + length)`` of ``fd`` is written: once ``WRITEBACK_STEP`` bytes of one file
-        are, start their writeback (one hint for the span, however many small runs made it)."""
+        are, start their writeback (one hint for the span, however many small runs made it, up to
+        its last whole page; the rest waits for the next hint or the fsync). A filesystem that
+        does not take hints gets none; an I/O error from one fails the write at once."""
         if not (self.writeback and length):
             return
         last = self._unflushed
         lo, hi = pos, pos + length
         if last is not None and last[0] == fd:
             lo, hi = min(last[1], lo), max(last[2], hi)
-        if hi - lo < WRITEBACK_STEP:
+        end = hi - hi % _PAGE
+        if end - lo < WRITEBACK_STEP:
             self._unflushed = (fd, lo, hi)
             return
-        self._unflushed = None
+        self._unflushed = (fd, end, hi) if end < hi else None
         try:
-            _libc.sync_file_range(fd, lo, hi - lo)
-        except OSError:
-            self.writeback = False  # a hint the filesystem does not take: the fsync alone decides
+            _libc.sync_file_range(fd, lo, end - lo)
+        except OSError as exc:
+            if exc.errno not in _NO_HINT:
+                raise
+            self.writeback = False  # the fsync alone decides
 
     def _stream(self, fd: int, pos: int, e: Entry, length: int, skip: int) -> None:
         written = skip
