@@ -25,6 +25,7 @@ from typing import Any, Mapping
 from ckptctl import layout as L
 from ckptctl.errors import InputError
 from ckptctl.format import dtypes as dt
+from ckptctl.format import read_ahead
 from ckptctl.format.tensor import TensorSpec
 from ckptctl.gcpause import paused
 from ckptctl.sources.base import SourceTensor
@@ -41,7 +42,7 @@ def export(src: str | os.PathLike[str], dst: str | os.PathLike[str], opts: Expor
     DCP); ``only`` the family to read when ``src`` holds several. A multi-component root (a
     diffusers pipeline, a sentence-transformers model) is exported whole, each component under
     its own library's names, and published once: the result is then a :class:`RootResult`."""
-    with paused():
+    with paused(), read_ahead.scope(src):  # a large index read by a worker beside the source's headers
         lay = L.scan(src) if os.path.isdir(src) else None  # scanned once: the root test, the checks, the variants
         if lay is not None and is_root(src, lay):
             return export_root(src, dst, opts or ExportOptions(), key=key, only=only)

@@ -24,7 +24,7 @@ from ckptctl.config_fields import ConfigFields
 from ckptctl.errors import InputError
 from ckptctl.findings import Finding
 from ckptctl.format import dtypes as dt
-from ckptctl.format import small
+from ckptctl.format import read_ahead, small
 from ckptctl.format.header import TensorTable, load_header
 from ckptctl.format.tensor import SpecFields, TensorSpec
 from ckptctl.gcpause import paused
@@ -298,7 +298,9 @@ def inspect_path(path: str | os.PathLike[str], *, only: str | None = None,
     sentence-transformers model) is described component by component. ``key`` selects the
     state dict of a pickle or DCP source that holds several (a training state is refused
     without it, with the keys to choose from)."""
-    with paused():  # the index and every header: acyclic objects, freed by reference counting
+    # the index and every header: acyclic objects, freed by reference counting; a large index is
+    # read by a worker beside the headers (layout.scan)
+    with paused(), read_ahead.scope(path):
         return _inspect(Path(path), only=only, name_filter=name_filter, key=key)
 
 

@@ -21,11 +21,12 @@ from dataclasses import dataclass, field
 from itertools import chain, islice, repeat
 from math import prod
 from json.decoder import scanstring
-from typing import Any, TypeVar
+from typing import Any, Callable, TypeVar
 
-from ckptctl.errors import InputError, from_oserror
+from ckptctl.errors import CkptctlError, InputError, from_oserror
 from ckptctl.findings import ERROR, WARNING, Finding, has_errors
 from ckptctl.format import dtypes as dt
+from ckptctl.format import read_ahead
 from ckptctl.format.tensor import SpecFields, TensorSpec, dtypes
 from ckptctl.gcpause import paused
 
@@ -94,10 +95,14 @@ class TensorTable(_ByColumn[TensorInfo]):
     def empty(cls) -> "TensorTable":
         return cls([], array("Q"), array("Q"), array("I"), [])
 
-    def row_of(self, name: str) -> int:
+    def rows(self) -> dict[str, int]:
+        """Name -> row (made by the parser, or by the first look-up by name)."""
         if self._rows is None:
             self._rows = dict(zip(self._names, range(len(self._names))))
-        return self._rows[name]
+        return self._rows
+
+    def row_of(self, name: str) -> int:
+        return (self._rows if self._rows is not None else self.rows())[name]
 
     def __getitem__(self, name: str) -> TensorInfo:
         row = self.row_of(name)
@@ -209,45 +214,81 @@ class MergedSpecs(_ByColumn[TensorSpec]):
     spec is looked up in its part when asked for, so the 92k tensors of 163 headers are not made
     one spec each unless a rule reads them all."""
 
-    def __init__(self, parts: list[Mapping[str, Any]]) -> None:
+    def __init__(self, parts: list[Mapping[str, Any]], *, disjoint: bool | None = None) -> None:
+        """``disjoint``: the caller knows that no name is in two parts (verify, from the index's
+        agreement with the headers): then no index of every name is built; a look-up by name asks
+        each part's own (a header's rows) in turn."""
         self._parts = parts
-        self._where: dict[str, Mapping[str, Any]] = {}
-        for part in parts:
-            self._where.update(zip(part, repeat(part)))
-        self._disjoint = len(self._where) == sum(map(len, parts))  # no name in two parts
+        self._where: dict[str, Mapping[str, Any]] | None = None
+        self._disjoint = disjoint
+        self._lookups: list[Mapping[str, Any]] | None = None
+        if disjoint is None:
+            self._index()
+
+    def _index(self) -> dict[str, Mapping[str, Any]]:
+        if self._where is None:
+            where: dict[str, Mapping[str, Any]] = {}
+            for part in self._parts:
+                where.update(zip(part, repeat(part)))
+            self._where = where
+            if self._disjoint is None:
+                self._disjoint = len(where) == sum(map(len, self._parts))  # no name in two parts
+        return self._where
+
+    def _part_of(self, name: str) -> Mapping[str, Any] | None:
+        """The part holding ``name`` when the parts are disjoint and no index was built."""
+        if self._lookups is None:
+            self._lookups = [p._table.rows() if type(p) is SpecView else p for p in self._parts]
+        for rows, part in zip(self._lookups, self._parts):
+            if name in rows:
+                return part
+        return None
 
     @property
     def disjoint(self) -> bool:
         """No name is in two parts."""
-        return self._disjoint
+        if self._disjoint is None:
+            self._index()
+        return bool(self._disjoint)
 
     def __getitem__(self, name: str) -> TensorSpec:
-        return self._where[name][name]
+        if self._where is None and self._disjoint:
+            part = self._part_of(name)
+            if part is None:
+                raise KeyError(name)
+            return part[name]  # type: ignore[no-any-return]
+        return self._index()[name][name]  # type: ignore[no-any-return]
 
     def __iter__(self) -> Iterator[str]:
-        return iter(self._where)
+        if self._where is None and self._disjoint:
+            return chain.from_iterable(self._parts)
+        return iter(self._index())
 
     def __len__(self) -> int:
-        return len(self._where)
+        if self._where is None and self._disjoint:
+            return sum(map(len, self._parts))
+        return len(self._index())
 
     def __contains__(self, name: object) -> bool:
         try:
-            return name in self._where
+            if self._where is None and self._disjoint:
+                return self._part_of(name) is not None  # type: ignore[arg-type]
+            return name in self._index()
         except TypeError:  # not hashable
             return False
 
     def dtype_set(self) -> set[str | None]:
-        if self._disjoint:
+        if self.disjoint:
             return set().union(*map(dtypes, self._parts))
         return set(map(operator.attrgetter("dtype"), self.values()))
 
     def _iter_values(self) -> Iterator[TensorSpec]:
-        if self._disjoint:  # the merged order is each part's order in turn: no look-up by name
+        if self.disjoint:  # the merged order is each part's order in turn: no look-up by name
             return chain.from_iterable(part.values() for part in self._parts)
-        return map(self.__getitem__, self._where)
+        return map(self.__getitem__, self._index())
 
     def _iter_items(self) -> Iterator[tuple[str, TensorSpec]]:
-        return zip(self._where, self._iter_values())
+        return zip(iter(self), self._iter_values())
 
 
 class _Keys(KeysView):  # type: ignore[type-arg]
@@ -429,7 +470,23 @@ def read_header(path: str | os.PathLike[str], *, display: str | None = None) -> 
     Never raises for a malformed file: every problem is a finding on the returned header. Raises
     :class:`CkptctlError` only when the file cannot be read at all (missing, permission denied).
     """
-    p = os.fspath(path)
+    return _read(os.fspath(path), display)
+
+
+def read_header_ahead(path: str | os.PathLike[str],
+                      sink: Callable[[str, str, read_ahead.Identity, Header], None] = read_ahead.keep) -> None:
+    """Parse a header now for a later :func:`read_header` of the same path (display = path):
+    ``sink(path, display, identity, header)`` gets it (by default it is kept for that read, inside
+    a :func:`ckptctl.format.read_ahead.scope`). A file that cannot be read, or whose header stops
+    before its JSON, is left to that read."""
+    try:
+        _read(os.fspath(path), None, sink=sink)
+    except CkptctlError:
+        pass
+
+
+def _read(p: str, display: str | None, *,
+          sink: Callable[[str, str, read_ahead.Identity, Header], None] | None = None) -> Header:
     shown = display or p
     try:
         # O_NONBLOCK: opening a FIFO must not wait for a writer; fstat then tells what it is.
@@ -441,6 +498,8 @@ def read_header(path: str | os.PathLike[str], *, display: str | None = None) -> 
                 hdr.add("header.not_a_file", f"{shown} is not a regular file (a FIFO, device or directory)",
                         hint="replace it with the real shard")
                 return hdr
+            if sink is None and (kept := read_ahead.take(p, shown, st)) is not None:
+                return kept
             size = st.st_size
             hdr = Header(path=shown, file_size=size)
             prefix = f.read(min(size, 512))
@@ -461,6 +520,8 @@ def read_header(path: str | os.PathLike[str], *, display: str | None = None) -> 
                 hint=_REDOWNLOAD, header_len=n)
         return hdr
     _parse_into(hdr, raw)
+    if sink is not None:
+        sink(p, shown, read_ahead.identity(st), hdr)
     return hdr
 
 
@@ -581,6 +642,7 @@ class _Columns:
         self.fast: dict[str, tuple[int, int] | None] = {}  # dtype+shape text -> (kind, nbytes) or None
         self.dropped: list[int] = []
         self.metadata_repeat: int | None = None  # rows read before a second __metadata__
+        self.rows: dict[str, int] | None = None  # name -> row, by first_repeat
 
     def code(self, dtype: str, shape: tuple[int, ...]) -> int:
         key = (dtype, shape)
@@ -607,11 +669,13 @@ class _Columns:
         return self.code(dtype, shape), bits >> 3
 
     def first_repeat(self) -> str | None:
-        """The first key that repeats an earlier one, in the order of the header (a set of the
-        names answers whether there is one; only then are they walked)."""
+        """The first key that repeats an earlier one, in the order of the header (a dict of the
+        names to their rows answers whether there is one, and is the table's look-up by name
+        when rows keep their order; only when a name repeats are they walked)."""
         names = self.names
         row = None
-        if len(set(names)) != len(names):
+        self.rows = dict(zip(names, range(len(names))))
+        if len(self.rows) != len(names):
             seen: set[str] = set()
             row = next(i for i, n in enumerate(names) if n in seen or seen.add(n))  # type: ignore[func-returns-value]
         if self.metadata_repeat is not None and (row is None or self.metadata_repeat <= row):
@@ -734,12 +798,16 @@ class _Columns:
     def table(self) -> TensorTable:
         """The rows in data-offset order (a stable sort: equal offsets keep the file's order)."""
         names, begin, end, kind = self.names, self.begin, self.end, self.kind
+        rows = self.rows
         if self.dropped or not _in_order(begin, end):
             gone = set(self.dropped)
             order = sorted((r for r in range(len(kind)) if r not in gone), key=lambda r: (begin[r], end[r]))
             names = [names[r] for r in order]
             begin, end, kind = _take(begin, order), _take(end, order), _take(kind, order)
-        return TensorTable(names, begin, end, kind, self.kinds)
+            rows = None  # other rows: made again by the first look-up
+        table = TensorTable(names, begin, end, kind, self.kinds)
+        table._rows = rows
+        return table
 
 
 def _take(col: Any, order: list[int]) -> Any:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, field
+import stat
 from typing import Any
 
 from ckptctl.errors import from_oserror
@@ -14,75 +14,140 @@ from ckptctl.format.header import DuplicateKey, no_duplicate_keys
 MAX_INDEX_SIZE = 10 * 1024 * 1024  # huggingface_hub's MAX_INDEX_FILE_SIZE
 
 
-@dataclass
 class Index:
-    path: str
-    weight_map: dict[str, str] = field(default_factory=dict)
-    metadata: dict[str, Any] = field(default_factory=dict)
-    findings: list[Finding] = field(default_factory=list)
+    """An index as read: its findings, metadata, the shards it names, and its ``weight_map``.
+
+    ``shards`` is computed once (sorted). ``joins`` (when the index was read by a worker, see
+    :func:`read_for_worker`) holds each shard's tensor names, sorted and joined by newlines, so
+    that the index can be checked against the shard headers without a dict of every tensor;
+    ``weight_map`` is then parsed again from the same bytes the first time someone asks for it
+    (one snapshot of the file, never a second read)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.metadata: dict[str, Any] = {}
+        self.findings: list[Finding] = []
+        self.shards: list[str] = []
+        self.joins: dict[str, str] | None = None
+        self._map: dict[str, str] | None = {}
+        self._raw: bytes | None = None
+        self._source: Index | None = None  # the cached Index this one copies (its map, on first use)
 
     @property
     def ok(self) -> bool:
         return not has_errors(self.findings)
 
     @property
-    def shards(self) -> list[str]:
-        return sorted(set(self.weight_map.values()))
+    def weight_map(self) -> dict[str, str]:
+        if self._map is None:
+            src = self._source
+            self._map = dict(src.weight_map) if src is not None else _weight_map_of(self._raw or b"")
+        return self._map
 
     def add(self, code: str, message: str, *, severity: str = ERROR, hint: str | None = None,
             tensor: str | None = None, **details: Any) -> None:
         self.findings.append(Finding(code, severity, self.path, message, hint, tensor, dict(details)))
 
+    def copy(self) -> "Index":
+        """An Index of the same reading that shares nothing mutable with this one."""
+        out = Index(self.path)
+        out.metadata, out.findings, out.shards = dict(self.metadata), list(self.findings), list(self.shards)
+        out.joins = None if self.joins is None else dict(self.joins)
+        out._map, out._raw, out._source = None, self._raw, self
+        return out
+
 
 _REBUILD = "run `ckptctl resave --repair DIR` to rebuild the index from the shard headers"
 
 
-# The last index document parsed, with the bytes it was parsed from. One command scans the same
+# The last index read, with the bytes and display it was read with. One command scans the same
 # directory several times (layout, the export job, a repair's choice and its no-op test): each
 # read compares the bytes it read (never a size or a time stamp) and parses only when they differ.
-# One slot: at most one index (10 MiB) stays parsed. The object is never handed out: the Index
-# holds copies of its weight_map and metadata.
-_last_parsed: tuple[bytes, Any] | None = None
+# One slot: at most one index (10 MiB) stays parsed. The cached Index is never handed out: each
+# read gets a copy (:meth:`Index.copy`).
+_last_read: tuple[bytes, str, Index] | None = None
 
 
 def read_index(path: str | os.PathLike[str], *, display: str | None = None) -> Index:
     p = os.fspath(path)
-    idx = Index(path=display or p)
+    idx = Index(display or p)
+    raw = _read_bytes(p, idx)
+    if raw is None:
+        return idx
+    last = _last_read
+    if last is not None and last[0] == raw and last[1] == idx.path:  # the same bytes: the same reading
+        return last[2].copy()
+    _parse(idx, raw)
+    remember(idx)
+    return idx.copy()
+
+
+def remember(idx: Index) -> None:
+    """Make ``idx`` (a reading of its ``_raw`` bytes) the one :func:`read_index` reuses."""
+    global _last_read
+    if idx._raw is not None:
+        _last_read = (idx._raw, idx.path, idx)
+
+
+def read_for_worker(path: str, display: str) -> Index:
+    """:func:`read_index` as a worker process runs it for ``layout.scan``: with ``joins``, and
+    without the parsed ``weight_map`` (the parent parses the bytes again only if it needs it)."""
+    idx = Index(display)
+    raw = _read_bytes(path, idx)
+    if raw is not None:
+        _parse(idx, raw)
+        if idx._map:  # parsed: the parent can parse the same bytes again
+            idx.joins = _joins(idx._map)
+            idx._map = None
+    return idx
+
+
+def _read_bytes(p: str, idx: Index) -> bytes | None:
     try:
-        with open(p, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
+        # O_NONBLOCK: a FIFO put in the index's place after layout looked at it must not block
+        with os.fdopen(os.open(p, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC), "rb") as f:
+            st = os.fstat(f.fileno())
+            if not stat.S_ISREG(st.st_mode):
+                idx.add("index.bad_json", f"{idx.path}: not a regular file (a FIFO, device or directory)",
+                        hint=_REBUILD)
+                return None
+            size = st.st_size
             if size > MAX_INDEX_SIZE:
                 idx.add("index.too_large", f"{idx.path}: index is {size} bytes, over huggingface_hub's 10 MiB limit",
                         hint="this is not an index file")
-                return idx
-            raw = f.read()
+                return None
+            raw = f.read(MAX_INDEX_SIZE + 1)  # bounded: the file may grow after fstat
     except OSError as exc:
         raise from_oserror(exc, "cannot read index") from None
-    global _last_parsed
-    last = _last_parsed
+    if len(raw) > MAX_INDEX_SIZE:
+        idx.add("index.too_large", f"{idx.path}: index is over huggingface_hub's 10 MiB limit",
+                hint="this is not an index file")
+        return None
+    return raw
+
+
+def _parse(idx: Index, raw: bytes) -> None:
+    idx._raw = raw
     try:
-        if last is not None and last[0] == raw:  # the same bytes: the same JSON object (only read below)
-            obj = last[1]
-        else:
-            obj = json.loads(raw.decode("utf-8"), object_pairs_hook=no_duplicate_keys)
-            _last_parsed = (raw, obj)
+        obj = json.loads(raw.decode("utf-8"), object_pairs_hook=no_duplicate_keys)
     except DuplicateKey as exc:
         idx.add("index.duplicate_key", f"{idx.path}: key {exc.key!r} appears twice", hint=_REBUILD,
                 tensor=exc.key)
-        return idx
+        return
     except (ValueError, RecursionError) as exc:  # bad UTF-8, bad JSON, an int over 4300 digits
         idx.add("index.bad_json", f"{idx.path}: not valid JSON ({exc.__class__.__name__})", hint=_REBUILD)
-        return idx
+        return
     if not isinstance(obj, dict):
         idx.add("index.bad_schema", f"{idx.path}: top level is not a JSON object", hint=_REBUILD)
-        return idx
+        return
     wm = obj.get("weight_map")
     # json.loads makes every key a str and every string value an exact str: a C-level pass over the types
     if not isinstance(wm, dict) or not set(map(type, wm.values())) <= {str}:
         idx.add("index.bad_schema", f"{idx.path}: 'weight_map' is missing or does not map strings to strings",
                 hint=_REBUILD)
-        return idx
-    idx.weight_map = dict(wm)
+        return
+    idx._map = wm
+    idx.shards = sorted(set(wm.values()))
     meta = obj.get("metadata")
     if meta is None:
         idx.add("index.no_metadata", f"{idx.path}: no 'metadata' object (transformers raises KeyError)",
@@ -90,8 +155,31 @@ def read_index(path: str | os.PathLike[str], *, display: str | None = None) -> I
     elif not isinstance(meta, dict):
         idx.add("index.bad_schema", f"{idx.path}: 'metadata' is not an object", hint=_REBUILD)
     else:
-        idx.metadata = dict(meta)
-    return idx
+        idx.metadata = meta
+
+
+def _weight_map_of(raw: bytes) -> dict[str, str]:
+    """The weight_map of bytes that were read once already (and passed every check then)."""
+    obj = json.loads(raw.decode("utf-8"), object_pairs_hook=no_duplicate_keys)
+    return obj["weight_map"]  # type: ignore[no-any-return]
+
+
+def _joins(wm: dict[str, str]) -> dict[str, str] | None:
+    """Each shard's names, sorted and joined by newlines; None when a name holds a newline (the
+    join could not tell its names apart)."""
+    groups: dict[str, list[str]] = {}
+    for name, shard in wm.items():
+        g = groups.get(shard)
+        if g is None:
+            g = groups[shard] = []
+        g.append(name)
+    out = {}
+    for shard, names in groups.items():
+        names.sort()
+        text = out[shard] = "\n".join(names)
+        if text.count("\n") != len(names) - 1:
+            return None
+    return out
 
 
 def encode_index(weight_map: dict[str, str], total_size: int, *, total_parameters: int | None = None,

@@ -38,6 +38,7 @@ from ckptctl.errors import InputError, UnrepairableError, UsageError
 from ckptctl.findings import ERROR, Finding
 from ckptctl.gcpause import paused
 from ckptctl.format import names as N
+from ckptctl.format import read_ahead
 from ckptctl.plan import Plan
 from ckptctl.resave.analyze import Chosen, Repair, analyze
 from ckptctl.resave.keep import (already_so, keep_layout_plan, keep_layout_source, kept_files, link_matching,
@@ -89,7 +90,9 @@ def resave(root: str | os.PathLike[str], opts: ExportOptions, *, output: str | o
     ``index``/``single``, or one family's file name. In place, a symlinked ``root`` is rewritten
     where it points (the link stays a link). A repair publishes only a version that verifies
     clean."""
-    with paused():  # the metadata of every tensor: acyclic, freed by reference counting
+    # the metadata of every tensor: acyclic, freed by reference counting; a large index is read by
+    # a worker beside the headers (layout.scan)
+    with paused(), read_ahead.scope(root):
         return _resave(Path(root), opts, output=output, repair=repair, prefer=prefer, link=link)
 
 
@@ -147,12 +150,13 @@ def _resave(root: Path, opts: ExportOptions, *, output: str | os.PathLike[str] |
     else:
         kf = kept_files(root, chosen, rep)  # the plan decided, no record per tensor made yet
         metadata = None
-        weight_map = kf.weight_map if kf.index_name else None  # built once for both checks
+        same_map = None  # the old index's map against the plan's, said once for both checks
         if kf.index_name and chosen.index is not None:
             metadata = own_metadata(chosen.index)
-            note_index_changes(chosen.index, kf, rep, weight_map=weight_map)
+            same_map = kf.same_map_as(chosen.index)
+            note_index_changes(chosen.index, kf, rep, same_map=same_map)
         # before the plan's records and any input (a tensor lost is a fix: never "already so")
-        if repair and not output and already_so(root, chosen, kf, rep, weight_map=weight_map):
+        if repair and not output and already_so(root, chosen, kf, rep, same_map=same_map):
             return _unchanged(dest, opts, rep, chosen.errors)
         plan, kept = keep_layout_plan(kf)
         if rep.lost:  # DESIGN.md I9: no tensor lost

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
+from functools import cached_property
 from itertools import repeat
 from math import prod
 from pathlib import Path
@@ -64,14 +65,32 @@ class KeptFiles:
         return sum(self.headers[n].tensors.data_end if same else sum(t.spec.nbytes for t in _records(keep))
                    for n, keep, same in zip(self.files, self.keeps, self.unchanged))
 
-    @property
+    @cached_property
     def weight_map(self) -> dict[str, str]:
         """The plan's ``weight_map`` (each kept tensor to its file's new name, in plan order), from
-        the headers' names."""
+        the headers' names (made once, when asked for)."""
         out: dict[str, str] = {}
         for keep, name in zip(self.keeps, self.names):
             out.update(zip(keep if isinstance(keep, TensorTable) else (t.name for t in keep), repeat(name)))
         return out
+
+    def same_map_as(self, old: Index) -> bool:
+        """Whether ``old`` maps exactly the plan's tensors to the plan's files (``weight_map``
+        equality), said without a dict of every tensor when ``old`` has its ``joins``: each
+        file's sorted names, joined by newlines, against the index's own."""
+        joins = old.joins
+        if joins is not None:
+            mine: dict[str, str] = {}
+            for keep, name in zip(self.keeps, self.names):
+                names = sorted(keep if isinstance(keep, TensorTable) else (t.name for t in keep))
+                text = "\n".join(names)
+                if text.count("\n") != len(names) - 1:
+                    break  # a name holds a newline: the joins cannot tell
+                if names:
+                    mine[name] = text
+            else:
+                return mine == joins
+        return old.weight_map == self.weight_map
 
 
 def _records(keep: TensorTable | list[TensorInfo]) -> list[TensorInfo]:
@@ -190,12 +209,11 @@ def link_matching(plan: Plan, root: Path, entries: list[Entry]) -> None:
 
 
 
-def already_so(root: Path, chosen: Chosen, kf: KeptFiles, rep: Repair, *,
-               weight_map: dict[str, str] | None = None) -> bool:
+def already_so(root: Path, chosen: Chosen, kf: KeptFiles, rep: Repair, *, same_map: bool | None = None) -> bool:
     """The keep-layout plan is the directory as it is: nothing to fix, every shard an unchanged
     file under its own name, the index (as its library wrote it) mapping every tensor to the
     shard that holds it with the right total size, and nothing the new version would drop.
-    ``weight_map``: the plan's, when the caller has it."""
+    ``same_map``: :meth:`KeptFiles.same_map_as` of the old index, when the caller has it."""
     from ckptctl.write.superseded import superseded
 
     if rep.fixes or not all(kf.unchanged) or kf.names != kf.files:
@@ -204,22 +222,22 @@ def already_so(root: Path, chosen: Chosen, kf: KeptFiles, rep: Repair, *,
         return False
     if kf.index_name is not None:
         old = chosen.index
-        if old is None or old.metadata.get("total_size") != kf.total_size or old.weight_map != (
-                kf.weight_map if weight_map is None else weight_map):
+        if old is None or old.metadata.get("total_size") != kf.total_size or not (
+                kf.same_map_as(old) if same_map is None else same_map):
             return False
     dropped, _ = superseded(root, slot=L.slot_of(chosen.stem, chosen.variant), lay=chosen.layout)
     return set(dropped) <= set(kf.names) | {kf.index_name} - {None} | {MANIFEST_NAME}
 
 
-def note_index_changes(old: Index, kf: KeptFiles, rep: Repair, *, weight_map: dict[str, str] | None = None) -> None:
-    """Say what the rebuilt index corrects in the old (readable) one. ``weight_map``: the
-    plan's, when the caller has it."""
-    new_map = kf.weight_map if weight_map is None else weight_map
+def note_index_changes(old: Index, kf: KeptFiles, rep: Repair, *, same_map: bool | None = None) -> None:
+    """Say what the rebuilt index corrects in the old (readable) one. ``same_map``:
+    :meth:`KeptFiles.same_map_as` of ``old``, when the caller has it."""
     total = kf.total_size
     if old.metadata.get("total_size") != total:
         rep.fixes.append(f"index total_size {old.metadata.get('total_size')!r} -> {total}")
-    if old.weight_map == new_map:
+    if kf.same_map_as(old) if same_map is None else same_map:
         return  # the same entries: nothing missing, stale or moved
+    new_map = kf.weight_map
     missing = sorted(set(new_map) - set(old.weight_map))
     if missing:
         rep.fixes.append(f"added {len(missing)} tensor(s) missing from the index (e.g. {missing[0]})")

@@ -130,7 +130,7 @@ def split(root: Path, fam: L.Family, names: list[str]) -> list[Save]:
 
 def usable_index(fam: L.Family) -> bool:
     """The family's index was read and maps tensors to files."""
-    return fam.index_doc is not None and fam.index_doc.ok and bool(fam.index_doc.weight_map)
+    return fam.index_doc is not None and fam.index_doc.ok and bool(fam.index_doc.shards)
 
 
 def _shard_key(fam: L.Family) -> tuple[str | None, str, str | None]:

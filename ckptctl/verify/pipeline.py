@@ -23,6 +23,7 @@ from ckptctl import layout as L
 from ckptctl.errors import InputError, UsageError
 from ckptctl.findings import ERROR, SEVERITY_RANK, Finding
 from ckptctl.format import names as N
+from ckptctl.format import read_ahead
 from ckptctl.gcpause import paused
 from ckptctl.verify.context import DEEP_NOT_ASKED, Context, ProgressFn, VerifyOptions
 from ckptctl.verify.dcp import check_dcp
@@ -290,7 +291,8 @@ def verify_path(path: str | os.PathLike[str], *, display: str | None = None, opt
     # A checkpoint of 92k tensors makes about a million objects, none in a cycle, that live until
     # its result is made: the cyclic collector would traverse them again and again (a tenth of
     # the run). It resumes once _checked has returned and reference counting has freed them.
-    with paused():
+    # Headers read ahead by layout.scan (beside an index parsed by a worker) live as long as this.
+    with paused(), read_ahead.scope(p):
         return _checked(PathResult(path=shown, root=str(p)), p, opts, progress, base_root)
 
 

@@ -120,13 +120,14 @@ def read_file(ctx: Context, name: str, container: str) -> WeightsRead:
     return out
 
 
-def merge(ctx: Context, reads: dict[str, WeightsRead]) -> Mapping[str, TensorSpec]:
-    """All tensors of a family; a name stored in two files is an error."""
+def merge(ctx: Context, reads: dict[str, WeightsRead], *, disjoint: bool = False) -> Mapping[str, TensorSpec]:
+    """All tensors of a family; a name stored in two files is an error. ``disjoint``: the caller
+    has proved that no name is in two files (the index agrees with every shard)."""
     if len(reads) == 1:  # one file: its own table (a name cannot repeat in it)
         return next(iter(reads.values())).tensors
     # No name in two files: the first-wins table below is each file's own, side by side (an index
     # of names; a header's spec made only when a rule asks for it).
-    merged = MergedSpecs([r.tensors for r in reads.values()])
+    merged = MergedSpecs([r.tensors for r in reads.values()], disjoint=True if disjoint else None)
     if _no_name_twice(reads, merged):
         return merged
     table: dict[str, TensorSpec] = {}

@@ -1,0 +1,270 @@
+"""The index read by a worker process beside the shard headers (ckptctl.worker, format.read_ahead,
+layout.scan): the worker's protocol, the headers read ahead, and the same findings, inspections
+and repairs with and without it, over the whole verify corpus and through the real CLI.
+
+Everything that forks runs in a fresh interpreter (a subprocess): the test process may hold
+threads from torch, and the worker refuses to fork beside a thread."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+from safetensors.numpy import save_file
+
+from ckptctl.format import read_ahead
+from ckptctl.format.header import read_header, read_header_ahead
+from ckptctl.format.index import encode_index, read_for_worker, read_index
+from tests.support import REPO, run_cli_subprocess
+
+TESTS = Path(__file__).resolve().parent
+
+
+def _python(code: str, *args: str, env: dict[str, str] | None = None, timeout: float = 600) -> str:
+    """Run ``code`` in a fresh interpreter (the repository and tests/ importable); its stdout."""
+    full = {k: v for k, v in os.environ.items() if k != "CKPTCTL_WORKERS"}
+    # OpenBLAS starts a thread pool when numpy is imported (the corpus builds with numpy): one
+    # thread keeps the process single-threaded, as the CLI is, so that the worker may fork
+    full.update({"PYTHONPATH": os.pathsep.join([str(REPO), str(TESTS)]), "OPENBLAS_NUM_THREADS": "1",
+                 **(env or {})})
+    p = subprocess.run([sys.executable, "-c", textwrap.dedent(code), *args], capture_output=True, text=True,
+                       env=full, timeout=timeout)
+    assert p.returncode == 0, p.stderr[-4000:]
+    return p.stdout
+
+
+# --------------------------------------------------------------------------------------------
+# the worker
+
+
+def test_worker_returns_the_call_result_and_refuses_what_it_cannot_deliver() -> None:
+    out = _python("""
+        import json, os, threading, time
+        from ckptctl import worker as W
+        assert W.available()
+        job = W.start(os.getpid, capacity=1 << 16)
+        child = job.result()
+        assert child != os.getpid() and job.pid is None and job.shared is None
+        failed = []
+        for fn, cap in ((lambda: 1 / 0, 1 << 16), (lambda: b"x" * 100_000, 1000)):
+            job = W.start(fn, capacity=cap)
+            try:
+                job.result()
+            except W.WorkerFailed:
+                failed.append(True)
+        # the parent's own descriptors are closed in the child: a lock it holds stays its own
+        extra = os.dup2(os.open(os.devnull, os.O_RDONLY), 500)  # above what the child's listdir takes
+        fds = W.start(lambda: sorted(map(int, os.listdir("/proc/self/fd"))), capacity=1 << 16).result()
+        # a parent interrupted in its own work kills and reaps the child
+        job = W.start(time.sleep, 30, capacity=1 << 16)
+        pid = job.pid
+        try:
+            with job:
+                raise KeyboardInterrupt
+        except KeyboardInterrupt:
+            pass
+        try:
+            os.waitpid(pid, os.WNOHANG)
+            reaped = False
+        except ChildProcessError:
+            reaped = True
+        # never beside another thread
+        t = threading.Thread(target=time.sleep, args=(1,)); t.start()
+        beside_thread = W.available()
+        t.join()
+        print(json.dumps({"failed": failed, "extra_in_child": extra in fds, "reaped": reaped,
+                          "beside_thread": beside_thread}))
+    """)
+    got = json.loads(out)
+    assert got == {"failed": [True, True], "extra_in_child": False, "reaped": True, "beside_thread": False}
+
+
+def test_workers_off_by_environment() -> None:
+    out = _python("from ckptctl import worker as W; print(W.available(), W.start(int, capacity=64))",
+                  env={"CKPTCTL_WORKERS": "0"})
+    assert out.split() == ["False", "None"]
+
+
+# --------------------------------------------------------------------------------------------
+# headers read ahead
+
+
+def _shard(path: Path, names: list[str], value: float = 0.0) -> None:
+    save_file({n: np.full((2, 2), value, dtype=np.float32) for n in names}, str(path), metadata={"format": "pt"})
+
+
+def test_a_header_read_ahead_is_handed_out_once_and_only_for_the_same_file(tmp_path: Path) -> None:
+    p = tmp_path / "model.safetensors"
+    _shard(p, ["a", "b"])
+    # outside a scope nothing is kept
+    read_header_ahead(p)
+    assert read_header(p) is not read_header(p)
+    with read_ahead.scope(tmp_path):
+        assert read_ahead.wanted(tmp_path) and not read_ahead.wanted(tmp_path / "other")
+        read_header_ahead(p)
+        first = read_header(p, display=str(p))
+        assert list(first.tensors) == ["a", "b"]
+        assert read_header(p, display=str(p)) is not first  # handed out once
+        # rewritten after it was read ahead (same size): the new bytes are parsed
+        read_header_ahead(p)
+        before = os.stat(p).st_mtime_ns
+        _shard(p, ["a", "c"])
+        os.utime(p, ns=(before + 1_000_000, before + 1_000_000))
+        assert list(read_header(p, display=str(p)).tensors) == ["a", "c"]
+        # another display (the findings name the file as the caller shows it) is another read
+        read_header_ahead(p)
+        assert read_header(p, display="shown").path == "shown"
+    assert not read_ahead._kept
+
+
+def test_an_index_read_for_a_worker_carries_joins_and_parses_its_map_on_demand(tmp_path: Path) -> None:
+    wm = {"b.x": "s2", "a.y": "s1", "a.x": "s1"}
+    (tmp_path / "i.json").write_bytes(encode_index(wm, 48))
+    doc = read_for_worker(str(tmp_path / "i.json"), "shown")
+    assert doc.joins == {"s1": "a.x\na.y", "s2": "b.x"} and doc.shards == ["s1", "s2"] and doc._map is None
+    assert doc.weight_map == read_index(tmp_path / "i.json").weight_map == wm
+    # a name holding a newline: no joins (they could not tell its names apart)
+    (tmp_path / "n.json").write_bytes(encode_index({"a\nb": "s1", "a": "s1"}, 32))
+    assert read_for_worker(str(tmp_path / "n.json"), "n").joins is None
+
+
+# --------------------------------------------------------------------------------------------
+# the same results with and without the worker
+
+
+PARITY = """
+import json, os, re, sys, hashlib
+from pathlib import Path
+import corpus
+import ckptctl.worker as W
+import ckptctl.layout
+import ckptctl.format.index as FI
+from ckptctl.errors import CkptctlError
+from ckptctl.inspect import inspect_path
+from ckptctl.resave import resave
+from ckptctl.sizes import parse_size
+from ckptctl.verify import VerifyOptions, verify_paths
+from ckptctl.write.options import ExportOptions
+
+LS = sys.modules["ckptctl.layout.scan"]
+LS.READ_AHEAD_INDEX_BYTES = 0  # every index, however small, is read by a worker
+jobs = 0
+start = LS.start
+def counting(*a, **k):
+    global jobs
+    job = start(*a, **k)
+    jobs += job is not None
+    return job
+LS.start = counting
+root = Path(sys.argv[1])
+
+def tree(d):  # what each file holds, with the run's own directory written as P
+    here = str(d.parent).encode()
+    return {str(p.relative_to(d)): hashlib.sha256(p.read_bytes().replace(here, b"P")).hexdigest()
+            if p.is_file() else "other" for p in sorted(d.rglob("*")) if not p.is_symlink()}
+
+def outcome(fn, d):
+    try:
+        out = fn(d)
+    except CkptctlError as exc:
+        out = {"error": type(exc).__name__, "message": exc.message, "hint": exc.hint}
+    text = json.dumps(out, default=str).replace(str(d), "D").replace(str(d.parent), "P")
+    return json.loads(re.sub(r"[.][0-9a-f]{16}-[0-9a-f]{8}", ".STAGING", text))  # a staging directory's own name
+
+def run(case, d):
+    opts = VerifyOptions(deep=case.deep, max_shard_size=parse_size(case.args[-1]) if "--max-shard-size" in case.args else None)
+    got = {"verify": outcome(lambda p: verify_paths([str(p)], options=opts).to_dict(), d),
+           "inspect": outcome(lambda p: inspect_path(p).to_dict(), d)}
+    res = outcome(lambda p: resave(p, ExportOptions(), repair=True).to_dict(), d)
+    if isinstance(res, dict):
+        res.pop("seconds", None)
+    got["resave"], got["after"] = res, tree(d)
+    return got
+
+assert W.available()
+cases = list(corpus.CASES) + [corpus.Case("clean_" + k, fn) for k, fn in corpus.CLEAN.items()]
+differ, made = [], 0
+for case in cases:
+    results = []
+    for workers in ("0", "1"):
+        # each run gets the case made afresh (the builders are seeded), under the same name
+        d = root / case.name / workers / "ck"
+        d.mkdir(parents=True)
+        case.make(d)
+        os.environ["CKPTCTL_WORKERS"] = workers
+        FI._last_read = None  # each run reads the index itself
+        results.append(run(case, d))
+    if not any(p.name.endswith(".index.json") for p in d.iterdir()):
+        continue
+    made += 1
+    if results[0] != results[1]:
+        differ.append({"case": case.name, "serial": results[0], "worker": results[1]})
+print(json.dumps({"made": made, "jobs": jobs, "differ": differ}))
+"""
+
+
+def test_verify_inspect_and_resave_are_the_same_with_the_worker_over_the_corpus(tmp_path: Path) -> None:
+    got = json.loads(_python(PARITY, str(tmp_path)))
+    assert got["made"] >= 30, got
+    # each case reads its index three times with the worker (verify, inspect, resave's scans)
+    assert got["jobs"] >= 3 * got["made"], got
+    assert got["differ"] == [], json.dumps(got["differ"][0], indent=1)[:6000]
+
+
+def _large(d: Path, *, shards: int = 8, per_shard: int = 1600) -> None:
+    """A checkpoint whose index is over 1 MiB (12,800 tensors): the CLI reads it with a worker."""
+    d.mkdir()
+    wm: dict[str, str] = {}
+    total = 0
+    for s in range(1, shards + 1):
+        name = f"model-{s:05d}-of-{shards:05d}.safetensors"
+        names = [f"model.layers.{s}.mlp.experts.{i}.a_rather_long_projection_name.weight" for i in range(per_shard)]
+        _shard(d / name, names, float(s))
+        wm.update(dict.fromkeys(names, name))
+        total += 16 * per_shard
+    (d / "model.safetensors.index.json").write_bytes(encode_index(wm, total))
+    assert (d / "model.safetensors.index.json").stat().st_size > 1 << 20
+
+
+@pytest.mark.parametrize("command", [("verify", "--json"), ("inspect", "--json")])
+def test_the_cli_gives_the_same_document_with_and_without_the_worker(tmp_path: Path, command: tuple[str, ...]) -> None:
+    d = tmp_path / "big"
+    _large(d)
+    runs = [run_cli_subprocess(command[0], d, *command[1:], env={**os.environ, "CKPTCTL_WORKERS": w})
+            for w in ("0", "1")]
+    assert runs[0][0] == runs[1][0] == 0, runs[1][2]
+    assert json.loads(runs[0][1]) == json.loads(runs[1][1])
+
+
+def _moved(wm: dict[str, str]) -> None:
+    wm[next(iter(wm))] = "model-00002-of-00008.safetensors"
+
+
+def _dropped(wm: dict[str, str]) -> None:
+    del wm[next(iter(wm))]
+
+
+def _invented(wm: dict[str, str]) -> None:
+    wm["model.not.stored.weight"] = "model-00003-of-00008.safetensors"
+
+
+@pytest.mark.parametrize("edit, code", [(_moved, "index.wrong_shard"), (_dropped, "index.tensor_not_indexed"),
+                                        (_invented, "index.tensor_missing")], ids=["moved", "dropped", "invented"])
+def test_the_cli_reports_a_wrong_index_the_same_with_the_worker(tmp_path: Path, edit, code: str) -> None:
+    d = tmp_path / "big"
+    _large(d)
+    idx = d / "model.safetensors.index.json"
+    doc = json.loads(idx.read_text())
+    edit(doc["weight_map"])
+    idx.write_text(json.dumps(doc, indent=2))
+    runs = [run_cli_subprocess("verify", d, "--json", env={**os.environ, "CKPTCTL_WORKERS": w}) for w in ("0", "1")]
+    assert runs[0][0] == runs[1][0] == 1
+    docs = [json.loads(r[1]) for r in runs]
+    assert docs[0] == docs[1]
+    assert {f["code"] for f in docs[1]["results"][0]["findings"] if f["severity"] == "error"} == {code}
