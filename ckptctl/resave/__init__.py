@@ -39,16 +39,15 @@ from ckptctl.findings import ERROR, Finding
 from ckptctl.gcpause import paused
 from ckptctl.format import names as N
 from ckptctl.format import read_ahead
-from ckptctl.plan import Plan
 from ckptctl.resave.analyze import Chosen, Repair, analyze
 from ckptctl.resave.keep import (already_so, keep_layout_plan, keep_layout_source, kept_files, link_matching,
                                  note_index_changes, own_metadata)
-from ckptctl.sources.safetensors_source import SafetensorsSource
-from ckptctl.write.inputs import Entry, build_inputs, entries_for
-from ckptctl.write.job import ExportResult, write_inputs
+from ckptctl.write.result import ExportResult
 from ckptctl.write.options import ExportOptions, ExportSettings, validate
 
 if TYPE_CHECKING:
+    from ckptctl.plan import Plan
+    from ckptctl.write.inputs import Entry
     from ckptctl.write.tree import RootResult
 
 __all__ = ["PREFER", "Chosen", "Repair", "ResaveResult", "analyze", "resave"]
@@ -137,11 +136,18 @@ def _resave(root: Path, opts: ExportOptions, *, output: str | os.PathLike[str] |
         with open_source(root, only=L.PYTORCH) as src:  # read (weights_only) even to find it sound
             if repair and not replan and not output and not rep.fixes:
                 return _unchanged(dest, opts, rep, chosen.errors)  # a sound pickle checkpoint
+            from ckptctl.write.inputs import build_inputs, entries_for
+            from ckptctl.write.job import write_inputs
+
             inputs = build_inputs(entries_for(src, opts.dtype), opts, settings, extras=extras, aliases=src.aliases,
                                   source=src)
             return ResaveResult(write_inputs(inputs, dest, check=check), rep)
     opts = replace(opts, prefix=chosen.stem, variant=chosen.variant)
+    # the writer, imported only once something is written (a repair with nothing to do needs none)
+    from ckptctl.write.inputs import build_inputs, entries_for
     if replan:
+        from ckptctl.sources.safetensors_source import SafetensorsSource
+
         src = SafetensorsSource.open(root, chosen.files)
         entries = entries_for(src, opts.dtype)
         plan = _replan(entries, settings, src.metadata or None, opts)
@@ -166,6 +172,8 @@ def _resave(root: Path, opts: ExportOptions, *, output: str | os.PathLike[str] |
                 "restore the files that hold them from a copy; nothing was changed")
         src, entries = keep_layout_source(root, kept)
         inputs = build_inputs(entries, opts, settings, extras=extras, metadata=metadata)
+    from ckptctl.write.job import write_inputs
+
     return ResaveResult(write_inputs(inputs, dest, plan=plan, check=check), rep)
 
 

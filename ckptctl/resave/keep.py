@@ -5,27 +5,30 @@ the plan is the directory as it already is (a repair with nothing to do)."""
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass
 from functools import cached_property
 from itertools import repeat
 from math import prod
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ckptctl import layout as L
 from ckptctl.errors import UnrepairableError
 from ckptctl.format import names as N
+from ckptctl.format.names import MANIFEST_NAME
 from ckptctl.format.header import Header, TensorInfo, TensorTable, encode_header, read_header
 from ckptctl.format.index import Index
-from ckptctl.manifest import MANIFEST_NAME
 from ckptctl.plan import Plan, ShardPlan
 from ckptctl.resave.analyze import Chosen, Repair
-from ckptctl.sources.base import Source, SourceTensor
-from ckptctl.sources.safetensors_source import SafetensorsSource
-from ckptctl.write.inputs import Entry, entries_for
+
+if TYPE_CHECKING:
+    from ckptctl.sources.base import Source
+    from ckptctl.write.inputs import Entry
 
 
 def _hash_range(path: Path, offset: int, length: int) -> str:
+    import hashlib
+
     h = hashlib.sha256()
     with open(path, "rb") as f:
         f.seek(offset)
@@ -184,6 +187,10 @@ def _drop_duplicates(root: Path, headers: dict[str, Header], per_file: dict[str,
 
 def keep_layout_source(root: Path, kept: Kept) -> tuple[Source, list[Entry]]:
     """The source of a keep-layout plan's tensors, each read at its offset in the file it is kept from."""
+    from ckptctl.sources.base import SourceTensor
+    from ckptctl.sources.safetensors_source import SafetensorsSource
+    from ckptctl.write.inputs import entries_for
+
     src = SafetensorsSource(path=root, kind="safetensors")
     for path, data_start, tensors in kept:
         src.tensors.extend(SourceTensor(t.spec, file=path, offset=data_start + t.begin) for t in tensors)
