@@ -89,6 +89,15 @@ _ODDITIES = {
     "negative_zero": ([('"l.4":{"dtype":"BF16","shape":[1]', '"l.4":{"dtype":"BF16","shape":[-0]')],
                       ["header.bad_shape", "header.offset_hole"]),
     "bad_json_late": ([('"l.39990":{', '"l.39990":{{')], ["header.bad_json"]),
+    # an entry that does not begin where the one before it ends (the chunk's begins are then read
+    # one by one): two swapped in the file, and one moved onto its neighbour's bytes
+    "swapped_offsets": ([('"l.30000":{"dtype":"BF16","shape":[1],"data_offsets":[44454,44456]}',
+                          '"l.30000":{"dtype":"BF16","shape":[1],"data_offsets":[44456,44458]}'),
+                         ('"l.30001":{"dtype":"BF16","shape":[1],"data_offsets":[44456,44458]}',
+                          '"l.30001":{"dtype":"BF16","shape":[1],"data_offsets":[44454,44456]}')], []),
+    "moved_onto_neighbour": ([('"l.1":{"dtype":"BF16","shape":[1],"data_offsets":[2,4]}',
+                               '"l.1":{"dtype":"BF16","shape":[1],"data_offsets":[0,2]}')],
+                             ["header.offset_hole", "header.offset_overlap"]),
     "trailing_comma": ([('"l.9999":{"dtype":"BF16","shape":[1],"data_offsets":[79998,80000]}}',
                          '"l.9999":{"dtype":"BF16","shape":[1],"data_offsets":[79998,80000]},}')], ["header.bad_json"]),
 }

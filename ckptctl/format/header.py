@@ -744,7 +744,11 @@ class _Columns:
             known = [self.known(ks) for ks in set(kss)]
             if None in known or METADATA_KEY in names:
                 return pos, stop
-            begin, end = array("Q", map(int, bs)), array("Q", map(int, es))
+            end = array("Q", map(int, es))
+            if bs[1:] == es[:-1]:  # each begins where the one before ends (every writer's order)
+                begin = array("Q", (int(bs[0]),)) + end[:-1]  # numbers without leading zeros: text = value
+            else:
+                begin = array("Q", map(int, bs))
             kinds = list(map(self.known if len(self.fast) >= _FAST_CACHE else self.fast.__getitem__, kss))
             if not all(map(operator.eq, map(operator.sub, end, begin), map(operator.itemgetter(1), kinds))):
                 return pos, stop
