@@ -12,7 +12,7 @@ import os
 import re
 from array import array
 from collections import Counter
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import repeat
 from math import prod
@@ -155,6 +155,14 @@ class TensorRows(Sequence[TensorRow]):
         combos = map(operator.add, map(operator.mul, map(self._kind.__getitem__, rows), repeat(places)),
                      map(self._where.__getitem__, rows))
         return zip(map(self._names.__getitem__, rows), map(_Fields(self).__getitem__, combos))
+
+    def columns(self) -> tuple[list[str], list[int], Mapping[int, dict[str, Any]]]:
+        """The rows shown as columns: the names, a code per row, and the JSON fields but the name
+        of each code (the ``fields`` of :meth:`named_rows`, made on first use)."""
+        rows, places = self._rows(), len(self._places)
+        codes = list(map(operator.add, map(operator.mul, map(self._kind.__getitem__, rows), repeat(places)),
+                         map(self._where.__getitem__, rows)))
+        return list(map(self._names.__getitem__, rows)), codes, _Fields(self)
 
     def json_rows(self) -> Iterator[dict[str, Any]]:
         """Each row shown as its JSON object."""

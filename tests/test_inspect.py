@@ -302,3 +302,19 @@ def test_variants_beside_the_family_read_are_listed_not_counted(tmp_path):
     assert doc["parameters"] == 19 and doc["tensor_count"] == 2
     assert {f["name"]: f["role"] for f in doc["files"]} == {"model.safetensors": "weights",
                                                             "model.fp16.safetensors": "variant"}
+
+
+def test_json_rows_are_json_dumps_bytes_whatever_the_names(cli, tmp_path: Path) -> None:
+    """The tensor rows are written a chunk at a time, a chunk of plain names without encoding
+    each: over several chunks, names that JSON escapes (a quote, a backslash, a newline, a tab)
+    in some chunks only, the document is byte for byte what ``json.dumps`` gives for it."""
+    odd = {1000: 'q"uote', 5000: "back\\slash", 9000: "new\nline", 9001: "t\tab", 9002: "ünï"}
+    names = [odd.get(i, f"layer.{i:05d}.weight") for i in range(13_000)]
+    save_file({n: torch.zeros(1 + i % 3) for i, n in enumerate(names)}, tmp_path / "model.safetensors",
+              metadata={"format": "pt"})
+    res = cli("inspect", str(tmp_path), "--json")
+    assert res.exit_code == 0, res.stderr
+    doc = json.loads(res.stdout)
+    assert res.stdout == json.dumps(doc, ensure_ascii=False) + "\n"
+    assert sorted(t["name"] for t in doc["tensors"]) == sorted(names)
+    assert {t["name"]: t["shape"] for t in doc["tensors"]}['q"uote'] == [1 + 1000 % 3]

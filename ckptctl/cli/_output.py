@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import io
 import json
-import operator
 import os
+import re
 import signal
 import sys
 import traceback
 from contextlib import contextmanager
-from itertools import islice, repeat
-from typing import TYPE_CHECKING, Any, Iterable, Iterator
+from typing import TYPE_CHECKING, Any, Iterator, Mapping, Sequence
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -75,6 +74,32 @@ def human_size(n: int) -> str:
 
 _PIPE_WIDTH = 100_000
 _ROWS_AT_ONCE = 4096
+# what json's encoder (ensure_ascii=False) escapes in a string: a name without any is its own text
+_JSON_ESCAPED = re.compile(r'[\x00-\x1f\\"]')
+
+
+class JsonRows:
+    """An array of objects ``{"name": names[i], **fields[codes[i]]}`` under ``key``, by column:
+    rows share their ``fields`` objects (one per distinct code)."""
+
+    __slots__ = ("key", "names", "codes", "fields")
+
+    def __init__(self, key: str, names: Sequence[str], codes: Sequence[int],
+                 fields: Mapping[int, dict[str, Any]]) -> None:
+        self.key, self.names, self.codes, self.fields = key, names, codes, fields
+
+
+class _Tails(dict):  # type: ignore[type-arg]
+    """A code's object text after the name (``, "dtype": ...}``), encoded on first use."""
+
+    def __init__(self, fields: Mapping[int, dict[str, Any]]) -> None:
+        super().__init__()
+        self._fields = fields
+
+    def __missing__(self, code: int) -> str:
+        f = self._fields[code]
+        tail = self[code] = ", " + json.dumps(f, ensure_ascii=False, default=str)[1:] if f else "}"
+        return tail
 
 
 class Output:
@@ -139,34 +164,37 @@ class Output:
         doc.update(payload)
         return doc
 
-    def emit_json(self, doc: dict[str, Any], *, rows: tuple[str, Iterable[tuple[str, dict[str, Any]]]] | None = None
-                  ) -> None:
+    def emit_json(self, doc: dict[str, Any], *, rows: "JsonRows | None" = None) -> None:
         """Write ``doc`` as one line (scripts read it, and only the compact form uses json's C
-        encoder). ``rows`` (key, named rows) ends the document with that key's array of objects
-        ``{"name": name, **fields}``, encoded and written ``_ROWS_AT_ONCE`` at a time: the bytes
-        ``json.dumps`` gives for the whole document, never held as one string, each distinct
-        ``fields`` object (rows share them) encoded once."""
+        encoder). ``rows`` (:class:`JsonRows`) ends the document with an array of objects
+        ``{"name": name, **fields}``, written ``_ROWS_AT_ONCE`` at a time: the bytes ``json.dumps``
+        gives for the whole document, never held as one string. Each distinct ``fields`` object
+        (rows share them) is encoded once; a chunk's names that hold nothing JSON escapes are
+        written as they are, between the quotes of the texts around them (one ``str.join`` of
+        the chunk's pieces, no string made per row)."""
         text = json.dumps(doc, ensure_ascii=False, default=str)
         if rows is None:
             self.write(text + "\n")
             return
-        key, items = rows
-        self.write(f"{text[:-1]}{', ' if doc else ''}{json.dumps(key, ensure_ascii=False)}: [")
-        alive: list[dict[str, Any]] = []  # the objects encoded (so that their ids stay theirs)
-        tails: dict[int, str] = {}  # id -> the object's text after the name
-        name = json.encoder.encode_basestring  # json.dumps' own string encoder with ensure_ascii=False
-        it, sep = iter(items), ""
-        while chunk := list(islice(it, _ROWS_AT_ONCE)):
-            names, fields = zip(*chunk)
-            ids = list(map(id, fields))
-            for i, f in dict(zip(ids, fields)).items():
-                if i not in tails:
-                    alive.append(f)
-                    tails[i] = ", " + json.dumps(f, ensure_ascii=False, default=str)[1:] if f else "}"
-            texts = map(operator.add, map(operator.add, repeat('{"name": '), map(name, names)),
-                        map(tails.__getitem__, ids))
-            self.write(sep + ", ".join(texts))
-            sep = ", "
+        self.write(f"{text[:-1]}{', ' if doc else ''}{json.dumps(rows.key, ensure_ascii=False)}: [")
+        tails = _Tails(rows.fields)
+        names, codes = rows.names, rows.codes
+        for a in range(0, len(names), _ROWS_AT_ONCE):
+            chunk = names[a:a + _ROWS_AT_ONCE]
+            k = len(chunk)
+            joined = "\n".join(chunk)
+            if _JSON_ESCAPED.search(joined) is None and joined.count("\n") == k - 1:
+                quote = '"'  # each name as it is, quoted by the pieces around it
+            else:
+                chunk, quote = list(map(json.encoder.encode_basestring, chunk)), ""
+            pieces: list[str] = [""] * (4 * k)
+            pieces[0::4] = [', {"name": ' + quote] * k
+            if a == 0:
+                pieces[0] = '{"name": ' + quote
+            pieces[1::4] = chunk
+            pieces[2::4] = [quote] * k
+            pieces[3::4] = list(map(tails.__getitem__, codes[a:a + _ROWS_AT_ONCE]))
+            self.write("".join(pieces))
         self.write("]}\n")
 
     @staticmethod

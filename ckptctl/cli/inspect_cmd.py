@@ -7,7 +7,7 @@ from typing import Annotated, Optional
 import typer
 
 from ckptctl.cli._options import JsonOpt, KeyOpt, QuietOpt, VerboseOpt
-from ckptctl.cli._output import Output, human_size
+from ckptctl.cli._output import JsonRows, Output, human_size
 
 
 def inspect(
@@ -44,7 +44,7 @@ def inspect(
             # the tensor rows are encoded and written a chunk at a time, never one string
             doc = out.document(True, **res.to_dict(with_tensors=False))
             with paused():  # a tuple per row, none in a cycle: no collection needed while they stream
-                out.emit_json(doc, rows=("tensors", res.tensors.named_rows()))
+                out.emit_json(doc, rows=JsonRows("tensors", *res.tensors.columns()))
             return
         _render(out, res, show_tensors=tensors or bool(filter_))
 
