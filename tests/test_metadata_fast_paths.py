@@ -9,6 +9,8 @@ import json
 from pathlib import Path
 
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from huggingface_hub import split_state_dict_into_shards_factory
 from safetensors.torch import load_file, save_file
 
@@ -53,6 +55,10 @@ def test_layer_numbers_in_one_pass_equal_name_by_name():
     # the first match of a name is its leftmost whole match (a false start does not end the name)
     tricky = ["q.layers.1a.layers.6.b", "q.h.2.h.3.", "layers.4.x", "q.blocks..blocks.9.", "q.layers.5"]
     assert _layer_numbers(tricky) == {int(m.group(1)) for m in map(_LAYER.search, tricky) if m} == {6, 2, 9}
+    # runs of names that share a layer's prefix, and names that share more than it
+    runs = sorted(f"model.layers.{i}.{p}" for i in range(12) for p in ("a.w", "b.w", "mlp.experts.3.w"))
+    runs += ["model.layers.1.h.2.x", "model.layers.1x.layers.4.y", "model.layers.1", "model.h.5.layers.6.z"]
+    assert _layer_numbers(runs) == {int(m.group(1)) for m in map(_LAYER.search, runs) if m} == set(range(12)) | {5}
     tensors = {n: None for n in names}
     assert config_mismatches(tensors, {"num_hidden_layers": 8}) == 1  # the numbers are not 0..7
     assert config_mismatches({f"model.layers.{i}.w": None for i in range(4)}, {"num_hidden_layers": 4}) == 0
@@ -77,3 +83,11 @@ def test_export_of_many_small_tensors_is_safetensors_own_bytes(tmp_path: Path):
     assert (tmp_path / "out" / "model.safetensors").read_bytes() == (tmp_path / "ref.safetensors").read_bytes()
     back = load_file(str(tmp_path / "out" / "model.safetensors"))
     assert set(back) == set(sd) and all(torch.equal(back[k], sd[k]) for k in sd)
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.lists(st.lists(st.sampled_from(["layers", "h", "blocks", "1", "2", "12", "x", "", "."]),
+                         max_size=7).map(".".join), max_size=30))
+def test_layer_numbers_by_runs_equal_name_by_name_for_any_names(names: list[str]) -> None:
+    for order in (names, sorted(names)):
+        assert _layer_numbers(order) == {int(m.group(1)) for m in map(_LAYER.search, order) if m}

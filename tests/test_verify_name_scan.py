@@ -19,7 +19,7 @@ from ckptctl.verify import model
 from ckptctl.verify.architectures import LLAMA, SPECS, Dims
 from ckptctl.verify.stacks import (EXPERT, EXPERT_RUNS, LAYER, LAYER_RUNS, check_experts, containers,
                                    expert_blocks)
-from ckptctl.verify.tensor_names import TensorNames
+from ckptctl.tensor_names import TensorNames
 
 TRICKY = [
     "model.embed_tokens.weight", "embed_tokens.weight", "model.norm.weight", "lm_head.weight",

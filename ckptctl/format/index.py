@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import os
 import stat
-from typing import Any
+from typing import Any, Iterable, Mapping
 
 from ckptctl.errors import from_oserror
 from ckptctl.findings import ERROR, Finding, has_errors
@@ -47,6 +47,26 @@ class Index:
     def add(self, code: str, message: str, *, severity: str = ERROR, hint: str | None = None,
             tensor: str | None = None, **details: Any) -> None:
         self.findings.append(Finding(code, severity, self.path, message, hint, tensor, dict(details)))
+
+    def agrees_with(self, names_by_shard: Mapping[str, Iterable[str]]) -> bool | None:
+        """Whether the index maps exactly these names to these shards (each shard it names, and
+        no other), from :attr:`joins`: each shard's names sorted and joined by newlines against
+        the index's own. None when it cannot tell that way (no joins, a name holding a newline):
+        the caller then compares ``weight_map``. The index has no repeated key, so True also
+        means that no name is in two shards."""
+        joins = self.joins
+        if joins is None:
+            return None
+        if joins.keys() != names_by_shard.keys():
+            return False
+        for shard, names in names_by_shard.items():
+            ordered = sorted(names)
+            text = "\n".join(ordered)
+            if text.count("\n") != len(ordered) - 1:
+                return None
+            if text != joins[shard]:
+                return False
+        return True
 
     def copy(self) -> "Index":
         """An Index of the same reading that shares nothing mutable with this one."""

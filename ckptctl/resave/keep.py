@@ -81,19 +81,9 @@ class KeptFiles:
         """Whether ``old`` maps exactly the plan's tensors to the plan's files (``weight_map``
         equality), said without a dict of every tensor when ``old`` has its ``joins``: each
         file's sorted names, joined by newlines, against the index's own."""
-        joins = old.joins
-        if joins is not None:
-            mine: dict[str, str] = {}
-            for keep, name in zip(self.keeps, self.names):
-                names = sorted(keep if isinstance(keep, TensorTable) else (t.name for t in keep))
-                text = "\n".join(names)
-                if text.count("\n") != len(names) - 1:
-                    break  # a name holds a newline: the joins cannot tell
-                if names:
-                    mine[name] = text
-            else:
-                return mine == joins
-        return old.weight_map == self.weight_map
+        said = old.agrees_with({name: keep if isinstance(keep, TensorTable) else [t.name for t in keep]
+                                for keep, name in zip(self.keeps, self.names) if len(keep)})
+        return old.weight_map == self.weight_map if said is None else said
 
 
 def _records(keep: TensorTable | list[TensorInfo]) -> list[TensorInfo]:
@@ -107,7 +97,9 @@ def kept_files(root: Path, chosen: Chosen, rep: Repair) -> KeptFiles:
     files = chosen.files
     headers = {n: chosen.headers.get(n) or read_header(root / n, display=str(root / n)) for n in files}
     keeps: dict[str, TensorTable | list[TensorInfo]]
-    if len(set().union(*(headers[n].tensors for n in files))) == sum(len(headers[n].tensors) for n in files):
+    # no tensor in two files: the index says so when it agrees with every header (its joins)
+    agree = chosen.index is not None and chosen.index.agrees_with({n: headers[n].tensors for n in files})
+    if agree or len(set().union(*(headers[n].tensors for n in files))) == sum(len(headers[n].tensors) for n in files):
         # no tensor stored twice: every file keeps all its tensors
         keeps = {n: headers[n].tensors for n in sorted(files) if headers[n].tensors}
     else:

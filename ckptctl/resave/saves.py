@@ -15,7 +15,6 @@ import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
-from operator import methodcaller
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +23,7 @@ from ckptctl.config_fields import ConfigFields, as_int
 from ckptctl.findings import ERROR, Finding
 from ckptctl.format import names as N
 from ckptctl.format.header import Header, MergedSpecs, read_header
+from ckptctl.tensor_names import TensorNames
 
 
 def read_all(root: Path, names: list[str]) -> tuple[dict[str, Header], list[Finding]]:
@@ -44,19 +44,21 @@ def read_all(root: Path, names: list[str]) -> tuple[dict[str, Header], list[Find
 
 
 _LAYER = re.compile(r"\.(?:layers|h|blocks)\.(\d+)\.")
-# _LAYER's first match in each line, the rest of the line taken with it (so the next search starts
-# on the next line): no lazy prefix tried at every character of every name
-_LAYER_PER_LINE = re.compile(r"\.(?:layers|h|blocks)\.(\d+)\.[^\n]*")
+# _LAYER's first match in a line (the lazy prefix: its leftmost), with every following line that
+# starts with the same text up to the end of that match: such a line's first match is the same one
+# (a match that starts earlier would lie inside the shared text, and match the first line too).
+# A layer's names sit side by side: one match per run of them, not per name.
+_LAYER_RUNS = re.compile(r"\n(?P<pre>[^\n]*?\.(?:layers|h|blocks)\.(?P<n>\d+)\.)[^\n]*(?:\n(?P=pre)[^\n]*)*")
 
 
-def _layer_numbers(names: list[str]) -> set[int]:
+def _layer_numbers(names: "list[str] | TensorNames") -> set[int]:
     """The layer number each name carries (its first ``.layers.N.``, ``.h.N.`` or ``.blocks.N.``):
-    one regex pass over the names joined by lines (90k names in one call), or name by name when
-    a name holds a line break itself."""
-    text = "\n".join(names)
-    if text.count("\n") == max(len(names) - 1, 0):
-        return set(map(int, set(_LAYER_PER_LINE.findall(text))))  # each distinct text read once
-    return {int(m.group(1)) for m in map(_LAYER.search, names) if m}
+    one regex pass over the names joined by lines (90k names in one call, a match per run of
+    names in one layer), or name by name when a name holds a line break itself."""
+    joined = names if isinstance(names, TensorNames) else TensorNames(dict.fromkeys(names))
+    if joined.text is not None:
+        return set(map(int, {m.group("n") for m in _LAYER_RUNS.finditer(joined.text)}))  # each distinct text once
+    return {int(m.group(1)) for m in map(_LAYER.search, joined.names) if m}
 
 
 _EMBEDDINGS = ("embed_tokens.weight", "wte.weight", "lm_head.weight")
@@ -64,19 +66,23 @@ _EMBEDDINGS = ("embed_tokens.weight", "wte.weight", "lm_head.weight")
 
 def config_mismatches(tensors: Mapping[str, Any], cfg: dict[str, Any] | None) -> int:
     """How many of config.json's basic facts a tensor set (records with a ``shape``, by name)
-    contradicts (0 = consistent). Only the embeddings' records are looked up."""
+    contradicts (0 = consistent). Only the embeddings' records are looked up; the names are read
+    as one text (:class:`TensorNames`), not one by one."""
     if not cfg:
         return 0
     bad = 0
     fields = ConfigFields(cfg)
     vocab = as_int(fields.get("vocab_size"))
     layers = as_int(fields.get("num_hidden_layers"))
-    for name in filter(methodcaller("endswith", _EMBEDDINGS), tensors) if vocab else ():
+    if not vocab and not isinstance(layers, int):
+        return 0
+    names = TensorNames(tensors)
+    for name in names.ending_any(_EMBEDDINGS) if vocab else ():
         t = tensors[name]
         if t.shape:
             bad += t.shape[0] != vocab
     if isinstance(layers, int):
-        idx = _layer_numbers(list(tensors))
+        idx = _layer_numbers(names)
         if idx and (len(idx) != layers or min(idx) != 0 or max(idx) != layers - 1):  # never range(layers)
             bad += 1
     return bad
@@ -158,7 +164,10 @@ def assess(root: Path, save: Save, cfg: dict[str, Any] | None,
     tensors, and when it was last written. ``read``: ``read_all`` of the save's files, when the
     caller has it (the headers are then not read again)."""
     headers, problems = read if read is not None else read_all(root, save.family.files)
-    tensors = MergedSpecs([h.tensors for h in headers.values()])  # by name, no record per tensor
+    doc = save.family.index_doc
+    # no name in two files when the index agrees with every header (its joins): no index of names
+    disjoint = doc is not None and doc.ok and doc.agrees_with({n: h.tensors for n, h in headers.items()})
+    tensors = MergedSpecs([h.tensors for h in headers.values()], disjoint=True if disjoint else None)
     mtime = max((_mtime(root / n) for n in save.family.all_files), default=0.0)
     return L.Assessment(complete=not problems and not save.missing and bool(save.family.files),
                         agrees=config_mismatches(tensors, cfg) == 0, tensors=len(tensors), mtime=mtime,

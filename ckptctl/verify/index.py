@@ -51,7 +51,9 @@ def read_indexed(ctx: Context, fam: L.Family) -> FamilyTensors:
             continue
         if shard in files and ctx.inside(shard) is not None:
             reads[shard] = W.read_file(ctx, shard, fam.container)
-    agree = _joined_agree(doc, reads)
+    # every shard read and holding exactly what the index maps to it (the index's joins), or not known
+    agree = all(r.names is not None for r in reads.values()) and bool(
+        doc.agrees_with({s: r.names for s, r in reads.items()}))  # type: ignore[misc]
     table = W.merge(ctx, reads, disjoint=agree)
     complete = set(shards) <= set(reads) and all(r.names is not None for r in reads.values())
     if not agree:
@@ -65,25 +67,6 @@ def read_indexed(ctx: Context, fam: L.Family) -> FamilyTensors:
         ctx.extend(W.alias_findings(doc.metadata, names, shown))
     W.shard_sizes(ctx, reads)
     return FamilyTensors(fam, table, complete)
-
-
-def _joined_agree(doc: Index, reads: dict[str, WeightsRead]) -> bool:
-    """Every shard the index names was read and holds exactly the names the index maps to it,
-    said by comparing each shard's sorted names, joined by newlines, with the index's own join
-    (``Index.joins``, made by the worker that read it). The index has no repeated key, so equal
-    joins also mean no name is in two shards. False when it cannot tell (the caller then checks
-    name by name): no joins, a shard not read, a name that holds a newline."""
-    joins = doc.joins
-    if joins is None or joins.keys() != reads.keys():
-        return False
-    for shard, r in reads.items():
-        if r.names is None:
-            return False
-        names = sorted(r.names)
-        text = "\n".join(names)
-        if text != joins[shard] or text.count("\n") != len(names) - 1:
-            return False
-    return True
 
 
 def _agrees(wm: dict[str, str], reads: dict[str, WeightsRead], shards: list[str]) -> bool:

@@ -24,7 +24,7 @@ from ckptctl.format.tensor import TensorSpec
 from ckptctl.verify.architectures import GENERATIVE, SPECS, Dims, Spec
 from ckptctl.verify.context import Context
 from ckptctl.verify.stacks import EXTRA_LAYER_FIELDS, check_experts, check_stacks, count_findings
-from ckptctl.verify.tensor_names import RunPattern, TensorNames, dtypes, run_pattern
+from ckptctl.tensor_names import RunPattern, TensorNames, dtypes, run_pattern
 from ckptctl.verify.tied import tied_bytes_step
 from ckptctl.verify.weights import transformers_rank
 

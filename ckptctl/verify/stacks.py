@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from ckptctl.config_fields import ConfigFields, as_int
 from ckptctl.findings import ERROR, INFO, PathFindings
 from ckptctl.format.tensor import TensorSpec
-from ckptctl.verify.tensor_names import TensorNames, run_pattern
+from ckptctl.tensor_names import TensorNames, run_pattern
 
 Tensors = Mapping[str, TensorSpec]
 
