@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
+from ckptctl.errors import InputError
 from ckptctl.format import read_ahead
 from ckptctl.format.header import read_header, read_header_ahead
 from ckptctl.format.index import encode_index, read_for_worker, read_index
@@ -129,6 +130,15 @@ def test_an_index_read_for_a_worker_carries_joins_and_parses_its_map_on_demand(t
     doc = read_for_worker(str(tmp_path / "i.json"), "shown")
     assert doc.joins == {"s1": "a.x\na.y", "s2": "b.x"} and doc.shards == ["s1", "s2"] and doc._map is None
     assert doc.weight_map == read_index(tmp_path / "i.json").weight_map == wm
+    # the worker keeps no bytes: the map is read again, from the same file or one that says the same
+    for again in (read_for_worker(str(tmp_path / "i.json"), "shown") for _ in range(2)):
+        assert again._raw is None
+        (tmp_path / "i.json").write_bytes(encode_index(wm, 48))  # rewritten, the same text
+        assert again.weight_map == wm
+    changed = read_for_worker(str(tmp_path / "i.json"), "shown")
+    (tmp_path / "i.json").write_bytes(encode_index({**wm, "c": "s2"}, 48))
+    with pytest.raises(InputError, match="changed while ckptctl was reading it"):
+        changed.weight_map
     # a name holding a newline: no joins (they could not tell its names apart)
     (tmp_path / "n.json").write_bytes(encode_index({"a\nb": "s1", "a": "s1"}, 32))
     assert read_for_worker(str(tmp_path / "n.json"), "n").joins is None

@@ -1,6 +1,7 @@
-"""`ckptctl export SRC DST`."""
+"""`ckptctl export SRC DST`.
 
-from __future__ import annotations
+No ``from __future__ import annotations`` (see ``verify_cmd``): Typer evaluates string
+annotations of the command on every run."""
 
 import os
 from typing import Annotated, Optional

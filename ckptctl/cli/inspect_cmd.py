@@ -1,6 +1,7 @@
-"""`ckptctl inspect PATH`."""
+"""`ckptctl inspect PATH`.
 
-from __future__ import annotations
+No ``from __future__ import annotations`` (see ``verify_cmd``): Typer evaluates string
+annotations of the command on every run."""
 
 from typing import Annotated, Optional
 
@@ -28,14 +29,16 @@ def inspect(
         from ckptctl.gcpause import paused
         from ckptctl.inspect import inspect_path
         from ckptctl.resolve import resolve
-        from ckptctl.write.options import check_key
 
         kinds = (L.SAFETENSORS, L.PYTORCH, L.PEFT, L.DCP)
         if only is not None and only not in kinds:
             raise UsageError(f"--only must be one of {', '.join(kinds)}, not {only!r}",
                              f"run `ckptctl inspect {path}` to see which families it holds")
 
-        check_key(key)
+        if key is not None:
+            from ckptctl.write.options import check_key
+
+            check_key(key)
         where = resolve(path)
         if where.note:
             out.info(f"inspecting {where.note}")

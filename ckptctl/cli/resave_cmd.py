@@ -1,6 +1,7 @@
-"""`ckptctl resave DIR`."""
+"""`ckptctl resave DIR`.
 
-from __future__ import annotations
+No ``from __future__ import annotations`` (see ``verify_cmd``): Typer evaluates string
+annotations of the command on every run."""
 
 from typing import Annotated, Optional
 

@@ -7,9 +7,10 @@ import os
 import stat
 from typing import Any, Iterable, Mapping
 
-from ckptctl.errors import from_oserror
+from ckptctl.errors import InputError, from_oserror
 from ckptctl.findings import ERROR, Finding, has_errors
 from ckptctl.format.header import DuplicateKey, no_duplicate_keys
+from ckptctl.format.read_ahead import Identity, identity
 
 MAX_INDEX_SIZE = 10 * 1024 * 1024  # huggingface_hub's MAX_INDEX_FILE_SIZE
 
@@ -19,9 +20,11 @@ class Index:
 
     ``shards`` is computed once (sorted). ``joins`` (when the index was read by a worker, see
     :func:`read_for_worker`) holds each shard's tensor names, sorted and joined by newlines, so
-    that the index can be checked against the shard headers without a dict of every tensor;
-    ``weight_map`` is then parsed again from the same bytes the first time someone asks for it
-    (one snapshot of the file, never a second read)."""
+    that the index can be checked against the shard headers without a dict of every tensor.
+    ``weight_map`` is then made the first time someone asks for it, from the file read again:
+    the same file (device, inode, size, mtime, ctime), or one that says the same (its joins,
+    metadata and findings); anything else is the checkpoint changing under the command
+    (:class:`InputError`), never a second snapshot mixed with the first."""
 
     def __init__(self, path: str) -> None:
         self.path = path
@@ -31,6 +34,7 @@ class Index:
         self.joins: dict[str, str] | None = None
         self._map: dict[str, str] | None = {}
         self._raw: bytes | None = None
+        self._file: tuple[str, Identity] | None = None  # where a worker read it (its bytes not kept)
         self._source: Index | None = None  # the cached Index this one copies (its map, on first use)
 
     @property
@@ -41,8 +45,30 @@ class Index:
     def weight_map(self) -> dict[str, str]:
         if self._map is None:
             src = self._source
-            self._map = dict(src.weight_map) if src is not None else _weight_map_of(self._raw or b"")
+            if src is not None:
+                self._map = dict(src.weight_map)
+            elif self._raw is not None:
+                self._map = _weight_map_of(self._raw)
+            else:
+                self._map = self._read_again()
         return self._map
+
+    def _read_again(self) -> dict[str, str]:
+        assert self._file is not None
+        path, ident = self._file
+        again = Index(self.path)
+        got = _read_bytes(path, again)
+        if got is not None:
+            raw, now = got
+            if now == ident:  # the file the worker read
+                return _weight_map_of(raw)
+            _parse(again, raw)  # rewritten since: the same only if it says the same
+            if again._map:
+                again.joins = _joins(again._map)
+            if (again.joins, again.metadata, again.findings) == (self.joins, self.metadata, self.findings):
+                return again._map or {}
+        raise InputError(f"{self.path} changed while ckptctl was reading it",
+                         "run the command again once nothing else writes the checkpoint")
 
     def add(self, code: str, message: str, *, severity: str = ERROR, hint: str | None = None,
             tensor: str | None = None, **details: Any) -> None:
@@ -73,7 +99,7 @@ class Index:
         out = Index(self.path)
         out.metadata, out.findings, out.shards = dict(self.metadata), list(self.findings), list(self.shards)
         out.joins = None if self.joins is None else dict(self.joins)
-        out._map, out._raw, out._source = None, self._raw, self
+        out._map, out._raw, out._file, out._source = None, self._raw, self._file, self
         return out
 
 
@@ -91,9 +117,10 @@ _last_read: tuple[bytes, str, Index] | None = None
 def read_index(path: str | os.PathLike[str], *, display: str | None = None) -> Index:
     p = os.fspath(path)
     idx = Index(display or p)
-    raw = _read_bytes(p, idx)
-    if raw is None:
+    got = _read_bytes(p, idx)
+    if got is None:
         return idx
+    raw = got[0]
     last = _last_read
     if last is not None and last[0] == raw and last[1] == idx.path:  # the same bytes: the same reading
         return last[2].copy()
@@ -111,18 +138,22 @@ def remember(idx: Index) -> None:
 
 def read_for_worker(path: str, display: str) -> Index:
     """:func:`read_index` as a worker process runs it for ``layout.scan``: with ``joins``, and
-    without the parsed ``weight_map`` (the parent parses the bytes again only if it needs it)."""
+    neither the parsed ``weight_map`` nor the bytes (the parent reads the file again only if it
+    needs the map: :attr:`Index.weight_map`)."""
     idx = Index(display)
-    raw = _read_bytes(path, idx)
-    if raw is not None:
-        _parse(idx, raw)
-        if idx._map:  # parsed: the parent can parse the same bytes again
+    got = _read_bytes(path, idx)
+    if got is not None:
+        _parse(idx, got[0])
+        if idx._map:  # parsed: the parent can parse the same file again
             idx.joins = _joins(idx._map)
             idx._map = None
+            idx._raw, idx._file = None, (path, got[1])
     return idx
 
 
-def _read_bytes(p: str, idx: Index) -> bytes | None:
+def _read_bytes(p: str, idx: Index) -> tuple[bytes, Identity] | None:
+    """The file's bytes and the identity of the file they were read from; None (with a finding)
+    when it is not a regular file or is too large."""
     try:
         # O_NONBLOCK: a FIFO put in the index's place after layout looked at it must not block
         with os.fdopen(os.open(p, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC), "rb") as f:
@@ -143,7 +174,7 @@ def _read_bytes(p: str, idx: Index) -> bytes | None:
         idx.add("index.too_large", f"{idx.path}: index is over huggingface_hub's 10 MiB limit",
                 hint="this is not an index file")
         return None
-    return raw
+    return raw, identity(st)
 
 
 def _parse(idx: Index, raw: bytes) -> None:
