@@ -40,6 +40,7 @@ EXPERT_RUNS = run_pattern(_EXPERT, r"\..+$", r"(?:\n(?P=s)(?![^\n]*?\.experts\.\
 EXPERT_BLOCK_RUNS = run_pattern(r"(?P<s>(?P<block>.*\.)experts\.)\d+", r"\..+$", r"(?:\n(?P=s)\d+\.[^\n]+)*",
                                 ("block",))
 EXPERT_INDEX = re.compile(r"\.experts\.(\d+)\.")
+EXPERT_INDEX_AT = re.compile(r"(?=\.experts\.(\d+)\.)")  # every place one starts, overlapping ones too
 # per-stack layer counts of encoder-decoder configs: stack -> field names, preferred first
 STACK_FIELDS = {"encoder": ("encoder_layers", "num_layers", "num_hidden_layers"),
                 "decoder": ("decoder_layers", "num_decoder_layers", "num_layers", "num_hidden_layers")}
@@ -134,9 +135,13 @@ def expert_blocks(tensors: "Tensors | TensorNames") -> dict[str, set[int]]:
         if ".experts." not in text:  # every EXPERT match holds it
             return per_block
         runs = [(m.group("block"), m.start(), m.end()) for m in EXPERT_BLOCK_RUNS.run.finditer(text)]
-        if all(text.count(".experts.", a, b) == text.count("\n", a, b) for _, a, b in runs):
-            for block, a, b in runs:
-                per_block.setdefault(block, set()).update(map(int, set(EXPERT_INDEX.findall(text, a, b))))
+        # every line of a run holds ".experts.N." where its block ends: when a run has as many
+        # places where one starts as lines (overlapping ones counted), that is each line's only
+        # one, and its N is the line's expert
+        found = [EXPERT_INDEX_AT.findall(text, a, b) for _, a, b in runs]
+        if all(len(f) == text.count("\n", a, b) for f, (_, a, b) in zip(found, runs)):
+            for (block, _, _), f in zip(runs, found):
+                per_block.setdefault(block, set()).update(map(int, set(f)))
             return per_block
     for block, index in names.runs(EXPERT_RUNS):
         per_block.setdefault(block, set()).add(int(index))
