@@ -40,7 +40,9 @@ EXPERT_RUNS = run_pattern(_EXPERT, r"\..+$", r"(?:\n(?P=s)(?![^\n]*?\.experts\.\
 EXPERT_BLOCK_RUNS = run_pattern(r"(?P<s>(?P<block>.*\.)experts\.)\d+", r"\..+$", r"(?:\n(?P=s)\d+\.[^\n]+)*",
                                 ("block",))
 EXPERT_INDEX = re.compile(r"\.experts\.(\d+)\.")
-EXPERT_INDEX_AT = re.compile(r"(?=\.experts\.(\d+)\.)")  # every place one starts, overlapping ones too
+# every place one starts: only ".experts." is consumed, so a ".experts.N." that begins at the
+# dot after N is found too (the literal first part keeps the search fast)
+EXPERT_INDEX_AT = re.compile(r"\.experts\.(?=(\d+)\.)")
 # per-stack layer counts of encoder-decoder configs: stack -> field names, preferred first
 STACK_FIELDS = {"encoder": ("encoder_layers", "num_layers", "num_hidden_layers"),
                 "decoder": ("decoder_layers", "num_decoder_layers", "num_layers", "num_hidden_layers")}
