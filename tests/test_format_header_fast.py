@@ -91,6 +91,26 @@ _ODDITIES = {
     "bad_json_late": ([('"l.39990":{', '"l.39990":{{')], ["header.bad_json"]),
     # an entry that does not begin where the one before it ends (the chunk's begins are then read
     # one by one): two swapped in the file, and one moved onto its neighbour's bytes
+    # what _LOOSE's classes take and json refuses or reads otherwise, in an ASCII header without
+    # an escape (where _LOOSE reads the chunks)
+    "signed_offset": ([('"data_offsets":[44456,44458]}', '"data_offsets":[+44456,44458]}')], ["header.bad_json"]),
+    "spaced_offset": ([('"data_offsets":[44456,44458]}', '"data_offsets":[44456, 44458]}')], []),
+    "underscored_offset": ([('"data_offsets":[44456,44458]}', '"data_offsets":[44_456,44458]}')],
+                           ["header.bad_json"]),
+    "leading_zero_offset": ([('"data_offsets":[44456,44458]}', '"data_offsets":[044456,44458]}')],
+                            ["header.bad_json"]),
+    "huge_offset": ([('"data_offsets":[44456,44458]}', '"data_offsets":[44456,' + "9" * 25 + "]}")],
+                    ["header.offset_overlap", "header.size_mismatch"]),
+    "endless_offset": ([('"data_offsets":[44456,44458]}', '"data_offsets":[44456,' + "9" * 5000 + "]}")],
+                       ["header.bad_json"]),
+    "spaced_name": ([('"l.30000":', '"l. 30000":')], []),
+    "non_ascii_name": ([('"l.30000":', '"l.3\u00e9":')], []),  # the whole header then takes _CANONICAL
+    "spaced_dim": ([('"l.30000":{"dtype":"BF16","shape":[1]', '"l.30000":{"dtype":"BF16","shape":[ 1]')], []),
+    "signed_dim": ([('"l.30000":{"dtype":"BF16","shape":[1]', '"l.30000":{"dtype":"BF16","shape":[+1]')],
+                   ["header.bad_json"]),
+    "lowercase_dtype": ([('"l.30000":{"dtype":"BF16"', '"l.30000":{"dtype":"bf16"')], ["header.unknown_dtype"]),
+    "quoted_dim": ([('"l.30000":{"dtype":"BF16","shape":[1]', '"l.30000":{"dtype":"BF16","shape":["1"]')],
+                   ["header.bad_shape", "header.offset_hole"]),
     "swapped_offsets": ([('"l.30000":{"dtype":"BF16","shape":[1],"data_offsets":[44454,44456]}',
                           '"l.30000":{"dtype":"BF16","shape":[1],"data_offsets":[44456,44458]}'),
                          ('"l.30001":{"dtype":"BF16","shape":[1],"data_offsets":[44456,44458]}',

@@ -610,6 +610,13 @@ def _parse_text(hdr: Header, raw: bytearray) -> None:
 _CANONICAL = re.compile(
     r'"([^"\\\x00-\x1f]*)":\{"dtype":"([A-Z0-9_]{1,16}","shape":\[(?:[1-9][0-9]{0,15}(?:,[1-9][0-9]{0,15})*)?)\],'
     r'"data_offsets":\[(0|[1-9][0-9]{0,18}),(0|[1-9][0-9]{0,18})\]\},')
+# _CANONICAL with every group a negated class (about half the time), for a header whose text is
+# ASCII and holds no control character and no backslash: its names are then what _CANONICAL's are,
+# and the rest is checked by the caller (a known dtype, _DIMS, _plain_numbers).
+_LOOSE = re.compile(r'"([^"]*)":\{"dtype":"([^"]*","shape":\[[^\]]*)\],"data_offsets":\[([^,]*),([^\]]*)\]\},')
+_DIMS = re.compile(r"(?:[1-9][0-9]{0,15}(?:,[1-9][0-9]{0,15})*)?")  # _CANONICAL's dimensions
+_NOT_PLAIN = (*map(chr, range(32)), "\\")  # one memchr pass each over a header
+_LEADING_ZEROS = tuple(f",0{d}" for d in range(10))
 _WS = re.compile(r"[ \t\n\r]*")  # the JSON parser's whitespace
 _FAST_CACHE = 1 << 16  # distinct dtype+shape texts remembered (a hostile header may have one per entry)
 _CHUNK = 1 << 20  # characters of canonical entries taken at once by _Columns.bulk
@@ -643,6 +650,7 @@ class _Columns:
         self.dropped: list[int] = []
         self.metadata_repeat: int | None = None  # rows read before a second __metadata__
         self.rows: dict[str, int] | None = None  # name -> row, by first_repeat
+        self.plain: bool | None = None  # the header's text may be read by _LOOSE (set by bulk)
 
     def code(self, dtype: str, shape: tuple[int, ...]) -> int:
         key = (dtype, shape)
@@ -657,7 +665,7 @@ class _Columns:
         needs the generic checks (an unknown dtype, too many elements, a partial byte)."""
         dtype, _, dims = text.partition('","shape":[')
         d = dt.BY_NAME.get(dtype)
-        if d is None:
+        if d is None or _DIMS.fullmatch(dims) is None:  # as _CANONICAL reads them (_LOOSE takes more)
             return None
         shape = tuple(map(int, dims.split(","))) if dims else ()
         numel = 1
@@ -720,7 +728,9 @@ class _Columns:
         refused (the caller reads that one entry by entry before it calls again; ``pos`` when the
         entry at ``pos`` is not canonical; the end of two chunks, or of ``text``, when no entry
         boundary is left to cut a chunk at)."""
-        findall, n = _CANONICAL.findall, len(text)
+        if self.plain is None:
+            self.plain = text.isascii() and not any(c in text for c in _NOT_PLAIN)
+        findall, n = (_LOOSE if self.plain else _CANONICAL).findall, len(text)
         while True:
             # Every step here is bounded by two chunks, so a header that is never canonical (written
             # with ", " separators, say) costs one failed match per entry, not a search to its end.
@@ -744,11 +754,15 @@ class _Columns:
             known = [self.known(ks) for ks in set(kss)]
             if None in known or METADATA_KEY in names:
                 return pos, stop
-            end = array("Q", map(int, es))
-            if bs[1:] == es[:-1]:  # each begins where the one before ends (every writer's order)
-                begin = array("Q", (int(bs[0]),)) + end[:-1]  # numbers without leading zeros: text = value
-            else:
-                begin = array("Q", map(int, bs))
+            chained = bs[1:] == es[:-1]  # each begins where the one before ends (every writer's order)
+            if self.plain and not (_plain_numbers(es) and _plain_numbers(bs[:1] if chained else bs)):
+                return pos, stop
+            try:
+                end = array("Q", map(int, es))
+                # numbers without leading zeros: equal texts, equal values
+                begin = array("Q", (int(bs[0]),)) + end[:-1] if chained else array("Q", map(int, bs))
+            except (OverflowError, ValueError):  # past 2**64, or int's digit limit (_LOOSE bounds no length)
+                return pos, stop
             kinds = list(map(self.known if len(self.fast) >= _FAST_CACHE else self.fast.__getitem__, kss))
             if not all(map(operator.eq, map(operator.sub, end, begin), map(operator.itemgetter(1), kinds))):
                 return pos, stop
@@ -812,6 +826,16 @@ class _Columns:
         table = TensorTable(names, begin, end, kind, self.kinds)
         table._rows = rows
         return table
+
+
+def _plain_numbers(texts: tuple[str, ...]) -> bool:
+    """Every text is a JSON integer as _CANONICAL reads one (``0`` or digits without a leading
+    zero) in an ASCII header, where ``int`` takes digits, a sign, spaces and underscores."""
+    joined = ",".join(texts)
+    if not joined.replace(",", "").isdigit() or ",," in joined or joined[0] == "," or joined[-1] == ",":
+        return False
+    joined = "," + joined
+    return not any(z in joined for z in _LEADING_ZEROS)
 
 
 def _take(col: Any, order: list[int]) -> Any:
