@@ -162,16 +162,16 @@ from ckptctl.sizes import parse_size
 from ckptctl.verify import VerifyOptions, verify_paths
 from ckptctl.write.options import ExportOptions
 
-LS = sys.modules["ckptctl.layout.scan"]
-LS.READ_AHEAD_INDEX_BYTES = 0  # every index, however small, is read by a worker
+PF = sys.modules["ckptctl.layout.prefetch"]
+PF.READ_AHEAD_INDEX_BYTES = 0  # every index, however small, is read by a worker
 jobs = 0
-start = LS.start
+start = PF.start
 def counting(*a, **k):
     global jobs
     job = start(*a, **k)
     jobs += job is not None
     return job
-LS.start = counting
+PF.start = counting
 root = Path(sys.argv[1])
 
 def tree(d):  # what each file holds, with the run's own directory written as P
@@ -278,3 +278,28 @@ def test_the_cli_reports_a_wrong_index_the_same_with_the_worker(tmp_path: Path, 
     docs = [json.loads(r[1]) for r in runs]
     assert docs[0] == docs[1]
     assert {f["code"] for f in docs[1]["results"][0]["findings"] if f["severity"] == "error"} == {code}
+
+
+def test_a_split_keeps_every_shard_header_once_whoever_parsed_it(tmp_path: Path) -> None:
+    """The worker takes shards from the back, this process from the front, each claiming one in
+    shared memory before it parses it: every header is kept, the index comes back with joins."""
+    d = tmp_path / "big"
+    _large(d)
+    out = _python("""
+        import json, sys
+        from pathlib import Path
+        from ckptctl.format import read_ahead
+        from ckptctl.layout import prefetch
+        d = Path(sys.argv[1])
+        shards = sorted(p.name for p in d.glob("*.safetensors"))
+        with read_ahead.scope(d):
+            split = prefetch.Split.start(d, "model.safetensors.index.json", shards)
+            doc = split.finish()
+            kept = sorted(k[0] for k in read_ahead._kept)
+        print(json.dumps({"kept": kept, "joins": sorted(doc.joins), "ok": doc.ok, "path": doc.path}))
+    """, str(d))
+    got = json.loads(out)
+    shards = sorted(str(p) for p in d.glob("*.safetensors"))
+    assert got["kept"] == shards
+    assert got["joins"] == sorted(Path(s).name for s in shards) and got["ok"]
+    assert got["path"] == str(d / "model.safetensors.index.json")

@@ -9,31 +9,10 @@ from pathlib import Path
 from ckptctl.errors import InputError
 from ckptctl.findings import ERROR, INFO, WARNING, Finding
 from ckptctl.format import names as N
-from ckptctl.format import read_ahead
-from ckptctl.format.read_ahead import Identity
-from ckptctl.format.header import Header, read_header_ahead
-from ckptctl.format.index import MAX_INDEX_SIZE, Index, read_for_worker, read_index, remember
+from ckptctl.format.index import Index, read_index
 from ckptctl.layout import components as C
+from ckptctl.layout import prefetch
 from ckptctl.layout.model import (DCP, EXTRA_NAMES, PEFT, PYTORCH, SAFETENSORS, Family, Layout)
-from ckptctl.worker import WorkerFailed, start
-
-# An index this large (about 11k tensors) is parsed by a worker beside the shard headers
-# (inside a read_ahead scope); below it the fork costs more than it saves.
-READ_AHEAD_INDEX_BYTES = 1 << 20
-# The shards whose headers the worker parses after the index and its joins (the last tenth): then
-# both processes finish together. Measured on 92k tensors in 163 shards (an index of 8.8 MB,
-# headers of 10.5 MB): with 8% the parent waited 0-10 ms, with 16% 10-90 ms.
-WORKER_SHARE = 0.1
-
-
-def _index_and_headers(index: str, paths: list[str]) -> tuple[Index, list[tuple[str, str, Identity, Header]]]:
-    """A worker's share of a scan: the index (:func:`read_for_worker`), then the headers of
-    ``paths`` with the identity of the file each was read from."""
-    doc = read_for_worker(index, index)
-    headers: list[tuple[str, str, Identity, Header]] = []
-    for p in paths:
-        read_header_ahead(p, lambda *kept: headers.append(kept))
-    return doc, headers
 
 
 def _add(lay: Layout, code: str, severity: str, path: str, message: str, hint: str | None = None) -> None:
@@ -206,35 +185,10 @@ class _Scanner:
                      f"{single} without adapter_config.json", "copy the adapter_config.json that belongs to it")
 
     def _read_index(self, index: str, shards: list[str]) -> Index:
-        """The index; a large one is parsed by a worker process while this one parses the headers
-        of the family's shard files for the reads that follow (:mod:`ckptctl.format.read_ahead`);
-        the worker then parses the last of them (:data:`WORKER_SHARE`) and hands them over."""
-        path = self.root / index
-        shown = str(path)
-        if shards and read_ahead.wanted(self.root):
-            try:
-                size = os.stat(path).st_size
-            except OSError:
-                size = 0
-            paths = [str(self.root / n) for n in shards]
-            mine = len(paths) - int(len(paths) * WORKER_SHARE)
-            # the result holds the index's bytes, each shard's names (less than the index again)
-            # and the worker's headers (about as many bytes as the index)
-            job = (start(_index_and_headers, shown, paths[mine:], capacity=3 * MAX_INDEX_SIZE + (16 << 20))
-                   if size >= READ_AHEAD_INDEX_BYTES else None)
-            if job is not None:
-                with job:
-                    for p in paths[:mine]:
-                        read_header_ahead(p)
-                    try:
-                        doc, theirs = job.result()
-                    except WorkerFailed:
-                        return read_index(path, display=shown)
-                for kept in theirs:
-                    read_ahead.keep(*kept)
-                remember(doc)
-                return doc.copy()
-        return read_index(path, display=shown)
+        """The index; a large one is read by a worker process beside the family's shard headers
+        (:mod:`ckptctl.layout.prefetch`), inside a read-ahead scope of this directory."""
+        doc = prefetch.take(self.root, index, shards) if shards else None
+        return doc if doc is not None else read_index(self.root / index, display=str(self.root / index))
 
     def _indexed_files(self, index: str, doc: Index) -> list[str]:
         """The shards an index names that are safe member names and regular files."""

@@ -1,0 +1,136 @@
+"""A large index read by a worker process beside the shard headers: a scan split between two cores.
+
+A checkpoint of 90k tensors holds about as many bytes of index (10 MB of JSON) as of headers.
+:class:`Split` forks a worker (:mod:`ckptctl.worker`) that parses the index, with each shard's
+names joined (``Index.joins``), and then takes shard headers from the back of the list, while
+this process takes them from the front; each side claims a shard in shared memory before it
+parses it (:class:`_Board`), so both finish together on any machine, with no fixed share. The
+headers are kept for the reads that follow (:mod:`ckptctl.format.read_ahead`), each handed out
+once to a read of the same file, by its fstat identity. Where the two sides meet, a shard may be
+parsed twice; one that neither parsed (the worker died) is parsed when it is read: the split
+decides only how fast the scan is, never what it finds.
+
+``layout.scan`` starts the split of the index it reads (:func:`take`) inside a read-ahead scope
+of the directory. On this 2-core machine the two processes slow each other (a header parse takes
+20-50% longer while the other core parses JSON), and a header handed over costs about half what
+parsing it does (pickled, then unpickled): the worker's share stays small on its own.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import struct
+from pathlib import Path
+
+from ckptctl.format import read_ahead
+from ckptctl.format.header import Header, read_header_ahead
+from ckptctl.format.index import MAX_INDEX_SIZE, Index, read_for_worker, remember
+from ckptctl.format.read_ahead import Identity
+from ckptctl.worker import Job, WorkerFailed, start
+
+# An index this large (about 11k tensors) is parsed by a worker beside the shard headers; below
+# it the fork costs more than it saves.
+READ_AHEAD_INDEX_BYTES = 1 << 20
+# the worker's result: each shard's names (less than the index) and its headers (about as many
+# bytes as the index)
+_CAPACITY = 2 * MAX_INDEX_SIZE + (16 << 20)
+
+Kept = tuple[str, str, Identity, Header]
+
+
+class _Board:
+    """Two shard positions in memory both processes share: the next one this process takes
+    (front, counting up) and the last one the worker took (back, counting down)."""
+
+    def __init__(self, n: int) -> None:
+        self._m = mmap.mmap(-1, 8)
+        struct.pack_into("<II", self._m, 0, 0, n)
+
+    @property
+    def front(self) -> int:
+        return struct.unpack_from("<I", self._m, 0)[0]  # type: ignore[no-any-return]
+
+    @front.setter
+    def front(self, value: int) -> None:
+        struct.pack_into("<I", self._m, 0, value)
+
+    @property
+    def back(self) -> int:
+        return struct.unpack_from("<I", self._m, 4)[0]  # type: ignore[no-any-return]
+
+    @back.setter
+    def back(self, value: int) -> None:
+        struct.pack_into("<I", self._m, 4, value)
+
+    def close(self) -> None:
+        self._m.close()
+
+
+def _worker(index: str, paths: list[str], board: _Board) -> tuple[Index, list[Kept]]:
+    """The worker's side: the index, then headers from the back until it meets the front."""
+    doc = read_for_worker(index, index)
+    got: list[Kept] = []
+    while (k := board.back - 1) >= board.front:  # not yet taken from the front: take it
+        board.back = k
+        read_header_ahead(paths[k], lambda *kept: got.append(kept))
+    return doc, got
+
+
+class Split:
+    """One index and its shards, scanned by a worker and this process together."""
+
+    def __init__(self, index: str, paths: list[str], job: Job, board: _Board) -> None:
+        self.index, self.paths, self.job, self.board = index, paths, job, board
+
+    @classmethod
+    def start(cls, root: Path, index: str, shards: list[str]) -> "Split | None":
+        """A split of ``root/index`` and the headers of ``shards`` (names in ``root``), or None
+        where no worker runs (small index, no second CPU, threads, ``CKPTCTL_WORKERS=0``)."""
+        path = str(root / index)
+        try:
+            if not shards or os.stat(path).st_size < READ_AHEAD_INDEX_BYTES:
+                return None
+        except OSError:
+            return None
+        paths = [str(root / n) for n in shards]
+        board = _Board(len(paths))
+        job = start(_worker, path, paths, board, capacity=_CAPACITY)
+        if job is None:
+            board.close()
+            return None
+        return cls(path, paths, job, board)
+
+    def finish(self) -> Index | None:
+        """This process's side (headers from the front, kept for their reads), then the worker's
+        index and headers; None when the worker failed (the caller reads the index itself)."""
+        board = self.board
+        try:
+            with self.job:
+                p = 0
+                while p < len(self.paths):
+                    board.front = p + 1  # taken: the worker stops before it
+                    if p >= board.back:  # the worker took it first
+                        break
+                    read_header_ahead(self.paths[p])
+                    p += 1
+                try:
+                    doc, theirs = self.job.result()
+                except WorkerFailed:
+                    return None
+        finally:
+            board.close()
+        mine = set(self.paths[:p])
+        for kept in theirs:
+            if kept[0] not in mine:  # where both parsed one, this process's copy is kept
+                read_ahead.keep(*kept)
+        remember(doc)
+        return doc.copy()
+
+
+def take(root: Path, index: str, shards: list[str]) -> Index | None:
+    """The index ``root/index`` read by a split with the headers of ``shards``; None when no
+    split runs (the caller reads the index itself). Only inside a read-ahead scope of ``root``:
+    the headers are kept for that command's reads."""
+    split = Split.start(root, index, shards) if read_ahead.wanted(root) else None
+    return split.finish() if split is not None else None
