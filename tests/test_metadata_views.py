@@ -194,7 +194,7 @@ def test_streamed_inspect_rows_are_json_dumps_bytes(capsys, monkeypatch, at_once
     bytes ``json.dumps`` gives for the whole document, whatever the chunk size, with names json
     must escape (a quote, a backslash, control characters) and names it must not."""
     from ckptctl.cli import _output
-    from ckptctl.cli._output import Output
+    from ckptctl.cli._output import JsonRows, Output
     from ckptctl.inspect import TensorRows
 
     monkeypatch.setattr(_output, "_ROWS_AT_ONCE", at_once)
@@ -207,7 +207,7 @@ def test_streamed_inspect_rows_are_json_dumps_bytes(capsys, monkeypatch, at_once
     rows.arrange(by_component=False, name_filter=None)
     out = Output("inspect", json_mode=True)
     doc = out.document(True, path="x", note="é\n")
-    out.emit_json(doc, rows=("tensors", rows.named_rows()))
+    out.emit_json(doc, rows=JsonRows("tensors", *rows.columns()))
     expected = json.dumps({**doc, "tensors": list(rows.json_rows())}, ensure_ascii=False, default=str) + "\n"
     assert capsys.readouterr().out == expected
 
