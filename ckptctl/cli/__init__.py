@@ -8,11 +8,13 @@ of every registered command when it runs), ``--help``, completion and anything e
 
 from __future__ import annotations
 
+import atexit
 import functools
 import importlib
 import os
 import sys
-from typing import Annotated, Any, Callable, Optional
+import threading
+from typing import Annotated, Any, Callable, NoReturn, Optional
 
 import typer
 
@@ -99,7 +101,24 @@ def main() -> None:
         code = _interrupted(args)
     except typer.TyperException as exc:  # Typer's usage errors: unknown option, missing argument, ...
         code = _usage_error(exc, args)
-    sys.exit(code if isinstance(code, int) else 0)
+    _leave(code if isinstance(code, int) else 0)
+
+
+def _leave(code: int) -> NoReturn:
+    """Exit with ``code``. When nothing but this thread is left and torch was never imported,
+    the output is flushed, the exit handlers run, and the process ends without tearing the
+    interpreter down: freeing every module and object of a 92k-tensor command took 22 ms of a
+    0.32 s verify, for memory the kernel takes back anyway. Anything else exits the usual way."""
+    run_exit_handlers = getattr(atexit, "_run_exitfuncs", None)
+    if run_exit_handlers is None or threading.active_count() != 1 or "torch" in sys.modules:
+        sys.exit(code)
+    run_exit_handlers()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a reader gone (Output.write said so already), a closed stream
+            pass
+    os._exit(code)
 
 
 def _command(args: list[str]) -> str:
