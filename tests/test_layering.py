@@ -263,8 +263,9 @@ def test_the_size_allow_list_is_reported_and_not_stale() -> None:
 # no torch where it is not needed: a real `python -m ckptctl` in a fresh interpreter
 
 PROBE = r"""
-import json, runpy, sys
+import json, os, runpy, sys
 sys.argv = ["ckptctl", *json.loads(sys.argv[1])]
+os._exit = sys.exit  # cli.main ends with os._exit once its work is done: the probe reports first
 try:
     runpy.run_module("ckptctl", run_name="__main__", alter_sys=True)
     code = 0

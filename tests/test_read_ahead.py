@@ -303,3 +303,18 @@ def test_a_split_keeps_every_shard_header_once_whoever_parsed_it(tmp_path: Path)
     assert got["kept"] == shards
     assert got["joins"] == sorted(Path(s).name for s in shards) and got["ok"]
     assert got["path"] == str(d / "model.safetensors.index.json")
+
+
+def test_the_config_rules_read_the_workers_name_facts_the_same(tmp_path: Path) -> None:
+    """The expert and layer sets the index's worker works out from the index's names (used when
+    the index agrees with the headers) give verify the same findings as the headers' own."""
+    d = tmp_path / "big"
+    _large(d)
+    (d / "config.json").write_text(json.dumps({"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
+                                               "num_hidden_layers": 10, "n_routed_experts": 1601}))
+    runs = [run_cli_subprocess("verify", d, "--json", env={**os.environ, "CKPTCTL_WORKERS": w}) for w in ("0", "1")]
+    assert runs[0][0] == runs[1][0] == 1, runs[1][2]
+    docs = [json.loads(r[1]) for r in runs]
+    assert docs[0] == docs[1]
+    codes = {f["code"] for f in docs[1]["results"][0]["findings"]}
+    assert {"config.expert_missing", "config.layer_missing"} <= codes

@@ -87,8 +87,10 @@ def _shape_ok(actual: tuple[int, ...], expected: tuple[int | None, ...] | None) 
 
 
 def check_config(display: str, cfg: Any, tensors: Tensors, *, check_dtype: bool = True,
-                 tokenizer_size: int | None = None, tokenizer_display: str | None = None) -> list[Finding]:
-    """Findings about config.json (already parsed) against the checkpoint's tensors."""
+                 tokenizer_size: int | None = None, tokenizer_display: str | None = None,
+                 facts: dict[str, Any] | None = None) -> list[Finding]:
+    """Findings about config.json (already parsed) against the checkpoint's tensors. ``facts``:
+    ``stacks.name_facts`` of the tensors' names, when the index's worker worked them out."""
     ctx = PathFindings(display)
     if not isinstance(cfg, dict):
         ctx.add("config.bad_json", ERROR, f"{display}: top level is a JSON {type(cfg).__name__}, not an object",
@@ -116,10 +118,11 @@ def check_config(display: str, cfg: Any, tensors: Tensors, *, check_dtype: bool 
                 f"{vocab}: those tokens index past the embedding",
                 "resize the embeddings (model.resize_token_embeddings) and re-export, or fix vocab_size",
                 tokenizer_size=tokenizer_size, vocab_size=vocab)
-    check_experts(ctx, cfg, names)
+    facts = facts or {}
+    check_experts(ctx, cfg, names, found=facts.get("experts"))
     found = None if cfg.get("is_encoder_decoder") else _detect(names)
     skip = f"{found[1]}{found[0].layer}" if found else None
-    stacked = check_stacks(ctx, cfg, names, skip=skip)
+    stacked = check_stacks(ctx, cfg, names, skip=skip, found=facts.get("containers"))
     if cfg.get("is_encoder_decoder"):
         ctx.add("config.not_checked", INFO, f"{display}: encoder-decoder model; layer counts checked per stack, "
                 "projection shapes not checked")
@@ -338,7 +341,7 @@ def config_step(ctx: Context) -> str | None:
         variant_match = any(want is not None and _dominant_float(t.tensors) == want
                             for t in ctx.tables if t.family.variant is not None)
         ctx.extend(check_config(shown, cfg, loaded.tensors, check_dtype=not variant_match, tokenizer_size=tok,
-                                tokenizer_display=tok_shown))
+                                tokenizer_display=tok_shown, facts=loaded.facts))
         if ctx.options.deep and isinstance(cfg, dict):
             tied_bytes_step(ctx, cfg, loaded)
     if not isinstance(cfg, dict):

@@ -33,6 +33,7 @@ from ckptctl.verify.model import config_step
 from ckptctl.verify.peft import adapter_step
 from ckptctl.verify.report import IO_CODE, Checks, PathResult, Report
 from ckptctl.verify.screen import scan_directory
+from ckptctl.verify.stacks import name_facts
 
 Step = Callable[[Context], "str | None"]  # None: it ran; a text: why it did not
 
@@ -292,7 +293,7 @@ def verify_path(path: str | os.PathLike[str], *, display: str | None = None, opt
     # its result is made: the cyclic collector would traverse them again and again (a tenth of
     # the run). It resumes once _checked has returned and reference counting has freed them.
     # Headers read ahead by layout.scan (beside an index parsed by a worker) live as long as this.
-    with paused(), read_ahead.scope(p):
+    with paused(), read_ahead.scope(p, facts=name_facts):
         return _checked(PathResult(path=shown, root=str(p)), p, opts, progress, base_root)
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
+from typing import Any
 
 from ckptctl.config_fields import ConfigFields, as_int
 from ckptctl.findings import ERROR, INFO, PathFindings
@@ -95,11 +96,21 @@ def count_findings(ctx: PathFindings, where: str, present: set[int], expected: i
                 f"fix {field}, or drop the stale layers with ckptctl resave", extra=extra[:200], stack=where)
 
 
-def check_stacks(ctx: PathFindings, cfg: dict, tensors: "Tensors | TensorNames", *, skip: str | None = None) -> bool:
+def name_facts(names: list[str]) -> dict[str, Any]:
+    """What the rules here read from the names alone (set-valued, so the order of the names
+    does not matter): worked out by the index's worker beside the header reads
+    (``read_ahead.scope(facts=...)``), and used when the index agrees with the headers."""
+    table = TensorNames(dict.fromkeys(names))
+    return {"experts": expert_blocks(table), "containers": containers(table)}
+
+
+def check_stacks(ctx: PathFindings, cfg: dict, tensors: "Tensors | TensorNames", *, skip: str | None = None,
+                 found: dict[str, set[int]] | None = None) -> bool:
     """Every layer stack against its count in the config. ``skip``: a container the caller has
-    already checked. Returns whether any stack was checked."""
+    already checked; ``found``: :func:`containers` of the tensors, when the caller has it.
+    Returns whether any stack was checked."""
     c = ConfigFields(cfg)
-    stacks = {k: v for k, v in containers(tensors).items() if k != skip}
+    stacks = {k: v for k, v in (containers(tensors) if found is None else found).items() if k != skip}
     checked = False
     enc_dec = bool(cfg.get("is_encoder_decoder"))
     if enc_dec:  # a stack whose every layer is gone is still a stack: its sibling names it
@@ -150,12 +161,14 @@ def expert_blocks(tensors: "Tensors | TensorNames") -> dict[str, set[int]]:
     return per_block
 
 
-def check_experts(ctx: PathFindings, cfg: dict, tensors: "Tensors | TensorNames") -> None:
-    """MoE: every layer that has experts has all of them, and the router's rows equal the count."""
+def check_experts(ctx: PathFindings, cfg: dict, tensors: "Tensors | TensorNames", *,
+                  found: dict[str, set[int]] | None = None) -> None:
+    """MoE: every layer that has experts has all of them, and the router's rows equal the count.
+    ``found``: :func:`expert_blocks` of the tensors, when the caller has it."""
     c = ConfigFields(cfg)
     field, n = next(((f, v) for f in EXPERT_FIELDS if (v := as_int(c.get(f))) is not None), (None, None))
     names = TensorNames.of(tensors)
-    per_block = expert_blocks(names)
+    per_block = expert_blocks(names) if found is None else found
     if not per_block:
         return
     if n is None:
