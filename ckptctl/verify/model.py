@@ -23,7 +23,8 @@ from ckptctl.findings import ERROR, INFO, WARNING, Finding, PathFindings
 from ckptctl.format.tensor import TensorSpec
 from ckptctl.verify.architectures import GENERATIVE, SPECS, Dims, Spec
 from ckptctl.verify.context import Context
-from ckptctl.verify.stacks import EXTRA_LAYER_FIELDS, check_experts, check_stacks, count_findings
+from ckptctl.verify.stacks import (EXTRA_LAYER_FIELDS, check_experts, check_stacks, containers, count_findings,
+                                   expert_blocks)
 from ckptctl.tensor_names import RunPattern, TensorNames, dtypes, run_pattern
 from ckptctl.verify.tied import tied_bytes_step
 from ckptctl.verify.weights import transformers_rank
@@ -63,7 +64,7 @@ def _detect(tensors: "Tensors | TensorNames") -> tuple[Spec, str] | None:
         first = spec.rules[0].suffix
         pat = re.compile(rf"^(.*?){spec.layer}\.\d+\.{re.escape(first)}$")
         roots.update(m.group(1) for n in candidates if (m := pat.match(n)))
-        for root in roots:
+        for root in sorted(roots):  # a tie goes to the same root whatever the order of the names
             hits = names.count_prefix(root + spec.layer + ".")
             has_embed = (root + spec.embed) in names.tensors
             score = hits + (1 << 40 if has_embed else 0)
@@ -73,6 +74,18 @@ def _detect(tensors: "Tensors | TensorNames") -> tuple[Spec, str] | None:
     return (best[1], best[2]) if best else None
 
 
+def name_facts(names: list[str]) -> dict[str, Any]:
+    """What the config rules read from the names alone, none of it depending on their order:
+    the expert and layer sets (``stacks``) and the detected layout (by its spec's name). Worked
+    out by the index's worker beside the header reads (``read_ahead.scope(facts=...)``), used
+    when the index agrees with the headers."""
+    table = TensorNames(dict.fromkeys(names))
+    found = _detect(table)
+    return {"experts": expert_blocks(table), "containers": containers(table),
+            "detect": None if found is None else (found[0].name, found[1])}
+
+
+_SPEC_BY_NAME = {s.name: s for s in SPECS}
 _SHAPE = attrgetter("shape")
 
 
@@ -120,7 +133,12 @@ def check_config(display: str, cfg: Any, tensors: Tensors, *, check_dtype: bool 
                 tokenizer_size=tokenizer_size, vocab_size=vocab)
     facts = facts or {}
     check_experts(ctx, cfg, names, found=facts.get("experts"))
-    found = None if cfg.get("is_encoder_decoder") else _detect(names)
+    if cfg.get("is_encoder_decoder"):
+        found = None
+    elif "detect" in facts:
+        found = None if facts["detect"] is None else (_SPEC_BY_NAME[facts["detect"][0]], facts["detect"][1])
+    else:
+        found = _detect(names)
     skip = f"{found[1]}{found[0].layer}" if found else None
     stacked = check_stacks(ctx, cfg, names, skip=skip, found=facts.get("containers"))
     if cfg.get("is_encoder_decoder"):

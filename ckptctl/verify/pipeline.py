@@ -29,11 +29,10 @@ from ckptctl.verify.context import DEEP_NOT_ASKED, Context, ProgressFn, VerifyOp
 from ckptctl.verify.dcp import check_dcp
 from ckptctl.verify.index import family_tensors
 from ckptctl.verify.manifest import manifest_step
-from ckptctl.verify.model import config_step
+from ckptctl.verify.model import config_step, name_facts
 from ckptctl.verify.peft import adapter_step
 from ckptctl.verify.report import IO_CODE, Checks, PathResult, Report
 from ckptctl.verify.screen import scan_directory
-from ckptctl.verify.stacks import name_facts
 
 Step = Callable[[Context], "str | None"]  # None: it ran; a text: why it did not
 

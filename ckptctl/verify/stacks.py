@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from typing import Any
 
 from ckptctl.config_fields import ConfigFields, as_int
 from ckptctl.findings import ERROR, INFO, PathFindings
@@ -94,14 +93,6 @@ def count_findings(ctx: PathFindings, where: str, present: set[int], expected: i
                 f"{field} is {expected} but tensors exist for layers {_first(extra, len(extra))} under {where}.N; "
                 "transformers silently ignores them",
                 f"fix {field}, or drop the stale layers with ckptctl resave", extra=extra[:200], stack=where)
-
-
-def name_facts(names: list[str]) -> dict[str, Any]:
-    """What the rules here read from the names alone (set-valued, so the order of the names
-    does not matter): worked out by the index's worker beside the header reads
-    (``read_ahead.scope(facts=...)``), and used when the index agrees with the headers."""
-    table = TensorNames(dict.fromkeys(names))
-    return {"experts": expert_blocks(table), "containers": containers(table)}
 
 
 def check_stacks(ctx: PathFindings, cfg: dict, tensors: "Tensors | TensorNames", *, skip: str | None = None,
