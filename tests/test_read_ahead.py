@@ -305,9 +305,9 @@ def test_a_split_keeps_every_shard_header_once_whoever_parsed_it(tmp_path: Path)
     assert got["path"] == str(d / "model.safetensors.index.json")
 
 
-def test_the_config_rules_read_the_workers_name_facts_the_same(tmp_path: Path) -> None:
-    """The expert and layer sets the index's worker works out from the index's names (used when
-    the index agrees with the headers) give verify the same findings as the headers' own."""
+def test_the_config_rules_find_the_same_with_the_worker(tmp_path: Path) -> None:
+    """Missing experts and layers on a checkpoint whose index a worker reads: the same findings
+    as without it (the config rules run on the merged headers the worker and this process read)."""
     d = tmp_path / "big"
     _large(d)
     (d / "config.json").write_text(json.dumps({"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",

@@ -32,7 +32,6 @@ class Index:
         self.findings: list[Finding] = []
         self.shards: list[str] = []
         self.joins: dict[str, str] | None = None
-        self.facts: Any = None  # what the worker worked out from the names (read_ahead.scope's facts)
         self._map: dict[str, str] | None = {}
         self._raw: bytes | None = None
         self._file: tuple[str, Identity] | None = None  # where a worker read it (its bytes not kept)
@@ -100,7 +99,6 @@ class Index:
         out = Index(self.path)
         out.metadata, out.findings, out.shards = dict(self.metadata), list(self.findings), list(self.shards)
         out.joins = None if self.joins is None else dict(self.joins)
-        out.facts = self.facts
         out._map, out._raw, out._file, out._source = None, self._raw, self._file, self
         return out
 

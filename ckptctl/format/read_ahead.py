@@ -19,7 +19,7 @@ from __future__ import annotations
 import os
 import threading
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any, Callable, Iterator
+from typing import TYPE_CHECKING, Iterator
 
 if TYPE_CHECKING:
     from ckptctl.format.header import Header
@@ -28,7 +28,6 @@ Identity = tuple[int, int, int, int, int]
 
 _lock = threading.Lock()
 _roots: list[str] = []  # the directories of the open scopes (absolute)
-_facts: dict[str, Callable[[list[str]], Any]] = {}  # root -> what the worker works out from the index's names
 _kept: dict[tuple[str, str], tuple[Identity, "Header"]] = {}
 
 
@@ -37,29 +36,19 @@ def identity(st: os.stat_result) -> Identity:
 
 
 @contextmanager
-def scope(root: str | os.PathLike[str], *, facts: Callable[[list[str]], Any] | None = None) -> Iterator[None]:
+def scope(root: str | os.PathLike[str]) -> Iterator[None]:
     """Scans of the directory ``root`` may read ahead inside (a command's other scans, of an
-    export's destination say, never do); the outermost exit drops the headers nobody took.
-    ``facts``: what a worker that reads a large index of ``root`` works out from its names too
-    (``Index.facts``, e.g. verify's expert and layer sets), beside this process's own work."""
+    export's destination say, never do); the outermost exit drops the headers nobody took."""
     key = os.path.abspath(root)
     with _lock:
         _roots.append(key)
-        if facts is not None:
-            _facts[key] = facts
     try:
         yield
     finally:
         with _lock:
             _roots.remove(key)
-            if key not in _roots:
-                _facts.pop(key, None)
             if not _roots:
                 _kept.clear()
-
-
-def facts_for(root: str | os.PathLike[str]) -> Callable[[list[str]], Any] | None:
-    return _facts.get(os.path.abspath(root))
 
 
 def wanted(root: str | os.PathLike[str]) -> bool:

@@ -22,7 +22,6 @@ import mmap
 import os
 import struct
 from pathlib import Path
-from typing import Any, Callable
 
 from ckptctl.format import read_ahead
 from ckptctl.format.header import Header, read_header_ahead
@@ -68,13 +67,9 @@ class _Board:
         self._m.close()
 
 
-def _worker(index: str, paths: list[str], board: _Board, facts: Callable[[list[str]], Any] | None
-            ) -> tuple[Index, list[Kept]]:
-    """The worker's side: the index (and the scope's ``facts`` of its names), then headers from
-    the back until it meets the front."""
+def _worker(index: str, paths: list[str], board: _Board) -> tuple[Index, list[Kept]]:
+    """The worker's side: the index, then headers from the back until it meets the front."""
     doc = read_for_worker(index, index)
-    if facts is not None and doc.joins is not None:
-        doc.facts = facts([n for names in doc.joins.values() for n in names.split("\n")])
     got: list[Kept] = []
     while (k := board.back - 1) >= board.front:  # not yet taken from the front: take it
         board.back = k
@@ -100,7 +95,7 @@ class Split:
             return None
         paths = [str(root / n) for n in shards]
         board = _Board(len(paths))
-        job = start(_worker, path, paths, board, read_ahead.facts_for(root), capacity=_CAPACITY)
+        job = start(_worker, path, paths, board, capacity=_CAPACITY)
         if job is None:
             board.close()
             return None

@@ -57,7 +57,6 @@ class FamilyTensors:
     family: Family
     tensors: dict[str, TensorSpec]
     complete: bool
-    facts: dict[str, Any] | None = None  # name_facts of these tensors' names, from the index's worker
 
 
 def within(real: str, base: str) -> bool:

@@ -23,8 +23,7 @@ from ckptctl.findings import ERROR, INFO, WARNING, Finding, PathFindings
 from ckptctl.format.tensor import TensorSpec
 from ckptctl.verify.architectures import GENERATIVE, SPECS, Dims, Spec
 from ckptctl.verify.context import Context
-from ckptctl.verify.stacks import (EXTRA_LAYER_FIELDS, check_experts, check_stacks, containers, count_findings,
-                                   expert_blocks)
+from ckptctl.verify.stacks import EXTRA_LAYER_FIELDS, check_experts, check_stacks, count_findings
 from ckptctl.tensor_names import RunPattern, TensorNames, dtypes, run_pattern
 from ckptctl.verify.tied import tied_bytes_step
 from ckptctl.verify.weights import transformers_rank
@@ -64,7 +63,7 @@ def _detect(tensors: "Tensors | TensorNames") -> tuple[Spec, str] | None:
         first = spec.rules[0].suffix
         pat = re.compile(rf"^(.*?){spec.layer}\.\d+\.{re.escape(first)}$")
         roots.update(m.group(1) for n in candidates if (m := pat.match(n)))
-        for root in sorted(roots):  # a tie goes to the same root whatever the order of the names
+        for root in roots:
             hits = names.count_prefix(root + spec.layer + ".")
             has_embed = (root + spec.embed) in names.tensors
             score = hits + (1 << 40 if has_embed else 0)
@@ -74,18 +73,6 @@ def _detect(tensors: "Tensors | TensorNames") -> tuple[Spec, str] | None:
     return (best[1], best[2]) if best else None
 
 
-def name_facts(names: list[str]) -> dict[str, Any]:
-    """What the config rules read from the names alone, none of it depending on their order:
-    the expert and layer sets (``stacks``) and the detected layout (by its spec's name). Worked
-    out by the index's worker beside the header reads (``read_ahead.scope(facts=...)``), used
-    when the index agrees with the headers."""
-    table = TensorNames(dict.fromkeys(names))
-    found = _detect(table)
-    return {"experts": expert_blocks(table), "containers": containers(table),
-            "detect": None if found is None else (found[0].name, found[1])}
-
-
-_SPEC_BY_NAME = {s.name: s for s in SPECS}
 _SHAPE = attrgetter("shape")
 
 
@@ -100,10 +87,8 @@ def _shape_ok(actual: tuple[int, ...], expected: tuple[int | None, ...] | None) 
 
 
 def check_config(display: str, cfg: Any, tensors: Tensors, *, check_dtype: bool = True,
-                 tokenizer_size: int | None = None, tokenizer_display: str | None = None,
-                 facts: dict[str, Any] | None = None) -> list[Finding]:
-    """Findings about config.json (already parsed) against the checkpoint's tensors. ``facts``:
-    ``stacks.name_facts`` of the tensors' names, when the index's worker worked them out."""
+                 tokenizer_size: int | None = None, tokenizer_display: str | None = None) -> list[Finding]:
+    """Findings about config.json (already parsed) against the checkpoint's tensors."""
     ctx = PathFindings(display)
     if not isinstance(cfg, dict):
         ctx.add("config.bad_json", ERROR, f"{display}: top level is a JSON {type(cfg).__name__}, not an object",
@@ -131,16 +116,10 @@ def check_config(display: str, cfg: Any, tensors: Tensors, *, check_dtype: bool 
                 f"{vocab}: those tokens index past the embedding",
                 "resize the embeddings (model.resize_token_embeddings) and re-export, or fix vocab_size",
                 tokenizer_size=tokenizer_size, vocab_size=vocab)
-    facts = facts or {}
-    check_experts(ctx, cfg, names, found=facts.get("experts"))
-    if cfg.get("is_encoder_decoder"):
-        found = None
-    elif "detect" in facts:
-        found = None if facts["detect"] is None else (_SPEC_BY_NAME[facts["detect"][0]], facts["detect"][1])
-    else:
-        found = _detect(names)
+    check_experts(ctx, cfg, names)
+    found = None if cfg.get("is_encoder_decoder") else _detect(names)
     skip = f"{found[1]}{found[0].layer}" if found else None
-    stacked = check_stacks(ctx, cfg, names, skip=skip, found=facts.get("containers"))
+    stacked = check_stacks(ctx, cfg, names, skip=skip)
     if cfg.get("is_encoder_decoder"):
         ctx.add("config.not_checked", INFO, f"{display}: encoder-decoder model; layer counts checked per stack, "
                 "projection shapes not checked")
@@ -359,7 +338,7 @@ def config_step(ctx: Context) -> str | None:
         variant_match = any(want is not None and _dominant_float(t.tensors) == want
                             for t in ctx.tables if t.family.variant is not None)
         ctx.extend(check_config(shown, cfg, loaded.tensors, check_dtype=not variant_match, tokenizer_size=tok,
-                                tokenizer_display=tok_shown, facts=loaded.facts))
+                                tokenizer_display=tok_shown))
         if ctx.options.deep and isinstance(cfg, dict):
             tied_bytes_step(ctx, cfg, loaded)
     if not isinstance(cfg, dict):

@@ -95,13 +95,11 @@ def count_findings(ctx: PathFindings, where: str, present: set[int], expected: i
                 f"fix {field}, or drop the stale layers with ckptctl resave", extra=extra[:200], stack=where)
 
 
-def check_stacks(ctx: PathFindings, cfg: dict, tensors: "Tensors | TensorNames", *, skip: str | None = None,
-                 found: dict[str, set[int]] | None = None) -> bool:
+def check_stacks(ctx: PathFindings, cfg: dict, tensors: "Tensors | TensorNames", *, skip: str | None = None) -> bool:
     """Every layer stack against its count in the config. ``skip``: a container the caller has
-    already checked; ``found``: :func:`containers` of the tensors, when the caller has it.
-    Returns whether any stack was checked."""
+    already checked. Returns whether any stack was checked."""
     c = ConfigFields(cfg)
-    stacks = {k: v for k, v in (containers(tensors) if found is None else found).items() if k != skip}
+    stacks = {k: v for k, v in containers(tensors).items() if k != skip}
     checked = False
     enc_dec = bool(cfg.get("is_encoder_decoder"))
     if enc_dec:  # a stack whose every layer is gone is still a stack: its sibling names it
@@ -152,14 +150,12 @@ def expert_blocks(tensors: "Tensors | TensorNames") -> dict[str, set[int]]:
     return per_block
 
 
-def check_experts(ctx: PathFindings, cfg: dict, tensors: "Tensors | TensorNames", *,
-                  found: dict[str, set[int]] | None = None) -> None:
-    """MoE: every layer that has experts has all of them, and the router's rows equal the count.
-    ``found``: :func:`expert_blocks` of the tensors, when the caller has it."""
+def check_experts(ctx: PathFindings, cfg: dict, tensors: "Tensors | TensorNames") -> None:
+    """MoE: every layer that has experts has all of them, and the router's rows equal the count."""
     c = ConfigFields(cfg)
     field, n = next(((f, v) for f in EXPERT_FIELDS if (v := as_int(c.get(f))) is not None), (None, None))
     names = TensorNames.of(tensors)
-    per_block = expert_blocks(names) if found is None else found
+    per_block = expert_blocks(names)
     if not per_block:
         return
     if n is None:
