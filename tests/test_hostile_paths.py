@@ -27,17 +27,16 @@ from tests.support import INDEX, clean_env, load_glob, run_ckptctl, write_sharde
 def _audited_ckptctl(tmp_path: Path, *args) -> tuple[subprocess.CompletedProcess, set[str]]:
     """Run the CLI with an audit hook that records every file the process opens."""
     log = tmp_path / "opened.json"
-    code = ("import sys, os, json, runpy\n"
+    # the log is written by an exit handler: cli.main runs them, then ends with os._exit
+    code = ("import atexit, sys, os, json, runpy\n"
             "opened = []\n"
             "def hook(event, a):\n"
             "    if event == 'open' and isinstance(a[0], (str, bytes)):\n"
             "        opened.append(os.fsdecode(a[0]))\n"
             "sys.addaudithook(hook)\n"
             "sys.argv = ['ckptctl'] + sys.argv[1:]\n"
-            "try:\n"
-            "    runpy.run_module('ckptctl', run_name='__main__')\n"
-            "finally:\n"
-            f"    json.dump([os.path.realpath(p) for p in opened], open({str(log)!r}, 'w'))\n")
+            f"atexit.register(lambda: json.dump([os.path.realpath(p) for p in opened], open({str(log)!r}, 'w')))\n"
+            "runpy.run_module('ckptctl', run_name='__main__')\n")
     r = subprocess.run([sys.executable, "-c", code, *map(str, args)], capture_output=True, text=True, timeout=120,
                        env=clean_env())
     return r, set(json.loads(log.read_text()))
