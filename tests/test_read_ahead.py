@@ -180,6 +180,7 @@ def tree(d):  # what each file holds, with the run's own directory written as P
             if p.is_file() else "other" for p in sorted(d.rglob("*")) if not p.is_symlink()}
 
 def outcome(fn, d):
+    PF._last = FI._last_read = None  # each command reads the index itself (by its own worker)
     try:
         out = fn(d)
     except CkptctlError as exc:
@@ -318,3 +319,29 @@ def test_the_config_rules_find_the_same_with_the_worker(tmp_path: Path) -> None:
     assert docs[0] == docs[1]
     codes = {f["code"] for f in docs[1]["results"][0]["findings"]}
     assert {"config.expert_missing", "config.layer_missing"} <= codes
+
+
+def test_a_second_scan_of_the_same_index_reuses_its_reading(tmp_path: Path) -> None:
+    """export scans its source twice: the index a split read is read again only when the file
+    changed (its fstat identity)."""
+    d = tmp_path / "big"
+    _large(d)
+    out = _python("""
+        import json, os, sys
+        from pathlib import Path
+        from ckptctl.format import read_ahead
+        from ckptctl.layout import prefetch
+        started = []
+        real = prefetch.start
+        prefetch.start = lambda *a, **k: started.append(1) or real(*a, **k)
+        d = Path(sys.argv[1])
+        shards = sorted(p.name for p in d.glob("*.safetensors"))
+        index = "model.safetensors.index.json"
+        with read_ahead.scope(d):
+            first = prefetch.take(d, index, shards)
+            again = prefetch.take(d, index, shards)
+            (d / index).write_bytes((d / index).read_bytes())  # rewritten: a new ctime
+            changed = prefetch.take(d, index, shards)
+        print(json.dumps({"started": len(started), "same": first.joins == again.joins == changed.joins}))
+    """, str(d))
+    assert json.loads(out) == {"started": 2, "same": True}

@@ -128,9 +128,29 @@ class Split:
         return doc.copy()
 
 
+# The last index a split read: a command scans its source again (export: the root test, then
+# the source) and the file is the same one (device, inode, size, mtime and ctime in ns), so is
+# its reading, and the headers the first split kept are still there for their reads.
+_last: Index | None = None
+
+
 def take(root: Path, index: str, shards: list[str]) -> Index | None:
     """The index ``root/index`` read by a split with the headers of ``shards``; None when no
     split runs (the caller reads the index itself). Only inside a read-ahead scope of ``root``:
     the headers are kept for that command's reads."""
-    split = Split.start(root, index, shards) if read_ahead.wanted(root) else None
-    return split.finish() if split is not None else None
+    global _last
+    if not read_ahead.wanted(root):
+        return None
+    path = str(root / index)
+    last = _last
+    if last is not None and last._file is not None and last._file[0] == path:
+        try:
+            if read_ahead.identity(os.stat(path)) == last._file[1]:
+                return last.copy()
+        except OSError:
+            pass
+    split = Split.start(root, index, shards)
+    doc = split.finish() if split is not None else None
+    if doc is not None:
+        _last = doc._source  # the reading itself (finish hands out a copy of it)
+    return doc
