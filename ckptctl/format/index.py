@@ -130,7 +130,8 @@ def read_index(path: str | os.PathLike[str], *, display: str | None = None) -> I
 
 
 def remember(idx: Index) -> None:
-    """Make ``idx`` (a reading of its ``_raw`` bytes) the one :func:`read_index` reuses."""
+    """Make ``idx`` (a reading of its ``_raw`` bytes) the one :func:`read_index` reuses (a
+    worker's reading keeps no bytes: ``layout.prefetch`` reuses those by the file's identity)."""
     global _last_read
     if idx._raw is not None:
         _last_read = (idx._raw, idx.path, idx)

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from ckptctl.format import read_ahead
 from ckptctl.format.header import Header, read_header_ahead
-from ckptctl.format.index import MAX_INDEX_SIZE, Index, read_for_worker, remember
+from ckptctl.format.index import MAX_INDEX_SIZE, Index, read_for_worker
 from ckptctl.format.read_ahead import Identity
 from ckptctl.worker import Job, WorkerFailed, start
 
@@ -124,7 +124,6 @@ class Split:
         for kept in theirs:
             if kept[0] not in mine:  # where both parsed one, this process's copy is kept
                 read_ahead.keep(*kept)
-        remember(doc)
         return doc.copy()
 
 
