@@ -128,3 +128,17 @@ def test_reads_huggingface_hub_index(tmp_path: Path) -> None:
     assert len(idx.shards) > 1
     assert all((tmp_path / s).is_file() for s in idx.shards)
     assert idx.metadata["total_size"] == 6 * 64 * 4
+
+
+def test_an_index_that_became_a_fifo_is_a_finding_not_a_wait(tmp_path) -> None:
+    """layout checks that the index is a regular file before reading it; one replaced by a FIFO
+    in between is opened without blocking and refused."""
+    import os
+
+    from ckptctl.format.index import read_index
+
+    fifo = tmp_path / "model.safetensors.index.json"
+    os.mkfifo(fifo)
+    idx = read_index(fifo)
+    assert [f.code for f in idx.findings] == ["index.bad_json"]
+    assert "not a regular file" in idx.findings[0].message and not idx.ok
