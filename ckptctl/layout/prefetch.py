@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import mmap
 import os
-import struct
 from pathlib import Path
 
 from ckptctl.format import read_ahead
@@ -40,30 +39,19 @@ Kept = tuple[str, str, Identity, Header]
 
 
 class _Board:
-    """Two shard positions in memory both processes share: the next one this process takes
-    (front, counting up) and the last one the worker took (back, counting down)."""
+    """Two shard positions in memory both processes share, as 4-byte slots: ``slots[FRONT]``, the
+    next one this process takes (counting up), and ``slots[BACK]``, the last one the worker took
+    (counting down)."""
+
+    FRONT, BACK = 0, 1
 
     def __init__(self, n: int) -> None:
         self._m = mmap.mmap(-1, 8)
-        struct.pack_into("<II", self._m, 0, 0, n)
-
-    @property
-    def front(self) -> int:
-        return struct.unpack_from("<I", self._m, 0)[0]  # type: ignore[no-any-return]
-
-    @front.setter
-    def front(self, value: int) -> None:
-        struct.pack_into("<I", self._m, 0, value)
-
-    @property
-    def back(self) -> int:
-        return struct.unpack_from("<I", self._m, 4)[0]  # type: ignore[no-any-return]
-
-    @back.setter
-    def back(self, value: int) -> None:
-        struct.pack_into("<I", self._m, 4, value)
+        self.slots = memoryview(self._m).cast("I")
+        self.slots[self.BACK] = n
 
     def close(self) -> None:
+        self.slots.release()  # the mapping closes only once no view of it is left
         self._m.close()
 
 
@@ -71,8 +59,9 @@ def _worker(index: str, paths: list[str], board: _Board) -> tuple[Index, list[Ke
     """The worker's side: the index, then headers from the back until it meets the front."""
     doc = read_for_worker(index, index)
     got: list[Kept] = []
-    while (k := board.back - 1) >= board.front:  # not yet taken from the front: take it
-        board.back = k
+    slots, front, back = board.slots, board.FRONT, board.BACK
+    while (k := slots[back] - 1) >= slots[front]:  # not yet taken from the front: take it
+        slots[back] = k
         read_header_ahead(paths[k], lambda *kept: got.append(kept))
     return doc, got
 
@@ -105,12 +94,13 @@ class Split:
         """This process's side (headers from the front, kept for their reads), then the worker's
         index and headers; None when the worker failed (the caller reads the index itself)."""
         board = self.board
+        slots = board.slots
         try:
             with self.job:
                 p = 0
                 while p < len(self.paths):
-                    board.front = p + 1  # taken: the worker stops before it
-                    if p >= board.back:  # the worker took it first
+                    slots[board.FRONT] = p + 1  # taken: the worker stops before it
+                    if p >= slots[board.BACK]:  # the worker took it first
                         break
                     read_header_ahead(self.paths[p])
                     p += 1
