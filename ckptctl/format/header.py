@@ -18,16 +18,17 @@ from array import array
 from collections import Counter
 from collections.abc import ItemsView, Iterable, Iterator, KeysView, Mapping, ValuesView
 from dataclasses import dataclass, field
-from itertools import chain, islice, repeat
+from itertools import accumulate, chain, islice, repeat
 from math import prod
 from json.decoder import scanstring
+from json.encoder import encode_basestring as _encode_string  # json.dumps' own, ensure_ascii=False
 from typing import Any, Callable, TypeVar
 
 from ckptctl.errors import CkptctlError, InputError, from_oserror
 from ckptctl.findings import ERROR, WARNING, Finding, has_errors
 from ckptctl.format import dtypes as dt
 from ckptctl.format import read_ahead
-from ckptctl.format.tensor import SpecFields, TensorSpec, dtypes
+from ckptctl.format.tensor import SpecFields, TensorSpec, by_columns, dtypes
 from ckptctl.gcpause import paused
 
 MAX_HEADER_SIZE = 100_000_000  # safetensors' MAX_HEADER_SIZE
@@ -127,12 +128,19 @@ class TensorTable(_ByColumn[TensorInfo]):
 
     def _iter_values(self) -> Iterator[TensorInfo]:
         # C loops over the columns: the records' own constructors are the only Python work
-        return map(TensorInfo, self._iter_specs(), self._begin, self._end)
+        return map(TensorInfo, self.iter_specs(), self._begin, self._end)
 
     def _iter_items(self) -> Iterator[tuple[str, TensorInfo]]:
         return zip(self._names, self._iter_values())
 
-    def _iter_specs(self) -> Iterator[TensorSpec]:
+    def spec_list(self) -> list[TensorSpec]:
+        """Every tensor's spec, in the table's order, made column by column (:func:`by_columns`)."""
+        dtypes, shapes = [k[0] for k in self._kinds], [k[1] for k in self._kinds]
+        return by_columns(TensorSpec, self._names, list(map(dtypes.__getitem__, self._kind)),
+                          list(map(shapes.__getitem__, self._kind)))
+
+    def iter_specs(self) -> Iterator[TensorSpec]:
+        """Every tensor's spec, in the table's order (one C loop; no :class:`TensorInfo`)."""
         dtypes, shapes = [k[0] for k in self._kinds], [k[1] for k in self._kinds]
         return map(TensorSpec, self._names, map(dtypes.__getitem__, self._kind), map(shapes.__getitem__, self._kind))
 
@@ -149,6 +157,11 @@ class TensorTable(_ByColumn[TensorInfo]):
     @property
     def kind_codes(self) -> array[int]:
         return self._kind
+
+    @property
+    def begins(self) -> Offsets:
+        """Each tensor's begin offset, in the table's order (the column itself: read-only)."""
+        return self._begin
 
     @property
     def data_bytes(self) -> int:
@@ -201,7 +214,7 @@ class SpecView(_ByColumn[TensorSpec]):
         return self._table.dtype_set()
 
     def _iter_values(self) -> Iterator[TensorSpec]:
-        return self._table._iter_specs()
+        return self._table.iter_specs()
 
     def _iter_items(self) -> Iterator[tuple[str, TensorSpec]]:
         return zip(self._table, self._iter_values())
@@ -1088,8 +1101,19 @@ def load_header(path: str | os.PathLike[str], *, display: str | None = None) -> 
 
 
 def layout_order(specs: Iterable[TensorSpec]) -> list[TensorSpec]:
-    """The order the official writer lays tensors out in: dtype rank descending, then name."""
-    return sorted(specs, key=lambda s: (-dt.RANK[s.dtype], s.name))
+    """The order the official writer lays tensors out in: dtype rank descending, then name (a
+    sort by name, then a stable sort by rank: C-level keys, no key tuple per tensor)."""
+    by_name = sorted(specs, key=_NAME)
+    neg = _NEG_RANK
+    ranks = [neg[s.dtype] for s in by_name]
+    if len(set(ranks)) <= 1:
+        return by_name
+    return list(map(by_name.__getitem__, sorted(range(len(ranks)), key=ranks.__getitem__)))
+
+
+_NAME = operator.attrgetter("name")
+_NEG_RANK = {name: -rank for name, rank in dt.RANK.items()}
+_KINDS_BY_ID = 1 << 12
 
 
 def encode_header(specs: Iterable[TensorSpec], metadata: dict[str, str] | None = None, *, extra_pad: int = 0
@@ -1107,12 +1131,88 @@ def encode_header(specs: Iterable[TensorSpec], metadata: dict[str, str] | None =
 
 def _encode(ordered: list[TensorSpec], metadata: dict[str, str] | None, extra_pad: int
             ) -> tuple[bytes, list[TensorInfo]]:
-    obj: dict[str, Any] = {}
-    if metadata is not None:
-        for k, v in metadata.items():
-            if not isinstance(k, str) or not isinstance(v, str):
-                raise ValueError("safetensors metadata must map strings to strings")
-        obj[METADATA_KEY] = dict(metadata)
+    """The header by column: each kind's JSON text (dtype, shape, up to the offsets) made once, the
+    offsets by one running sum, the whole text by one join of every entry's pieces, and the
+    layout's records by :func:`by_columns` (no dict or list per entry, no ``json.dumps`` of 90k
+    of them: 0.25 s -> 0.11 s for DeepSeek-V3's 92k tensors). The same bytes as
+    :func:`_encode_by_object`, which takes anything unusual: a name that is not a ``str``, a
+    dimension that is not an ``int`` among many distinct shapes."""
+    meta = _checked_metadata(metadata)
+    # (comprehensions: the interpreter's specialised attribute reads beat attrgetter here)
+    names, dtypes_, shapes = [s.name for s in ordered], [s.dtype for s in ordered], [s.shape for s in ordered]
+    if not set(map(type, names)) <= {str}:
+        return _encode_by_object(ordered, metadata, extra_pad)
+    if not (set(map(type, ordered)) <= {TensorSpec} and set(map(type, shapes)) <= {tuple}):
+        ordered = [s if type(s) is TensorSpec and type(s.shape) is tuple else TensorSpec(s.name, s.dtype, tuple(s.shape))
+                   for s in ordered]
+        shapes = [s.shape for s in ordered]
+    if len(set(names)) != len(names) or METADATA_KEY in names:
+        _refuse_names(names)
+    # each kind's text (from its dtype to the offsets) and size made once: a kind is a dtype and
+    # a shape object (a header's table shares one per kind), or a shape where the objects are many
+    ids = [id(shape) for shape in shapes]
+    if len(set(ids)) > _KINDS_BY_ID:
+        if not set(map(type, chain.from_iterable(shapes))) <= {int}:
+            return _encode_by_object(ordered, metadata, extra_pad)  # as a key, True would be 1
+        ids = shapes
+    keys = list(zip(dtypes_, ids))
+    kind_text: dict[tuple[Any, Any], str] = {}
+    kind_size: dict[tuple[Any, Any], int] = {}
+    for key, spec in dict(zip(keys, ordered)).items():  # one spec of each kind: any gives the same text
+        kind_text[key] = (f'":{{"dtype":{json.dumps(spec.dtype, ensure_ascii=False)},"shape":'
+                          f'{json.dumps(list(spec.shape), separators=(",", ":"))},"data_offsets":[')
+        kind_size[key] = spec.nbytes  # an unknown dtype: KeyError, as in _encode_by_object
+    ends = list(accumulate(map(kind_size.__getitem__, keys)))
+    begins = [0, *ends[:-1]] if ends else []
+    end_texts = list(map(str, ends))
+    # the whole text as one join of every entry's pieces: '"' (after a comma), the name up to
+    # its closing quote, its kind's text, the offsets
+    joined = "".join(names)
+    plain = len(_encode_string(joined)) == len(joined) + 2  # no name needs an escape
+    del joined
+    open_quote = chain(('"' if meta is None else ',"',), repeat(',"'))
+    quoted = names if plain else (e[1:-1] for e in map(_encode_string, names))
+    head = "{" if meta is None else "{" + json.dumps({METADATA_KEY: meta}, separators=(",", ":"), ensure_ascii=False)[1:-1]
+    text = "".join(chain((head,), chain.from_iterable(zip(
+        open_quote, quoted, map(kind_text.__getitem__, keys), chain(("0",), end_texts), repeat(","), end_texts,
+        repeat("]}"))), ("}",))).encode("utf-8")
+    return _framed(text, extra_pad), by_columns(TensorInfo, ordered, begins, ends)
+
+
+def _checked_metadata(metadata: dict[str, str] | None) -> dict[str, str] | None:
+    if metadata is None:
+        return None
+    for k, v in metadata.items():
+        if not isinstance(k, str) or not isinstance(v, str):
+            raise ValueError("safetensors metadata must map strings to strings")
+    return dict(metadata)
+
+
+def _refuse_names(names: list[str]) -> None:
+    """The error for the first name the header cannot hold, in order."""
+    seen: set[str] = set()
+    for name in names:
+        if name == METADATA_KEY:
+            raise ValueError(f"a tensor cannot be named {METADATA_KEY!r}")
+        if name in seen:
+            raise ValueError(f"duplicate tensor name {name!r}")
+        seen.add(name)
+
+
+def _framed(text: bytes, extra_pad: int) -> bytes:
+    """The 8-byte length, ``text`` and its padding (one copy of ``text``)."""
+    pad = (-len(text)) % 8 + extra_pad
+    if len(text) + pad > MAX_HEADER_SIZE:
+        raise ValueError("header too large")
+    return b"".join((struct.pack("<Q", len(text) + pad), text, b" " * pad))
+
+
+def _encode_by_object(ordered: list[TensorSpec], metadata: dict[str, str] | None, extra_pad: int
+                      ) -> tuple[bytes, list[TensorInfo]]:
+    """The header as ``json.dumps`` of one object of every entry: what :func:`_encode` must equal
+    byte for byte (the tests hold it to this)."""
+    meta = _checked_metadata(metadata)
+    obj: dict[str, Any] = {} if meta is None else {METADATA_KEY: meta}
     infos: list[TensorInfo] = []
     offset = 0
     for s in ordered:
@@ -1123,16 +1223,11 @@ def _encode(ordered: list[TensorSpec], metadata: dict[str, str] | None, extra_pa
             raise ValueError(f"duplicate tensor name {name!r}")
         n = s.nbytes
         obj[name] = {"dtype": s.dtype, "shape": list(s.shape), "data_offsets": [offset, offset + n]}
-        # a plain spec is immutable: the layout shares it instead of building an equal one
         spec = s if type(s) is TensorSpec and type(s.shape) is tuple else TensorSpec(name, s.dtype, tuple(s.shape))
         infos.append(TensorInfo(spec, offset, offset + n))
         offset += n
     text = json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
-    pad = (-len(text)) % 8 + extra_pad
-    text += b" " * pad
-    if len(text) > MAX_HEADER_SIZE:
-        raise ValueError("header too large")
-    return struct.pack("<Q", len(text)) + text, infos
+    return _framed(text, extra_pad), infos
 
 
 def header_size_of(specs: Iterable[TensorSpec], metadata: dict[str, str] | None = None) -> int:

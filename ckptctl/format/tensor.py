@@ -5,8 +5,11 @@ bytes sit in, a verify or inspect row) holds a ``TensorSpec`` and adds only its 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections import deque
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, fields
+from itertools import repeat
+from typing import Any, TypeVar
 from math import prod
 from operator import attrgetter
 
@@ -63,6 +66,25 @@ class SpecFields:
     def nbytes(self) -> int:
         return self.spec.nbytes
 
+
+_R = TypeVar("_R")
+
+
+def by_columns(cls: type[_R], *columns: Sequence[Any]) -> list[_R]:
+    """Records of the slotted, frozen dataclass ``cls`` from one column per field (in field order,
+    all of one length), as ``[cls(*row) for row in zip(*columns)]`` makes them but without a call of its
+    ``__init__`` per record: ``object.__new__``, then one C loop per field through the field's
+    slot (what the frozen ``__init__`` itself does, ``object.__setattr__``, at a Python call per
+    field and record: 90k TensorInfo took 57 ms, here 25). Only for a class whose ``__init__``
+    just sets its fields."""
+    names = [f.name for f in fields(cls)]  # type: ignore[arg-type]
+    n = len(columns[0]) if columns else 0
+    if len(columns) != len(names) or hasattr(cls, "__post_init__") or any(len(c) != n for c in columns):
+        raise TypeError(f"by_columns needs a column of one length per field of {cls.__name__}, and no __post_init__")
+    out = list(map(object.__new__, repeat(cls, n)))
+    for name, column in zip(names, columns):
+        deque(map(getattr(cls, name).__set__, out, column), 0)
+    return out
 
 
 def dtypes(tensors: Mapping[str, TensorSpec]) -> set[str | None]:
