@@ -107,7 +107,7 @@ def make_plan(specs: list[TensorSpec], *, max_shard_size: int, prefix: str = "mo
         groups = [[s.name for s in specs]]  # one shard, as the hub groups them (without importing it)
     elif groups is None:
         groups = group(zip((s.name for s in specs), sizes), max_shard_size)
-    whole = len(groups) == 1 and len(groups[0]) == len(specs) and all(a == s.name for a, s in zip(groups[0], specs))
+    whole = len(groups) == 1 and groups[0] == [s.name for s in specs]
     by_name = {} if whole else {s.name: s for s in specs}
     if len(groups) > MAX_SHARDS:
         raise ValueError(f"{len(groups)} shards exceed the {MAX_SHARDS}-shard naming limit; raise --max-shard-size")
@@ -120,7 +120,7 @@ def make_plan(specs: list[TensorSpec], *, max_shard_size: int, prefix: str = "mo
         sp = ShardPlan(name, list(specs) if whole else [by_name[x] for x in names], md)
         sp.header, sp.layout = encode_header(sp.specs, md)
         shards.append(sp)
-    params = sum(map(prod, (s.shape for s in specs)))
+    params = sum(map(prod, [s.shape for s in specs]))
     index = N.index_name(prefix, N.SAFETENSORS_EXT, variant=variant) if n > 1 else None
     return Plan(shards, index, total, params, aliases)
 

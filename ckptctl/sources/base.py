@@ -38,10 +38,11 @@ class SourceTensor(SpecFields):
     # since no single file holds the tensor): together the pieces tile the tensor's bytes.
     pieces: tuple[Piece, ...] = ()
 
-    def __init__(self, spec: TensorSpec | str, dtype: str | None = None, shape: tuple[int, ...] | None = None, *,
+    def __init__(self, spec: TensorSpec | str, dtype: str | None = None, shape: tuple[int, ...] | None = None,
                  file: str | None = None, offset: int | None = None, pieces: tuple[Piece, ...] = ()) -> None:
         # ``SourceTensor(name, dtype, shape)`` is still accepted for callers that build the spec
-        # in place (resave's keep-layout plan, the DCP source).
+        # in place (resave's keep-layout plan, the DCP source). ``file`` and ``offset`` may be
+        # given by position: a source of 90k tensors makes them with one ``map``.
         self.spec = spec if isinstance(spec, TensorSpec) else TensorSpec(spec, dtype, tuple(shape))  # type: ignore[arg-type]
         self.file = file
         self.offset = offset
@@ -84,6 +85,17 @@ class Source:
         """List ``t`` (from ``origin``), refusing a name listed before."""
         self.claim(t.name, origin)
         self.tensors.append(t)
+
+    def add_all(self, tensors: list[SourceTensor], names: list[str], origin: str) -> None:
+        """:meth:`add` of each of ``tensors`` (named ``names``), by dict operations when no name
+        repeats one listed before (or another of them); otherwise one by one, to refuse the first."""
+        new = dict.fromkeys(names, origin)
+        if len(new) != len(names) or not self._origins.keys().isdisjoint(new):
+            for t in tensors:
+                self.add(t, origin)
+            return
+        self._origins.update(new)
+        self.tensors.extend(tensors)
 
     def chunks(self, t: SourceTensor, target_dtype: str | None = None,
                chunk_bytes: int = CHUNK_BYTES) -> Iterator[memoryview | bytes]:

@@ -5,6 +5,7 @@ Also the source of byte ranges fed one by one (``CheckpointWriter.add_range``): 
 
 from __future__ import annotations
 
+from itertools import repeat
 from pathlib import Path
 from typing import Iterator
 
@@ -18,9 +19,11 @@ class SafetensorsSource(Source):
         src = cls(path=root, kind=kind)
         for name in files:
             fpath = root / name
-            hdr = load_header(fpath, display=str(fpath))
-            for t in hdr.tensors.values():
-                src.add(SourceTensor(t.spec, file=str(fpath), offset=hdr.data_start + t.begin), name)
+            file = str(fpath)
+            hdr = load_header(fpath, display=file)
+            table = hdr.tensors  # by column: a spec and an offset per tensor, no TensorInfo
+            src.add_all(list(map(SourceTensor, table.spec_list(), repeat(None), repeat(None), repeat(file),
+                                 map(hdr.data_start.__add__, table.begins))), list(table), name)
             if len(files) == 1 and hdr.metadata:
                 src.metadata = {k: v for k, v in hdr.metadata.items() if k != "format"}
         return src
