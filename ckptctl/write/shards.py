@@ -254,7 +254,9 @@ class TensorWriter:
         src_fd = self._src_fd(run.file)
         length, src_pos = run.nbytes, run.src_offset
         done, kernel = 0, True
-        block = max(os.fstatvfs(fd).f_bsize, self._src_blocks[run.file])
+        block = self._src_blocks[run.file]  # a run shorter than the source's block is never cloned
+        if length >= block:
+            block = max(os.fstatvfs(fd).f_bsize, block)
         if length >= block and (src_pos - pos) % block == 0:
             head = min((-pos) % block, length)
             done = self._copy(src_fd, fd, src_pos, pos, head)
