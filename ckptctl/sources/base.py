@@ -25,7 +25,7 @@ class Piece:
     nbytes: int
 
 
-@dataclass(init=False)
+@dataclass(init=False, slots=True)
 class SourceTensor(SpecFields):
     """A tensor as a source lists it: its identity (``spec``) and, when its bytes can be copied as
     they are, the file and absolute offset where they sit (safetensors, pickles) or the

@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from ckptctl.layout import Layout
 
 
-@dataclass
+@dataclass(slots=True)
 class Entry(SpecFields):
     """One tensor to write: ``spec`` is what is stored (the dtype after any ``--dtype``
     conversion); ``source`` gives the bytes of ``tensor``, the source's own record of it."""
