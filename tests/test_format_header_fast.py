@@ -64,6 +64,18 @@ def test_negative_zero_and_huge_integers_take_the_strict_decoder() -> None:
         assert [f.code for f in hdr.findings] == (["header.bad_offsets"] if "-0" in text else ["header.bad_json"])
 
 
+def test_a_negative_zero_is_found_in_the_value_that_holds_it_wherever_else_a_minus_zero_sits() -> None:
+    """Each value the JSON parser reads is read again by the strict decoder when its own text holds
+    a ``-0``: a ``-0`` in a name, in the metadata or in another entry decides nothing for the
+    entry that has none, and the one entry that has one is refused."""
+    text = ('{"__metadata__":{"format":"pt","note":"x-0"},"w-0":{"dtype":"U8", "shape":[1],"data_offsets":[0,1]},'
+            '"z":{"dtype":"U8", "shape":[1],"data_offsets":[-0,1]},"y":{"dtype":"U8", "shape":[1],"data_offsets":[1,2]}}')
+    raw = text.encode() + b" " * (-len(text) % 8)
+    hdr = parse_header_bytes(struct.pack("<Q", len(raw)) + raw + b"xx")
+    assert [(f.code, f.tensor) for f in hdr.findings] == [("header.bad_offsets", "z")]
+    assert hdr.metadata == {"format": "pt", "note": "x-0"}
+
+
 # The canonical form (``"name":{"dtype":..,"shape":[..],"data_offsets":[a,b]},`` with no space)
 # is read a chunk of about a megabyte at a time by one regex; anything else entry by entry by
 # json's scanner. The same header written with spaces (every entry then takes the scanner) must
