@@ -21,6 +21,7 @@ and reaps the child before the interrupt goes on.
 
 from __future__ import annotations
 
+import atexit
 import mmap
 import os
 import pickle
@@ -65,35 +66,38 @@ class Job:
         self.shared: mmap.mmap | None = shared
 
     def result(self) -> Any:
-        """The call's return value (waits for the child). Raises :class:`WorkerFailed`."""
+        """The call's return value (waits for the child's length: it writes it once the pickle
+        is whole, so the result does not wait for the child's exit). Raises :class:`WorkerFailed`."""
         assert self.fd is not None and self.pid is not None and self.shared is not None
         told = b""
         try:
-            while chunk := os.read(self.fd, 8):
+            while len(told) < 8 and (chunk := os.read(self.fd, 8 - len(told))):
                 told += chunk
         except OSError as exc:
             self.close()
             raise WorkerFailed(f"reading the worker's result: {exc}") from None
-        os.close(self.fd)
-        self.fd = None
-        _, status = os.waitpid(self.pid, 0)
-        self.pid = None
         try:
-            if os.waitstatus_to_exitcode(status) != 0 or len(told) != 8:
+            if len(told) != 8:  # the child ended (or failed) before it wrote a length
+                _, status = os.waitpid(self.pid, 0)
+                self.pid = None
                 raise WorkerFailed(f"worker ended with status {status}")
             (n,) = struct.unpack("<Q", told)
             if n > len(self.shared):
                 raise WorkerFailed("worker's result overran its mapping")
             with memoryview(self.shared) as view:
                 try:
-                    return pickle.loads(view[:n])
+                    got = pickle.loads(view[:n])
                 except Exception as exc:  # a corrupt pickle: never trusted half-way
                     raise WorkerFailed(f"worker's result unreadable: {exc}") from None
-        finally:
+        except BaseException:
             self.close()
+            raise
+        self.close(wait=False)  # the child is ending on its own: collected later (_reap)
+        return got
 
-    def close(self) -> None:
-        """Kill and reap the child if it still runs; close the pipe and the mapping."""
+    def close(self, *, wait: bool = True) -> None:
+        """Kill the child if it still runs and reap it (``wait=False``: later, if it has not
+        ended yet, :func:`_reap`); close the pipe and the mapping."""
         if self.fd is not None:
             os.close(self.fd)
             self.fd = None
@@ -102,7 +106,11 @@ class Job:
                 os.kill(self.pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-            os.waitpid(self.pid, 0)
+            if wait:
+                os.waitpid(self.pid, 0)
+            else:
+                _ending.append(self.pid)
+                _reap(block=False)
             self.pid = None
         if self.shared is not None:
             self.shared.close()
@@ -115,6 +123,25 @@ class Job:
         self.close()
 
 
+# Children killed or done whose exit the parent has not collected yet: a child tearing down a
+# copy of a large parent takes a few milliseconds, which the parent does not wait for. Collected
+# without waiting at the next close or start, and waited for at exit.
+_ending: list[int] = []
+
+
+def _reap(block: bool) -> None:
+    for pid in list(_ending):
+        try:
+            done, _ = os.waitpid(pid, 0 if block else os.WNOHANG)
+        except ChildProcessError:  # collected elsewhere (a caller's own waitpid(-1))
+            done = pid
+        if done:
+            _ending.remove(pid)
+
+
+atexit.register(_reap, True)
+
+
 def start(fn: Callable[..., Any], *args: Any, capacity: int) -> Job | None:
     """Run ``fn(*args)`` in a forked child whose pickled result must fit in ``capacity`` bytes;
     None when :func:`available` says no or the fork fails (the caller then runs it itself).
@@ -122,6 +149,7 @@ def start(fn: Callable[..., Any], *args: Any, capacity: int) -> Job | None:
     child)."""
     if not available():
         return None
+    _reap(block=False)
     shared = mmap.mmap(-1, capacity)  # MAP_SHARED | MAP_ANONYMOUS: the child's writes are ours
     r, w = os.pipe2(os.O_CLOEXEC)
     try:

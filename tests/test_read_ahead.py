@@ -52,6 +52,14 @@ def test_worker_returns_the_call_result_and_refuses_what_it_cannot_deliver() -> 
         job = W.start(os.getpid, capacity=1 << 16)
         child = job.result()
         assert child != os.getpid() and job.pid is None and job.shared is None
+        # the result did not wait for the child's exit: it is collected later, and at exit
+        W._reap(block=True)
+        assert W._ending == []
+        try:
+            os.waitpid(child, os.WNOHANG)
+            raise AssertionError("the child was not collected")
+        except ChildProcessError:
+            pass
         failed = []
         for fn, cap in ((lambda: 1 / 0, 1 << 16), (lambda: b"x" * 100_000, 1000)):
             job = W.start(fn, capacity=cap)
