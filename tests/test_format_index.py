@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from huggingface_hub import save_torch_state_dict
 
 from ckptctl.errors import OperationalError
@@ -142,3 +144,58 @@ def test_an_index_that_became_a_fifo_is_a_finding_not_a_wait(tmp_path) -> None:
     idx = read_index(fifo)
     assert [f.code for f in idx.findings] == ["index.bad_json"]
     assert "not a regular file" in idx.findings[0].message and not idx.ok
+
+
+# --------------------------------------------------------------------------------------------
+# the orjson reading: what json reads, or nothing (json then reads the text)
+
+_texts = st.text(st.sampled_from('ab-0.é"\\\n'), max_size=5)
+_scalars = st.one_of(st.none(), st.booleans(), st.integers(-3, 3), st.sampled_from([0.5, 1e300, 2**70, -2**70]),
+                     _texts)
+_values = st.recursive(_scalars, lambda inner: st.one_of(st.lists(inner, max_size=3),
+                                                         st.dictionaries(_texts, inner, max_size=3)), max_leaves=8)
+
+
+def _index_text(doc: dict, dup: str | None, spaced: bool) -> bytes:
+    """``doc`` as JSON (indent 2), with a repeated weight_map key when ``dup``, and a space before
+    every colon when ``spaced``."""
+    text = json.dumps(doc, indent=2, ensure_ascii=False)
+    if dup is not None and '"weight_map": {\n' in text:
+        text = text.replace('"weight_map": {\n', '"weight_map": {\n    ' + json.dumps(dup) + ': "x.safetensors",\n', 1)
+    if spaced:
+        text = text.replace('": ', '" : ')
+    return text.encode()
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.dictionaries(_texts, _texts, max_size=4), _values, st.one_of(st.none(), _texts), st.booleans(),
+       st.booleans())
+def test_the_orjson_reading_is_json_s_or_none(weight_map, metadata, dup, spaced, negative_zero):
+    """Escapes, repeated keys (also after a space before the colon), -0, floats, huge integers,
+    nesting: where ``_fast_load`` reads the text, json reads the same; where json refuses it or
+    names a repeated key, ``_fast_load`` declines."""
+    from ckptctl.format.header import DuplicateKey, no_duplicate_keys
+    from ckptctl.format.index import _fast_load
+
+    raw = _index_text({"metadata": metadata, "weight_map": weight_map}, dup, spaced)
+    if negative_zero:
+        raw = raw.replace(b'"metadata": ', b'"metadata": -0, "m": ', 1).replace(b'"metadata" : ', b'"metadata" : -0, "m" : ', 1)
+    try:
+        expected = json.loads(raw.decode(), object_pairs_hook=no_duplicate_keys)
+    except (DuplicateKey, ValueError):
+        expected = None
+    got = _fast_load(raw)
+    if got is not None:
+        assert expected is not None and got == expected
+        assert json.dumps(got) == json.dumps(expected)  # the same types (an int is no float)
+        assert not negative_zero
+
+
+def test_the_orjson_reading_takes_a_written_index(tmp_path: Path) -> None:
+    from ckptctl.format.index import _fast_load
+
+    raw = write(tmp_path, {"metadata": {"total_size": 12, "format": "pt"}, "weight_map": GOOD["weight_map"]}).read_bytes()
+    assert _fast_load(raw) == json.loads(raw)
+    repeated = raw.replace(b'{"a": ', b'{"c": "x", "a": ', 1)
+    assert _fast_load(repeated) is None
+    assert codes(read_index(write(tmp_path, repeated, "r.json"))) == ["index.duplicate_key"]

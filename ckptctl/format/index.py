@@ -181,7 +181,9 @@ def _read_bytes(p: str, idx: Index) -> tuple[bytes, Identity] | None:
 def _parse(idx: Index, raw: bytes) -> None:
     idx._raw = raw
     try:
-        obj = json.loads(raw.decode("utf-8"), object_pairs_hook=no_duplicate_keys)
+        obj = _fast_load(raw)
+        if obj is None:
+            obj = json.loads(raw.decode("utf-8"), object_pairs_hook=no_duplicate_keys)
     except DuplicateKey as exc:
         idx.add("index.duplicate_key", f"{idx.path}: key {exc.key!r} appears twice", hint=_REBUILD,
                 tensor=exc.key)
@@ -210,9 +212,60 @@ def _parse(idx: Index, raw: bytes) -> None:
         idx.metadata = meta
 
 
+def _fast_load(raw: bytes) -> Any:
+    """orjson's reading of an index (about twice as fast as json's on 92k entries), where it is
+    provably what ``json.loads`` with :func:`no_duplicate_keys` reads; None where it may not be
+    (json then reads it): orjson missing or refusing it, an escape anywhere, a weight_map that is
+    not strings to strings, a number 0 (orjson reads ``-0`` as 0) or a float outside it, nesting
+    past 64 levels, or a key orjson dropped as a repeat. With no backslash in the text every
+    ``"`` opens or closes a string, so the text holds as many strings as the reading does (each
+    key and each string value) exactly when no key repeats."""
+    if b"\\" in raw:
+        return None
+    try:
+        import orjson
+    except ImportError:
+        return None
+    try:
+        obj = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        return None
+    if type(obj) is not dict:
+        return None
+    wm = obj.get("weight_map")
+    if type(wm) is not dict or not set(map(type, wm.values())) <= {str}:
+        return None
+    strings = 0
+    for key, value in obj.items():
+        more = 2 * len(wm) if key == "weight_map" else _strings_in(value, 1)
+        if more is None:
+            return None
+        strings += 1 + more
+    return obj if raw.count(b'"') == 2 * strings else None
+
+
+def _strings_in(value: Any, depth: int) -> int | None:
+    """The strings (keys and values) in ``value``; None for what json may read otherwise."""
+    if type(value) is str:
+        return 1
+    if value is None or type(value) is bool or (type(value) is int and value != 0):
+        return 0
+    if depth > 64 or type(value) not in (dict, list):
+        return None  # a float, a 0 (perhaps -0), deep nesting
+    total = len(value) if type(value) is dict else 0
+    for item in (value.values() if type(value) is dict else value):
+        got = _strings_in(item, depth + 1)
+        if got is None:
+            return None
+        total += got
+    return total
+
+
 def _weight_map_of(raw: bytes) -> dict[str, str]:
     """The weight_map of bytes that were read once already (and passed every check then)."""
-    obj = json.loads(raw.decode("utf-8"), object_pairs_hook=no_duplicate_keys)
+    obj = _fast_load(raw)
+    if obj is None:
+        obj = json.loads(raw.decode("utf-8"), object_pairs_hook=no_duplicate_keys)
     return obj["weight_map"]  # type: ignore[no-any-return]
 
 
