@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import stat
 from typing import Any, Iterable, Mapping
 
 from ckptctl.errors import InputError, from_oserror
 from ckptctl.findings import ERROR, Finding, has_errors
+from ckptctl.format import index_text
 from ckptctl.format.header import DuplicateKey, no_duplicate_keys
 from ckptctl.format.read_ahead import Identity, identity
 
@@ -140,8 +142,25 @@ def remember(idx: Index) -> None:
 def read_for_worker(path: str, display: str) -> Index:
     """:func:`read_index` as a worker process runs it for ``layout.scan``: with ``joins``, and
     neither the parsed ``weight_map`` nor the bytes (the parent reads the file again only if it
-    needs the map: :attr:`Index.weight_map`)."""
+    needs the map: :attr:`Index.weight_map`).
+
+    The file is mapped, and its joins cut from the mapping where :func:`index_text.joins_of` can
+    (no copy of the bytes, no dict of the entries); else it is read and parsed as always. Only in
+    a worker: a file truncated under the mapping ends the process with SIGBUS, and the worker's
+    parent then reads the index itself."""
     idx = Index(display)
+    mapped = _mapped(path)
+    if mapped is not None:
+        buf, ident = mapped
+        try:
+            cut = index_text.joins_of(buf)
+        finally:
+            buf.close()
+        if cut is not None:
+            doc, joins = cut
+            idx.joins, idx.shards, idx._map, idx._file = joins, sorted(joins), None, (path, ident)
+            _metadata(idx, doc)
+            return idx
     got = _read_bytes(path, idx)
     if got is not None:
         _parse(idx, got[0])
@@ -150,6 +169,26 @@ def read_for_worker(path: str, display: str) -> Index:
             idx._map = None
             idx._raw, idx._file = None, (path, got[1])
     return idx
+
+
+def _mapped(p: str) -> tuple[mmap.mmap, Identity] | None:
+    """A read-only private mapping of the whole file, with the identity of the file mapped; None
+    for what :func:`_read_bytes` is left to judge (not a regular file, empty, too large)."""
+    try:
+        fd = os.open(p, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or not 0 < st.st_size <= MAX_INDEX_SIZE:
+            return None
+        # every page at once (MAP_POPULATE): one call instead of a fault per page
+        flags = mmap.MAP_PRIVATE | getattr(mmap, "MAP_POPULATE", 0)
+        return mmap.mmap(fd, st.st_size, flags=flags, prot=mmap.PROT_READ), identity(st)
+    except (OSError, ValueError):
+        return None
+    finally:
+        os.close(fd)
 
 
 def _read_bytes(p: str, idx: Index) -> tuple[bytes, Identity] | None:
@@ -202,6 +241,10 @@ def _parse(idx: Index, raw: bytes) -> None:
         return
     idx._map = wm
     idx.shards = sorted(set(wm.values()))
+    _metadata(idx, obj)
+
+
+def _metadata(idx: Index, obj: dict[str, Any]) -> None:
     meta = obj.get("metadata")
     if meta is None:
         idx.add("index.no_metadata", f"{idx.path}: no 'metadata' object (transformers raises KeyError)",
