@@ -329,6 +329,46 @@ def test_the_config_rules_find_the_same_with_the_worker(tmp_path: Path) -> None:
     assert {"config.expert_missing", "config.layer_missing"} <= codes
 
 
+def test_the_config_rules_take_the_workers_facts_only_where_the_index_agrees(tmp_path: Path) -> None:
+    """The worker works out the expert blocks, layer stacks and layout from the index's names:
+    this process then never walks the names for them, unless the index maps other names than
+    the shards hold (then it does, over the headers). The findings are the same either way."""
+    d = tmp_path / "big"
+    _large(d)
+    (d / "config.json").write_text(json.dumps({"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
+                                               "num_hidden_layers": 10, "n_routed_experts": 1601}))
+    code = """
+        import json, os, sys
+        from ckptctl.verify import VerifyOptions, model, stacks, verify_paths
+        parent, calls = os.getpid(), []
+        def counted(fn):
+            def wrapper(*a, **k):
+                if os.getpid() == parent:  # the worker's calls are its own
+                    calls.append(fn.__name__)
+                return fn(*a, **k)
+            return wrapper
+        for mod in (model, stacks):
+            for name in ("expert_blocks", "containers", "_detect"):
+                if hasattr(mod, name):
+                    setattr(mod, name, counted(getattr(mod, name)))
+        doc = verify_paths([sys.argv[1]], options=VerifyOptions()).to_dict()
+        print(json.dumps({"calls": sorted(set(calls)), "findings": doc["results"][0]["findings"]}))
+    """
+    runs = {w: json.loads(_python(code, str(d), env={"CKPTCTL_WORKERS": w})) for w in ("0", "1")}
+    assert runs["1"]["calls"] == [] and runs["0"]["calls"] == ["_detect", "containers", "expert_blocks"]
+    assert runs["1"]["findings"] == runs["0"]["findings"]
+    assert {"config.expert_missing", "config.layer_missing"} <= {f["code"] for f in runs["1"]["findings"]}
+    # an index that maps a name to another shard: the rules walk the headers' names themselves
+    idx = d / "model.safetensors.index.json"
+    doc = json.loads(idx.read_text())
+    _moved(doc["weight_map"])
+    idx.write_text(json.dumps(doc, indent=2))
+    moved = {w: json.loads(_python(code, str(d), env={"CKPTCTL_WORKERS": w})) for w in ("0", "1")}
+    assert moved["1"]["calls"] == ["_detect", "containers", "expert_blocks"]
+    assert moved["1"]["findings"] == moved["0"]["findings"]
+    assert "index.wrong_shard" in {f["code"] for f in moved["1"]["findings"]}
+
+
 def test_a_second_scan_of_the_same_index_reuses_its_reading(tmp_path: Path) -> None:
     """export scans its source twice: the index a split read is read again only when the file
     changed (its fstat identity)."""

@@ -38,6 +38,8 @@ class Index:
         self._raw: bytes | None = None
         self._file: tuple[str, Identity] | None = None  # where a worker read it (its bytes not kept)
         self._source: Index | None = None  # the cached Index this one copies (its map, on first use)
+        # (work, its result): what a split's worker drew from the names (read_ahead.NamesWork)
+        self.facts: tuple[Any, Any] | None = None
 
     @property
     def ok(self) -> bool:
@@ -102,6 +104,7 @@ class Index:
         out.metadata, out.findings, out.shards = dict(self.metadata), list(self.findings), list(self.shards)
         out.joins = None if self.joins is None else dict(self.joins)
         out._map, out._raw, out._file, out._source = None, self._raw, self._file, self
+        out.facts = self.facts  # never changed once made
         return out
 
 

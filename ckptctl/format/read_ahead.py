@@ -19,15 +19,21 @@ from __future__ import annotations
 import os
 import threading
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 if TYPE_CHECKING:
     from ckptctl.format.header import Header
 
 Identity = tuple[int, int, int, int, int]
+# What a command draws from the names of an index alone: called by a scan's worker with the
+# index's joins (each shard's names, sorted and joined by newlines), its result handed back with
+# the index (``Index.facts``). A function of the names only, so that it may run before anyone
+# knows whether the shards hold the same names (the caller uses it only once that is proved).
+NamesWork = Callable[[dict[str, str]], Any]
 
 _lock = threading.Lock()
 _roots: list[str] = []  # the directories of the open scopes (absolute)
+_work: dict[str, "NamesWork"] = {}  # a scope's work on an index's names, by its directory
 _kept: dict[tuple[str, str], tuple[Identity, "Header"]] = {}
 
 
@@ -36,17 +42,26 @@ def identity(st: os.stat_result) -> Identity:
 
 
 @contextmanager
-def scope(root: str | os.PathLike[str]) -> Iterator[None]:
+def scope(root: str | os.PathLike[str], *, names_work: NamesWork | None = None) -> Iterator[None]:
     """Scans of the directory ``root`` may read ahead inside (a command's other scans, of an
-    export's destination say, never do); the outermost exit drops the headers nobody took."""
+    export's destination say, never do); the outermost exit drops the headers nobody took.
+    ``names_work``: what the worker of a scan of ``root`` computes from its index's names."""
     key = os.path.abspath(root)
     with _lock:
         _roots.append(key)
+        before = _work.get(key)
+        if names_work is not None:
+            _work[key] = names_work
     try:
         yield
     finally:
         with _lock:
             _roots.remove(key)
+            if names_work is not None:
+                if before is None:
+                    del _work[key]
+                else:
+                    _work[key] = before
             if not _roots:
                 _kept.clear()
 
@@ -54,6 +69,11 @@ def scope(root: str | os.PathLike[str]) -> Iterator[None]:
 def wanted(root: str | os.PathLike[str]) -> bool:
     """Whether a scan of ``root`` should read its headers ahead."""
     return bool(_roots) and os.path.abspath(root) in _roots
+
+
+def names_work(root: str | os.PathLike[str]) -> NamesWork | None:
+    """The work on an index's names that the open scope of ``root`` asked for, if any."""
+    return _work.get(os.path.abspath(root)) if _work else None
 
 
 def keep(path: str, display: str, ident: Identity, hdr: "Header") -> None:

@@ -21,11 +21,12 @@ from __future__ import annotations
 import mmap
 import os
 from pathlib import Path
+from typing import Any
 
 from ckptctl.format import read_ahead
 from ckptctl.format.header import Header, read_header_ahead
 from ckptctl.format.index import MAX_INDEX_SIZE, Index, read_for_worker
-from ckptctl.format.read_ahead import Identity
+from ckptctl.format.read_ahead import Identity, NamesWork
 from ckptctl.worker import Job, WorkerFailed, start
 
 # An index this large (about 11k tensors) is parsed by a worker beside the shard headers; below
@@ -55,27 +56,36 @@ class _Board:
         self._m.close()
 
 
-def _worker(index: str, paths: list[str], board: _Board) -> tuple[Index, list[Kept]]:
-    """The worker's side: the index, then headers from the back until it meets the front."""
+def _worker(index: str, paths: list[str], board: _Board,
+            work: NamesWork | None) -> tuple[Index, Any, list[Kept]]:
+    """The worker's side: the index (and the work on its names), then headers from the back
+    until it meets the front."""
     doc = read_for_worker(index, index)
+    facts = None
+    if work is not None and doc.joins is not None:
+        try:
+            facts = work(doc.joins)
+        except Exception:  # noqa: BLE001 - the parent does the same work itself, and meets the error there
+            facts = None
     got: list[Kept] = []
     slots, front, back = board.slots, board.FRONT, board.BACK
     while (k := slots[back] - 1) >= slots[front]:  # not yet taken from the front: take it
         slots[back] = k
         read_header_ahead(paths[k], lambda *kept: got.append(kept))
-    return doc, got
+    return doc, facts, got
 
 
 class Split:
     """One index and its shards, scanned by a worker and this process together."""
 
-    def __init__(self, index: str, paths: list[str], job: Job, board: _Board) -> None:
-        self.index, self.paths, self.job, self.board = index, paths, job, board
+    def __init__(self, index: str, paths: list[str], job: Job, board: _Board, work: NamesWork | None) -> None:
+        self.index, self.paths, self.job, self.board, self.work = index, paths, job, board, work
 
     @classmethod
-    def start(cls, root: Path, index: str, shards: list[str]) -> "Split | None":
+    def start(cls, root: Path, index: str, shards: list[str], work: NamesWork | None = None) -> "Split | None":
         """A split of ``root/index`` and the headers of ``shards`` (names in ``root``), or None
-        where no worker runs (small index, no second CPU, threads, ``CKPTCTL_WORKERS=0``)."""
+        where no worker runs (small index, no second CPU, threads, ``CKPTCTL_WORKERS=0``);
+        ``work``: what the worker draws from the index's names (:data:`read_ahead.NamesWork`)."""
         path = str(root / index)
         try:
             if not shards or os.stat(path).st_size < READ_AHEAD_INDEX_BYTES:
@@ -84,11 +94,11 @@ class Split:
             return None
         paths = [str(root / n) for n in shards]
         board = _Board(len(paths))
-        job = start(_worker, path, paths, board, capacity=_CAPACITY)
+        job = start(_worker, path, paths, board, work, capacity=_CAPACITY)
         if job is None:
             board.close()
             return None
-        return cls(path, paths, job, board)
+        return cls(path, paths, job, board, work)
 
     def finish(self) -> Index | None:
         """This process's side (headers from the front, kept for their reads), then the worker's
@@ -105,7 +115,7 @@ class Split:
                     read_header_ahead(self.paths[p])
                     p += 1
                 try:
-                    doc, theirs = self.job.result()
+                    doc, facts, theirs = self.job.result()
                 except WorkerFailed:
                     return None
         finally:
@@ -114,6 +124,8 @@ class Split:
         for kept in theirs:
             if kept[0] not in mine:  # where both parsed one, this process's copy is kept
                 read_ahead.keep(*kept)
+        if facts is not None:
+            doc.facts = (self.work, facts)
         return doc.copy()
 
 
@@ -138,7 +150,7 @@ def take(root: Path, index: str, shards: list[str]) -> Index | None:
                 return last.copy()
         except OSError:
             pass
-    split = Split.start(root, index, shards)
+    split = Split.start(root, index, shards, read_ahead.names_work(root))
     doc = split.finish() if split is not None else None
     if doc is not None:
         _last = doc._source  # the reading itself (finish hands out a copy of it)

@@ -57,6 +57,9 @@ class FamilyTensors:
     family: Family
     tensors: dict[str, TensorSpec]
     complete: bool
+    # the index's Index.facts, when its index maps exactly the names its shards hold (they hold
+    # only for those names)
+    index_facts: Any = None
 
 
 def within(real: str, base: str) -> bool:

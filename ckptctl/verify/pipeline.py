@@ -29,7 +29,7 @@ from ckptctl.verify.context import DEEP_NOT_ASKED, Context, ProgressFn, VerifyOp
 from ckptctl.verify.dcp import check_dcp
 from ckptctl.verify.index import family_tensors
 from ckptctl.verify.manifest import manifest_step
-from ckptctl.verify.model import config_step
+from ckptctl.verify.model import config_step, name_facts
 from ckptctl.verify.peft import adapter_step
 from ckptctl.verify.report import IO_CODE, Checks, PathResult, Report
 from ckptctl.verify.screen import scan_directory
@@ -292,7 +292,8 @@ def verify_path(path: str | os.PathLike[str], *, display: str | None = None, opt
     # its result is made: the cyclic collector would traverse them again and again (a tenth of
     # the run). It resumes once _checked has returned and reference counting has freed them.
     # Headers read ahead by layout.scan (beside an index parsed by a worker) live as long as this.
-    with paused(), read_ahead.scope(p):
+    # A worker that reads a large index also works out the config rules' facts from its names.
+    with paused(), read_ahead.scope(p, names_work=name_facts):
         return _checked(PathResult(path=shown, root=str(p)), p, opts, progress, base_root)
 
 
