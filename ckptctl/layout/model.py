@@ -12,6 +12,7 @@ from ckptctl.format.index import Index
 MODEL = "model"  # a directory with one model's weights
 PIPELINE = "diffusers-pipeline"  # model_index.json + component folders
 SENTENCE_TRANSFORMERS = "sentence-transformers"  # modules.json + module folders
+ROOTS = (PIPELINE, SENTENCE_TRANSFORMERS)  # multi-component roots: written (resave, export) as a whole
 MODEL_INDEX = "model_index.json"
 MODULES_JSON = "modules.json"
 

@@ -100,11 +100,12 @@ def _resave(root: Path, opts: ExportOptions, *, output: str | os.PathLike[str] |
     """:func:`resave`'s steps."""
     # Every option is checked before anything touches the filesystem (a recovery renames).
     _check_prefer(prefer)
-    from ckptctl.write.tree import is_root, resave_root
-
     first = L.scan(root) if root.is_dir() else None  # reused below when no recovery changed the directory
-    if first is not None and is_root(root, first):  # a pipeline or sentence-transformers root: one publish
-        return resave_root(root, opts, output=output, repair=repair, prefer=prefer, link=link)
+    if first is not None and first.kind in L.ROOTS:  # the tree writer, imported only for a root
+        from ckptctl.write.tree import is_root, resave_root
+
+        if is_root(root, first):  # a pipeline or sentence-transformers root: one publish
+            return resave_root(root, opts, output=output, repair=repair, prefer=prefer, link=link)
     # In place, unchanged shards are hard-linked (one name survives the publish); into --output
     # they are cloned or copied (an independent copy) unless the caller asked for links.
     opts = replace(opts, overwrite=True if not output else opts.overwrite, link_unchanged=not output or link)

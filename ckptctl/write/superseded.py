@@ -7,7 +7,7 @@ from pathlib import Path
 
 from ckptctl import layout as L
 from ckptctl import staging
-from ckptctl.manifest import MANIFEST_NAME
+from ckptctl.format.names import MANIFEST_NAME
 
 MAIN = ("model", None)  # the slot of a transformers model without a variant
 

@@ -45,7 +45,7 @@ from ckptctl.write.options import ExportOptions, validate
 from ckptctl.write.files import link_or_copy
 from ckptctl.write.superseded import superseded
 
-ROOTS = (L.PIPELINE, L.SENTENCE_TRANSFORMERS)
+ROOTS = L.ROOTS
 ROOT_MODULE = ".ckptctl-root-module"  # inside data/: where module 0 is written before it moves up
 
 # Set while the root module of a root is resaved: resave() must then treat the root as one model.
