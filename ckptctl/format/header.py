@@ -624,11 +624,14 @@ _CANONICAL = re.compile(
     r'"data_offsets":\[(0|[1-9][0-9]{0,18}),(0|[1-9][0-9]{0,18})\]\},')
 # _CANONICAL with every group a negated class (about half the time), for a header whose text is
 # ASCII and holds no control character and no backslash: its names are then what _CANONICAL's are,
-# and the rest is checked by the caller (a known dtype, _DIMS, _plain_numbers).
+# and the rest is checked by the caller (a known dtype, _DIMS, _DIGITS).
 _LOOSE = re.compile(r'"([^"]*)":\{"dtype":"([^"]*","shape":\[[^\]]*)\],"data_offsets":\[([^,]*),([^\]]*)\]\},')
 _DIMS = re.compile(r"(?:[1-9][0-9]{0,15}(?:,[1-9][0-9]{0,15})*)?")  # _CANONICAL's dimensions
 _NOT_PLAIN = (*map(chr, range(32)), "\\")  # one memchr pass each over a header
-_LEADING_ZEROS = tuple(f",0{d}" for d in range(10))
+# begin or end texts joined by commas, each digits only, for the texts _LOOSE took (json.loads,
+# which then reads them, would take spaces, a sign, a fraction, and read -0 as 0; it refuses a
+# leading zero itself)
+_DIGITS = re.compile(r"[0-9]+(?:,[0-9]+)*")
 _WS = re.compile(r"[ \t\n\r]*")  # the JSON parser's whitespace
 _FAST_CACHE = 1 << 16  # distinct dtype+shape texts remembered (a hostile header may have one per entry)
 _CHUNK = 1 << 20  # characters of canonical entries taken at once by _Columns.bulk
@@ -768,12 +771,14 @@ class _Columns:
             if None in known or METADATA_KEY in names:
                 return pos, stop
             chained = bs[1:] == es[:-1]  # each begins where the one before ends (every writer's order)
-            if self.plain and not (_plain_numbers(es) and _plain_numbers(bs[:1] if chained else bs)):
+            ends, firsts = ",".join(es), bs[0] if chained else ",".join(bs)
+            if self.plain and not (_DIGITS.fullmatch(ends) and _DIGITS.fullmatch(firsts)):
                 return pos, stop
             try:
-                end = array("Q", map(int, es))
+                # one C parse of them all (a leading zero: ValueError)
+                end = array("Q", json.loads(f"[{ends}]"))
                 # numbers without leading zeros: equal texts, equal values
-                begin = array("Q", (int(bs[0]),)) + end[:-1] if chained else array("Q", map(int, bs))
+                begin = array("Q", (int(firsts),)) + end[:-1] if chained else array("Q", json.loads(f"[{firsts}]"))
             except (OverflowError, ValueError):  # past 2**64, or int's digit limit (_LOOSE bounds no length)
                 return pos, stop
             kinds = list(map(self.known if len(self.fast) >= _FAST_CACHE else self.fast.__getitem__, kss))
@@ -839,16 +844,6 @@ class _Columns:
         table = TensorTable(names, begin, end, kind, self.kinds)
         table._rows = rows
         return table
-
-
-def _plain_numbers(texts: tuple[str, ...]) -> bool:
-    """Every text is a JSON integer as _CANONICAL reads one (``0`` or digits without a leading
-    zero) in an ASCII header, where ``int`` takes digits, a sign, spaces and underscores."""
-    joined = ",".join(texts)
-    if not joined.replace(",", "").isdigit() or ",," in joined or joined[0] == "," or joined[-1] == ",":
-        return False
-    joined = "," + joined
-    return not any(z in joined for z in _LEADING_ZEROS)
 
 
 def _take(col: Any, order: list[int]) -> Any:
