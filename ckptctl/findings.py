@@ -13,6 +13,8 @@ SEVERITY_RANK = {INFO: 0, WARNING: 1, ERROR: 2}
 
 @dataclass(frozen=True)
 class Finding:
+    """One thing a check found: its stable ``code``, severity, where, what, and how to fix it."""
+
     code: str
     severity: str
     path: str

@@ -37,6 +37,8 @@ CONFIG_FIELDS = (
 
 @dataclass
 class TensorRow(SpecFields):
+    """One tensor as inspect lists it: its spec, file and component."""
+
     spec: TensorSpec
     file: str  # relative to the inspected root (``unet/diffusion_pytorch_model.safetensors``)
     component: str | None = None  # the component of a multi-component root
@@ -48,6 +50,8 @@ class TensorRow(SpecFields):
 
 @dataclass
 class ComponentRow:
+    """One component of a multi-component root as inspect lists it."""
+
     name: str
     path: str
     cls: str | None
@@ -199,6 +203,8 @@ class _Fields(dict):  # type: ignore[type-arg]
 
 @dataclass
 class Inspection:
+    """What inspect found in a checkpoint: its format, files, tensors, config and findings."""
+
     path: str
     format: str
     files: list[dict[str, Any]] = field(default_factory=list)

@@ -23,6 +23,8 @@ MAX_SHARDS = 99_999
 
 @dataclass
 class ShardPlan:
+    """One output shard: its tensors, header and layout, or the existing file it is linked from."""
+
     name: str
     specs: list[TensorSpec]  # in input order
     metadata: dict[str, str] | None
@@ -48,6 +50,8 @@ class ShardPlan:
 
 @dataclass
 class Plan:
+    """An export's shards, index name and totals."""
+
     shards: list[ShardPlan]
     index_name: str | None
     total_size: int

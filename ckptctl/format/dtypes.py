@@ -12,6 +12,9 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class DType:
+    """A safetensors dtype: its width, whether it is floating, torch's name for it, and since when
+    safetensors reads it."""
+
     name: str
     bits: int
     floating: bool

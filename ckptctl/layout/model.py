@@ -121,6 +121,8 @@ class Component:
 
 @dataclass
 class Layout:
+    """What a directory holds, by kind: weights families, extras, other files, leftovers, and findings."""
+
     root: Path  # the directory (for a single file: its parent)
     single_file: str | None = None  # the file, when the path given was a file
     families: list[Family] = field(default_factory=list)

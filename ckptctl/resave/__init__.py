@@ -55,6 +55,8 @@ __all__ = ["PREFER", "Chosen", "Repair", "ResaveResult", "analyze", "resave"]
 
 @dataclass
 class ResaveResult:
+    """A resave's write, the repair it made, and whether it left the checkpoint unchanged."""
+
     export: ExportResult
     repair: Repair
     unchanged: bool = False  # --repair of a healthy checkpoint: nothing written, nothing published

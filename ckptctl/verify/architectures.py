@@ -23,6 +23,8 @@ from ckptctl.config_fields import ConfigFields, as_int
 
 @dataclass
 class Dims:
+    """The sizes a config gives a model family's tensors (None where the config does not say)."""
+
     hidden: int | None = None
     heads: int | None = None
     kv: int | None = None
@@ -38,6 +40,8 @@ class Dims:
 
 @dataclass(frozen=True)
 class Rule:
+    """The shape one tensor of every layer must have, from the config's dims."""
+
     suffix: str  # tensor name inside a layer, e.g. "self_attn.q_proj.weight"
     shape: Callable[[Dims], tuple[int | None, ...] | None]
     code: str
@@ -46,6 +50,9 @@ class Rule:
 
 @dataclass(frozen=True)
 class Spec:
+    """A model family's tensor names (embedding, layer container, lm head) and its per-layer shape
+    rules."""
+
     name: str
     embed: str
     layer: str  # "layers" or "h"

@@ -33,6 +33,9 @@ DEEP_NOT_ASKED = "not asked: --deep"  # why the deep check did not run
 
 @dataclass
 class VerifyOptions:
+    """What verify is asked to do beyond its static checks (``--deep``, ``--base``, ``--max-shard-
+    size``)."""
+
     deep: bool = False
     base: str | None = None  # base model for adapter checks (path or cached repo id)
     max_shard_size: int | None = None

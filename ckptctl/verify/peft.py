@@ -135,6 +135,8 @@ def peft_rank(acfg: dict[str, Any], key: str) -> int | None:
 
 @dataclass
 class _Module:
+    """The LoRA tensors of one adapted module, by part."""
+
     parts: dict[str, TensorSpec] = field(default_factory=dict)  # lora_A, lora_B, lora_embedding_A, ...
 
 

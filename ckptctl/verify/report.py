@@ -13,6 +13,8 @@ IO_CODE = "io.error"
 
 @dataclass
 class FileRecord:
+    """A file verify looked at: its role, size, and (``--deep``) its sha256."""
+
     name: str
     role: str  # weights | index | metadata | config | manifest | extra
     size: int | None = None
@@ -46,6 +48,8 @@ def _counts(findings: list[Finding]) -> dict[str, int]:
 
 @dataclass
 class PathResult:
+    """verify's result for one path: its kind, findings, files, and what was read."""
+
     path: str  # as the user gave it
     root: str  # the resolved file or directory
     kind: str = "none"
@@ -83,6 +87,8 @@ class PathResult:
 
 @dataclass
 class Report:
+    """verify's results for every path it was given."""
+
     results: list[PathResult]
     deep: bool = False
 

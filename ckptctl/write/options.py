@@ -28,6 +28,8 @@ ONLY_CHOICES = (L.SAFETENSORS, L.PYTORCH, L.PEFT, L.DCP, "index", "single")
 
 @dataclass
 class ProgressEvent:
+    """One step of a write, for a progress display."""
+
     phase: str  # plan | write | shard-done | finalize | publish | done
     file: str | None = None
     done: int = 0
@@ -40,6 +42,8 @@ ProgressFn = Callable[[ProgressEvent], None]
 
 @dataclass
 class ExportOptions:
+    """How to write a checkpoint: shard size, dtype, overwrite, durability, manifest and more."""
+
     max_shard_size: int | str | None = DEFAULT_MAX_SHARD_SIZE  # None: the default
     dtype: str | None = None  # keep | bf16 | fp16 | fp32 (None = keep)
     overwrite: bool = False

@@ -9,6 +9,8 @@ from typing import Any
 
 @dataclass
 class ExportResult:
+    """What an export (or resave) wrote, where, and how it was published."""
+
     dest: str
     dry_run: bool
     files: list[dict[str, Any]] = field(default_factory=list)  # written: name, size
