@@ -292,8 +292,10 @@ def verify_path(path: str | os.PathLike[str], *, display: str | None = None, opt
     # its result is made: the cyclic collector would traverse them again and again (a tenth of
     # the run). It resumes once _checked has returned and reference counting has freed them.
     # Headers read ahead by layout.scan (beside an index parsed by a worker) live as long as this.
-    # A worker that reads a large index also works out the config rules' facts from its names.
-    with paused(), read_ahead.scope(p, names_work=name_facts):
+    # A worker that reads a large index also works out the config rules' facts from its names
+    # (they are for config.json: none, no facts).
+    work = name_facts if os.path.isfile(p / "config.json") else None
+    with paused(), read_ahead.scope(p, names_work=work):
         return _checked(PathResult(path=shown, root=str(p)), p, opts, progress, base_root)
 
 
