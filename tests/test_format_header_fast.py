@@ -111,6 +111,8 @@ _ODDITIES = {
                            ["header.bad_json"]),
     "leading_zero_offset": ([('"data_offsets":[44456,44458]}', '"data_offsets":[044456,44458]}')],
                             ["header.bad_json"]),
+    "leading_zero_first_offset": ([('"l.0":{"dtype":"BF16","shape":[1],"data_offsets":[0,2]}',
+                                   '"l.0":{"dtype":"BF16","shape":[1],"data_offsets":[00,2]}')], ["header.bad_json"]),
     "negative_zero_offset": ([('"data_offsets":[44456,44458]}', '"data_offsets":[-0,44458]}')],
                              ["header.bad_offsets", "header.offset_hole"]),
     "fraction_offset": ([('"data_offsets":[44456,44458]}', '"data_offsets":[44456,44458.0]}')],
@@ -190,3 +192,30 @@ def test_bulk_looks_at_most_two_chunks_ahead() -> None:
     parsed = parse_header_bytes(_blob(text + last, 2 * n + 6))
     assert [f.code for f in parsed.findings] == []
     assert len(parsed.tensors) == n + 3
+
+
+@pytest.mark.parametrize("odd", [False, True], ids=["canonical", "one_by_one"])
+@pytest.mark.parametrize("where", range(0, 60, 7))
+def test_a_hole_or_an_overlap_at_any_entry_is_found_with_small_chunks(where: int, odd: bool, monkeypatch) -> None:
+    """The chunked path proves a header contiguous from the chain of its rows (each entry begins
+    where the one before ends, each chunk where the last one ended, each entry read one by one or
+    by the JSON parser where the row before it ended): with chunks of a few entries, a hole or an
+    overlap put before any entry (at a chunk's edge or inside one, and in a chunk read one entry at
+    a time because the next entry is not canonical) is still found, as the scanner finds it."""
+    from ckptctl.format import header as H
+
+    monkeypatch.setattr(H, "_CHUNK", 300)
+    for shift in (2, -2):
+        entries, offset = [], 0
+        for i in range(60):
+            if i == where and i:
+                offset += shift
+            shape = "[ 1]" if odd and i == where + 1 else "[1]"  # valid JSON, not canonical
+            entries.append(f'"l.{i}":{{"dtype":"BF16","shape":{shape},"data_offsets":[{offset},{offset + 2}]}}')
+            offset += 2
+        text = '{"__metadata__":{"format":"pt"},' + ",".join(entries) + "}"
+        fast, scanned = parse_header_bytes(_blob(text, offset)), parse_header_bytes(_blob(_spaced(text), offset))
+        assert [f.code for f in fast.findings] == [f.code for f in scanned.findings]
+        assert list(fast.tensors.items()) == list(scanned.tensors.items())
+        if where:
+            assert {f.code for f in fast.findings} & {"header.offset_hole", "header.offset_overlap"}, (where, shift)

@@ -91,6 +91,8 @@ class TensorTable(_ByColumn[TensorInfo]):
         self._names = names  # by row (unique)
         self._begin, self._end, self._kind, self._kinds = begin, end, kind, kinds
         self._rows: dict[str, int] | None = None  # name -> row, made by the first look-up by name
+        # proven as it was read: from 0, each tensor begins where the one before ends (in order)
+        self._contiguous = False
 
     @classmethod
     def empty(cls) -> "TensorTable":
@@ -666,6 +668,9 @@ class _Columns:
         self.metadata_repeat: int | None = None  # rows read before a second __metadata__
         self.rows: dict[str, int] | None = None  # name -> row, by first_repeat
         self.plain: bool | None = None  # the header's text may be read by _LOOSE (set by bulk)
+        # every row so far taken by bulk, from 0, each beginning where the one before ends: the
+        # rows are then in offset order and contiguous (each holds at least a byte)
+        self.chained = True
 
     def code(self, dtype: str, shape: tuple[int, ...]) -> int:
         key = (dtype, shape)
@@ -706,6 +711,8 @@ class _Columns:
         return None if row is None else names[row]
 
     def append(self, begin: int, end: int, code: int) -> None:
+        if self.chained:  # (a row to be filled by put is appended as 0, 0: not chained)
+            self.chained = end > begin == (self.end[-1] if self.end else 0)
         if (begin | end) >> 64:
             self._widen()
         self.begin.append(begin)
@@ -784,6 +791,8 @@ class _Columns:
             kinds = list(map(self.known if len(self.fast) >= _FAST_CACHE else self.fast.__getitem__, kss))
             if not all(map(operator.eq, map(operator.sub, end, begin), map(operator.itemgetter(1), kinds))):
                 return pos, stop
+            if self.chained:
+                self.chained = chained and begin[0] == (self.end[-1] if self.end else 0)
             self.names.extend(names)
             self.begin.extend(begin)
             self.end.extend(end)
@@ -795,6 +804,7 @@ class _Columns:
         entry that needs the JSON parser starts."""
         match = _CANONICAL.match
         names, begins, ends, kinds = self.names.append, self.begin.append, self.end.append, self.kind.append
+        last = self.end[-1] if self.end else 0
         while pos < stop and (m := match(text, pos)) is not None:
             name, ks, b, e = m.groups()
             known = self.known(ks)
@@ -803,6 +813,9 @@ class _Columns:
             begin, end = int(b), int(e)
             if end - begin != known[1]:
                 break
+            if begin != last:  # (each holds a byte at least: the chain is in offset order)
+                self.chained = False
+            last = end
             names(name)
             begins(begin)
             ends(end)
@@ -835,14 +848,14 @@ class _Columns:
         """The rows in data-offset order (a stable sort: equal offsets keep the file's order)."""
         names, begin, end, kind = self.names, self.begin, self.end, self.kind
         rows = self.rows
-        if self.dropped or not _in_order(begin, end):
+        if self.dropped or not (self.chained or _in_order(begin, end)):
             gone = set(self.dropped)
             order = sorted((r for r in range(len(kind)) if r not in gone), key=lambda r: (begin[r], end[r]))
             names = [names[r] for r in order]
             begin, end, kind = _take(begin, order), _take(end, order), _take(kind, order)
             rows = None  # other rows: made again by the first look-up
         table = TensorTable(names, begin, end, kind, self.kinds)
-        table._rows = rows
+        table._rows, table._contiguous = rows, self.chained
         return table
 
 
@@ -971,7 +984,7 @@ def _validate_layout(hdr: Header, table: TensorTable) -> None:
     """Holes, overlaps, trailing bytes, truncation and alignment of the tensors (in offset order)."""
     shown = hdr.path
     begin, end = table._begin, table._end
-    if (not begin or begin[0] == 0) and all(map(operator.eq, islice(begin, 1, None), end)):
+    if table._contiguous or ((not begin or begin[0] == 0) and all(map(operator.eq, islice(begin, 1, None), end))):
         expected = end[-1] if end else 0  # contiguous from 0: nothing to report
     else:
         expected = 0
