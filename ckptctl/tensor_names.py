@@ -53,8 +53,6 @@ class RunPattern:
 class TensorNames:
     """The names of a tensor table, joined once (``text`` is None when a name holds a newline)."""
 
-    _table = True  # False: names without their table (:meth:`of_text`)
-
     def __init__(self, tensors: Mapping[str, TensorSpec]) -> None:
         self.tensors = tensors
         self.names = list(tensors)
@@ -68,7 +66,7 @@ class TensorNames:
         """Names without their table, as a text made as ``text`` is (a newline before every
         name and after the last; no name holds one): for the rules that read names only."""
         out = cls.__new__(cls)
-        out.tensors, out.names, out.text, out._table = {}, [], text, False
+        out.tensors, out.names, out.text = {}, [], text
         return out
 
     @cached_property
@@ -78,12 +76,6 @@ class TensorNames:
     @classmethod
     def of(cls, tensors: "Mapping[str, TensorSpec] | TensorNames") -> "TensorNames":
         return tensors if isinstance(tensors, TensorNames) else cls(tensors)
-
-    def has(self, name: str) -> bool:
-        """Whether ``name`` is one of the names (a search of the text where no table is kept)."""
-        if self._table or self.text is None:
-            return name in self.tensors
-        return "\n" not in name and f"\n{name}\n" in self.text
 
     def runs(self, pattern: RunPattern) -> set[tuple[str, ...]]:
         """The distinct ``pattern.keys`` groups of every name the one-name pattern matches."""

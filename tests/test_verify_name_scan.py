@@ -215,14 +215,6 @@ def test_the_facts_of_an_index_are_those_of_its_shards_in_any_order(seed: int) -
     assert found == model._detect(table) and (found[0].name, found[1]) == _detect_by_regex(_tensors(names))
 
 
-def test_names_without_their_table_answer_membership_from_the_text() -> None:
-    names = TensorNames.of_text("\na.b\nc\n\n")
-    assert names.has("a.b") and names.has("c") and names.has("")
-    assert not names.has("a") and not names.has("b\nc") and not names.has("a.b\nc")
-    empty = TensorNames({})
-    assert not empty.has("") and TensorNames(_tensors(["x"])).has("x")
-
-
 def test_a_tie_between_two_roots_goes_to_the_first_in_order_whatever_the_hash_seed() -> None:
     """Two roots as strong as each other: the worker's facts and this process's rules must pick
     the same one, and a set's order changes with the hash seed."""

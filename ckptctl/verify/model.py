@@ -58,6 +58,8 @@ def _detect(tensors: "Tensors | TensorNames") -> tuple[Spec, str] | None:
     best: tuple[int, Spec, str] | None = None
     names = TensorNames.of(tensors)
     candidates = names.ending_any(_DETECT_ENDS)
+    # every name ending with an embedding's name is a candidate: the look-up of one needs no table
+    known = set(candidates)
     for spec in SPECS:
         embed, dot_embed = spec.embed, "." + spec.embed
         roots = {n[: len(n) - len(embed)] for n in candidates if n == embed or n.endswith(dot_embed)}
@@ -66,7 +68,7 @@ def _detect(tensors: "Tensors | TensorNames") -> tuple[Spec, str] | None:
         roots.update(m.group(1) for n in candidates if (m := pat.match(n)))
         for root in sorted(roots):  # ties go to the first root in order, whatever the names' order
             hits = names.count_prefix(root + spec.layer + ".")
-            has_embed = names.has(root + spec.embed)
+            has_embed = (root + spec.embed) in known
             score = hits + (1 << 40 if has_embed else 0)
             # an embedding name alone is no proof (BERT's embeddings.word_embeddings is not Falcon's)
             if hits and (best is None or score > best[0]):
