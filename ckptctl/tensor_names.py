@@ -56,10 +56,10 @@ class TensorNames:
     def __init__(self, tensors: Mapping[str, TensorSpec]) -> None:
         self.tensors = tensors
         self.names = list(tensors)
-        body = "\n".join(self.names)
-        lined = body.count("\n") == max(len(self.names) - 1, 0)
         # "\n" before every name and after the last: a name is exactly what lies between two newlines
-        self.text: str | None = f"\n{body}\n" if lined else None
+        # (one join: the text is never copied to frame it)
+        text = "\n".join(["", *self.names, ""])
+        self.text: str | None = text if text.count("\n") == len(self.names) + 1 else None
 
     @classmethod
     def of_text(cls, text: str) -> "TensorNames":
