@@ -314,6 +314,32 @@ def test_a_split_keeps_every_shard_header_once_whoever_parsed_it(tmp_path: Path)
     assert got["path"] == str(d / "model.safetensors.index.json")
 
 
+def test_an_index_truncated_under_the_workers_mapping_ends_only_the_worker(tmp_path: Path) -> None:
+    """The worker maps the index: a file truncated under the mapping ends it with SIGBUS (its
+    parent never touches the mapping), and the parent reads the index itself."""
+    d = tmp_path / "big"
+    _large(d)
+    out = _python("""
+        import json, os, sys
+        from pathlib import Path
+        from ckptctl.format import index_text, read_ahead
+        from ckptctl.layout import prefetch
+        d = Path(sys.argv[1])
+        index = d / "model.safetensors.index.json"
+        real = index_text.joins_of
+        def truncated(buf):  # in the worker, with the file mapped: the pages go away
+            os.truncate(index, 0)
+            return real(buf)
+        index_text.joins_of = truncated
+        shards = sorted(p.name for p in d.glob("*.safetensors"))
+        with read_ahead.scope(d):
+            split = prefetch.Split.start(d, index.name, shards)
+            got = split.finish()
+        print(json.dumps({"worker": split is not None, "read": got is not None, "size": index.stat().st_size}))
+    """, str(d))
+    assert json.loads(out) == {"worker": True, "read": False, "size": 0}
+
+
 def test_the_config_rules_find_the_same_with_the_worker(tmp_path: Path) -> None:
     """Missing experts and layers on a checkpoint whose index a worker reads: the same findings
     as without it (the config rules run on the merged headers the worker and this process read)."""
