@@ -153,7 +153,7 @@ def check_config(display: str, cfg: Any, tensors: Tensors, *, check_dtype: bool 
     check_experts(ctx, cfg, names, per_block=None if facts is None else facts.experts)
     found = None if cfg.get("is_encoder_decoder") else _detect(names) if facts is None else facts.layout()
     skip = f"{found[1]}{found[0].layer}" if found else None
-    stacked = check_stacks(ctx, cfg, names, skip=skip, stacks=None if facts is None else facts.containers)
+    stacked = check_stacks(ctx, cfg, names, skip=skip, known=None if facts is None else facts.containers)
     if cfg.get("is_encoder_decoder"):
         ctx.add("config.not_checked", INFO, f"{display}: encoder-decoder model; layer counts checked per stack, "
                 "projection shapes not checked")

@@ -96,12 +96,12 @@ def count_findings(ctx: PathFindings, where: str, present: set[int], expected: i
 
 
 def check_stacks(ctx: PathFindings, cfg: dict, tensors: "Tensors | TensorNames", *, skip: str | None = None,
-                 stacks: Mapping[str, Set[int]] | None = None) -> bool:
+                 known: Mapping[str, Set[int]] | None = None) -> bool:
     """Every layer stack against its count in the config. ``skip``: a container the caller has
-    already checked; ``stacks``: :func:`containers` of the tensors, worked out already. Returns
+    already checked; ``known``: :func:`containers` of the tensors, worked out already. Returns
     whether any stack was checked."""
     c = ConfigFields(cfg)
-    stacks = {k: v for k, v in (containers(tensors) if stacks is None else stacks).items() if k != skip}
+    stacks = {k: v for k, v in (containers(tensors) if known is None else known).items() if k != skip}
     checked = False
     enc_dec = bool(cfg.get("is_encoder_decoder"))
     if enc_dec:  # a stack whose every layer is gone is still a stack: its sibling names it
