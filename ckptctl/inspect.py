@@ -11,6 +11,7 @@ import operator
 import os
 import re
 from array import array
+from bisect import bisect_right
 from collections import Counter
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -182,6 +183,14 @@ class TensorRows(Sequence[TensorRow]):
         kinds = self._kind if every else map(self._kind.__getitem__, rows)
         if len(self._places) == 1:  # one file: count the kinds alone (one C pass)
             return Counter({(0, k): n for k, n in Counter(kinds).items()})
+        if every:  # the places in storage order never go down: each one's rows are one slice
+            out: Counter[tuple[int, int]] = Counter()
+            start = 0
+            for place in range(len(self._places)):
+                end = bisect_right(self._where, place, start)
+                out.update({(place, k): n for k, n in Counter(self._kind[start:end]).items()})
+                start = end
+            return out
         return Counter(zip(where, kinds))
 
 
