@@ -25,9 +25,9 @@ from typing import Any, Mapping
 from ckptctl import layout as L
 from ckptctl.errors import InputError
 from ckptctl.format import dtypes as dt
-from ckptctl.format import read_ahead
 from ckptctl.format.tensor import TensorSpec
 from ckptctl.gcpause import paused
+from ckptctl.layout.reading import MetadataReading
 from ckptctl.sources.base import SourceTensor
 from ckptctl.sources.safetensors_source import SafetensorsSource
 from ckptctl.write.inputs import Entry, build_inputs, entries_for, open_inputs, state_dict_inputs
@@ -42,10 +42,11 @@ def export(src: str | os.PathLike[str], dst: str | os.PathLike[str], opts: Expor
     DCP); ``only`` the family to read when ``src`` holds several. A multi-component root (a
     diffusers pipeline, a sentence-transformers model) is exported whole, each component under
     its own library's names, and published once: the result is then a :class:`RootResult`."""
-    with paused(), read_ahead.scope(src):  # a large index read by a worker beside the source's headers
-        lay = L.scan(src) if os.path.isdir(src) else None  # scanned once: the root test, the checks, the variants
+    with paused():  # the metadata of every tensor: acyclic, freed by reference counting
+        # scanned once: the root test, the checks, the variants; its reading serves the source's scan
+        lay = L.scan(src, reading=MetadataReading()) if os.path.isdir(src) else None
         if lay is not None and is_root(src, lay):
-            return export_root(src, dst, opts or ExportOptions(), key=key, only=only)
+            return export_root(src, dst, opts or ExportOptions(), key=key, only=only, reading=lay.reading)
         with open_inputs(src, dst, opts or ExportOptions(), key=key, only=only, layout=lay) as inputs:
             return write_inputs(inputs, dst)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import gc
 from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Iterator
 
 
 @contextmanager
@@ -22,22 +22,3 @@ def paused() -> Iterator[None]:
     finally:
         if enabled:
             gc.enable()
-
-
-# What a command would free just before its process ends. The CLI ends its process with os._exit
-# when it can (``ckptctl.cli._leave``) and asks for these to be kept until then: freeing the
-# records of a 92k-tensor export one by one took 50-80 ms of it. Anywhere else (the library, a
-# test calling commands in-process) nothing is kept unless the caller asked.
-_until_exit: list[Any] | None = None
-
-
-def keep_until_exit(*objs: Any) -> None:
-    """Keep ``objs`` alive until the process ends, when the CLI asked for it (else nothing)."""
-    if _until_exit is not None:
-        _until_exit.extend(objs)
-
-
-def hold_until_exit(on: bool) -> None:
-    """Start keeping what :func:`keep_until_exit` is given (``on``), or stop and drop it."""
-    global _until_exit
-    _until_exit = [] if on else None

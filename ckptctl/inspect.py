@@ -25,7 +25,7 @@ from ckptctl.config_fields import ConfigFields
 from ckptctl.errors import InputError
 from ckptctl.findings import Finding
 from ckptctl.format import dtypes as dt
-from ckptctl.format import read_ahead, small
+from ckptctl.format import small
 from ckptctl.format.header import TensorTable, load_header
 from ckptctl.format.tensor import SpecFields, TensorSpec
 from ckptctl.gcpause import paused
@@ -321,9 +321,8 @@ def inspect_path(path: str | os.PathLike[str], *, only: str | None = None,
     sentence-transformers model) is described component by component. ``key`` selects the
     state dict of a pickle or DCP source that holds several (a training state is refused
     without it, with the keys to choose from)."""
-    # the index and every header: acyclic objects, freed by reference counting; a large index is
-    # read by a worker beside the headers (layout.scan)
-    with paused(), read_ahead.scope(path):
+    # the index and every header: acyclic objects, freed by reference counting
+    with paused():
         return _inspect(Path(path), only=only, name_filter=name_filter, key=key)
 
 
@@ -393,12 +392,12 @@ def _add_family(res: Inspection, p: Path, lay: L.Layout, fam: L.Family, *, only:
 
     if fam.container == L.SAFETENSORS:
         for n in fam.files:
-            hdr = load_header(lay.root / n, display=str(lay.root / n))
+            hdr = load_header(lay.root / n, display=str(lay.root / n), fast=lay.reading.fast)
             res.tensors.add_table(hdr.tensors, rel(n), component)
     else:
         from ckptctl.sources import open_source
 
-        with open_source(p, only=only, key=key) as src:
+        with open_source(p, only=only, key=key, reading=lay.reading) as src:
             res.aliases.update(src.aliases)
             for t in src.tensors:
                 where = Path(t.file).name if t.file else _pickle_file(fam)

@@ -20,7 +20,8 @@ from ckptctl.errors import UsageError
 from ckptctl.inspect import inspect_path
 from ckptctl.resave import resave
 from ckptctl.write.options import ExportOptions
-from ckptctl.write.tree import RootResult, resave_root
+from ckptctl.resave.root import resave_root
+from ckptctl.write.tree import RootResult
 from tests.support import run_ckptctl
 
 pytest_plugins = ["ecosystem.fixtures"]
@@ -123,7 +124,7 @@ def test_export_reloads_bit_exactly_with_the_library(name: str, build_one, tmp_p
 
 
 def _resave(name: str, path: Path, opts: ExportOptions, **kw):
-    """resave, which hands a multi-component root to its whole-root twin (``write.tree.resave_root``)."""
+    """resave, which hands a multi-component root to its whole-root twin (``resave.root.resave_root``)."""
     result = resave(path, opts, **kw)
     assert isinstance(result, RootResult) == (by_name(name).layout in ROOTS)
     return result

@@ -27,7 +27,7 @@ from tests.support import INDEX, clean_env, load_glob, run_ckptctl, write_sharde
 def _audited_ckptctl(tmp_path: Path, *args) -> tuple[subprocess.CompletedProcess, set[str]]:
     """Run the CLI with an audit hook that records every file the process opens."""
     log = tmp_path / "opened.json"
-    # the log is written by an exit handler: cli.main runs them, then ends with os._exit
+    # the log is written by an exit handler, which runs as cli.main's sys.exit ends the process
     code = ("import atexit, sys, os, json, runpy\n"
             "opened = []\n"
             "def hook(event, a):\n"

@@ -12,7 +12,8 @@ from ecosystem import by_name, compare, fresh_copy
 from ckptctl.api import export
 from ckptctl.errors import UsageError
 from ckptctl.write.options import ExportOptions
-from ckptctl.write.tree import is_root, resave_root
+from ckptctl.resave.root import resave_root
+from ckptctl.write.tree import is_root
 
 pytest_plugins = ["ecosystem.fixtures"]
 

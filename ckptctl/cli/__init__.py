@@ -8,19 +8,16 @@ of every registered command when it runs), ``--help``, completion and anything e
 
 from __future__ import annotations
 
-import atexit
 import functools
 import importlib
 import os
 import sys
-import threading
-from typing import Annotated, Any, Callable, NoReturn, Optional
+from typing import Annotated, Any, Callable, Optional
 
 import typer
 
 from ckptctl._version import __version__
 from ckptctl.cli._output import Output, Signals
-from ckptctl.gcpause import hold_until_exit
 
 # command name -> (module, function): the order of --help
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -93,7 +90,6 @@ def main() -> None:
     (unknown option, missing argument) with ``--json`` is one JSON document too; SIGTERM/SIGHUP are
     handled like Ctrl-C (:class:`Signals`); a closed stdout is :meth:`Output.write`'s."""
     args = sys.argv[1:]
-    hold_until_exit(True)
     try:
         with Signals.handled():
             code = app_for(args)(args=args, prog_name="ckptctl", standalone_mode=False)
@@ -103,27 +99,7 @@ def main() -> None:
         code = _interrupted(args)
     except typer.TyperException as exc:  # Typer's usage errors: unknown option, missing argument, ...
         code = _usage_error(exc, args)
-    _leave(code if isinstance(code, int) else 0)
-
-
-def _leave(code: int) -> NoReturn:
-    """Exit with ``code``. When nothing but this thread is left and torch was never imported,
-    the output is flushed, the exit handlers run, and the process ends without tearing the
-    interpreter down: freeing every module and object of a 92k-tensor command took 22 ms of a
-    0.32 s verify, for memory the kernel takes back anyway (and what the command kept for the
-    exit, ``gcpause.keep_until_exit``, is never freed one by one). Anything else exits the usual
-    way."""
-    run_exit_handlers = getattr(atexit, "_run_exitfuncs", None)
-    if run_exit_handlers is None or threading.active_count() != 1 or "torch" in sys.modules:
-        hold_until_exit(False)  # what the command kept is freed now, as the interpreter goes down
-        sys.exit(code)
-    run_exit_handlers()
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):  # a reader gone (Output.write said so already), a closed stream
-            pass
-    os._exit(code)
+    sys.exit(code if isinstance(code, int) else 0)
 
 
 def _command(args: list[str]) -> str:

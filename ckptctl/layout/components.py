@@ -51,7 +51,7 @@ def scan_components(scanner: "_Scanner") -> None:
                      "restore the component's folder from the save that wrote it, or fix "
                      f"{MODEL_INDEX if lay.kind == PIPELINE else MODULES_JSON}")
             continue
-        comp.layout = scan(where)
+        comp.layout = scan(where, reading=scanner.reading)
         scanner.claimed.add(path.split("/", 1)[0])
 
 

@@ -8,6 +8,7 @@ from pathlib import Path
 from ckptctl.findings import Finding
 from ckptctl.format import names as N
 from ckptctl.format.index import Index
+from ckptctl.layout.reading import MetadataReading
 
 MODEL = "model"  # a directory with one model's weights
 PIPELINE = "diffusers-pipeline"  # model_index.json + component folders
@@ -134,6 +135,8 @@ class Layout:
     # which, ``components`` lists each component with its own layout.
     kind: str = MODEL
     components: list[Component] = field(default_factory=list)
+    # the command's metadata reading that scanned it, for the reads that follow
+    reading: MetadataReading = field(default_factory=MetadataReading, repr=False, compare=False)
 
     def family(self, kind: str) -> Family | None:
         """The first family of ``kind`` that is not a variant."""

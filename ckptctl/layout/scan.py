@@ -9,22 +9,26 @@ from pathlib import Path
 from ckptctl.errors import InputError
 from ckptctl.findings import ERROR, INFO, WARNING, Finding
 from ckptctl.format import names as N
-from ckptctl.format.index import Index, read_index
+from ckptctl.format.index import Index
 from ckptctl.layout import components as C
-from ckptctl.layout import prefetch
 from ckptctl.layout.model import (DCP, EXTRA_NAMES, PEFT, PYTORCH, SAFETENSORS, Family, Layout)
+from ckptctl.layout.reading import MetadataReading
 
 
 def _add(lay: Layout, code: str, severity: str, path: str, message: str, hint: str | None = None) -> None:
     lay.findings.append(Finding(code, severity, path, message, hint))
 
 
-def scan(path: str | os.PathLike[str], *, names: list[str] | None = None) -> Layout:
+def scan(path: str | os.PathLike[str], *, names: list[str] | None = None,
+         reading: MetadataReading | None = None) -> Layout:
     """Describe what ``path`` holds. Raises :class:`InputError` when it does not exist.
 
     ``names`` restricts a directory scan to those entries (verify passes the entries left after
-    screening out links that escape the directory)."""
+    screening out links that escape the directory). ``reading``: the command's metadata reading
+    (a new one when none is given), kept on the layout (``Layout.reading``) for the reads that
+    follow."""
     p = Path(path)
+    reading = reading if reading is not None else MetadataReading()
     try:
         is_dir = p.is_dir()
         exists = p.exists()
@@ -33,13 +37,13 @@ def scan(path: str | os.PathLike[str], *, names: list[str] | None = None) -> Lay
     if not exists:
         raise InputError(f"no such file or directory: {p}", "check the path (a repo id needs the local HF cache)")
     if not is_dir:
-        return _scan_file(p)
+        return _scan_file(p, reading)
     if names is None:
         try:
             names = os.listdir(p)
         except OSError as exc:
             raise InputError(f"cannot list {p}: {exc.strerror}", "check the directory's permissions") from None
-    return _Scanner(p, sorted(names)).run()
+    return _Scanner(p, sorted(names), reading).run()
 
 
 def _mode(path: Path) -> int | None:
@@ -56,8 +60,8 @@ def _regular(path: Path) -> bool:
     return m is not None and stat.S_ISREG(m)
 
 
-def _scan_file(p: Path) -> Layout:
-    lay = Layout(root=p.parent, single_file=p.name)
+def _scan_file(p: Path, reading: MetadataReading) -> Layout:
+    lay = Layout(root=p.parent, single_file=p.name, reading=reading)
     name = p.name
     if name.endswith(".safetensors"):
         w = N.parse_weights_name(name)
@@ -65,7 +69,7 @@ def _scan_file(p: Path) -> Layout:
     elif name.endswith((".bin", ".pt", ".pth", ".ckpt")):
         lay.families.append(Family(PYTORCH, [name], container=PYTORCH))
     elif N.parse_index_name(name) or name.endswith(N.INDEX_SUFFIXES):
-        return scan(p.parent)
+        return scan(p.parent, reading=reading)
     else:
         raise InputError(f"{p} is not a checkpoint file (expected .safetensors, .bin, .pt or .pth)",
                          "pass a weights file or a checkpoint directory")
@@ -73,11 +77,12 @@ def _scan_file(p: Path) -> Layout:
 
 
 class _Scanner:
-    def __init__(self, root: Path, names: list[str]) -> None:
+    def __init__(self, root: Path, names: list[str], reading: MetadataReading) -> None:
         self.root = root
         self.names = names
         self.present = set(names)
-        self.lay = Layout(root=root)
+        self.reading = reading
+        self.lay = Layout(root=root, reading=reading)
         self.claimed: set[str] = set()
 
     def add(self, code: str, severity: str, path: str, message: str, hint: str | None = None) -> None:
@@ -155,7 +160,7 @@ class _Scanner:
             self.claimed.add(index)
             index = None
         if index is not None:
-            doc = self._read_index(index, shards if container == SAFETENSORS else [])
+            doc = self.reading.index(self.root / index, display=str(self.root / index))
             lay.findings.extend(doc.findings)  # a broken index is reported, never silently replaced
             files = self._indexed_files(index, doc) if doc.ok else []
             if doc.ok:
@@ -183,12 +188,6 @@ class _Scanner:
             if stem == N.ADAPTER_STEM and N.ADAPTER_CONFIG not in self.present:
                 _add(lay, "layout.adapter_without_config", ERROR, str(self.root / single),
                      f"{single} without adapter_config.json", "copy the adapter_config.json that belongs to it")
-
-    def _read_index(self, index: str, shards: list[str]) -> Index:
-        """The index; a large one is read by a worker process beside the family's shard headers
-        (:mod:`ckptctl.layout.prefetch`), inside a read-ahead scope of this directory."""
-        doc = prefetch.take(self.root, index, shards) if shards else None
-        return doc if doc is not None else read_index(self.root / index, display=str(self.root / index))
 
     def _indexed_files(self, index: str, doc: Index) -> list[str]:
         """The shards an index names that are safe member names and regular files."""

@@ -23,7 +23,8 @@ is refused with exit 1 and a list of what is lost; nothing is changed. A repair'
 verified before it is published: any error left refuses it the same way.
 
 Modules: ``analyze`` (the choice and its fixes), ``saves`` (splitting and assessing saves),
-``keep`` (the keep-layout plan and the nothing-to-do test), this module (``resave``).
+``keep`` (the keep-layout plan and the nothing-to-do test), ``root`` (a multi-component root,
+resaved whole), this module (``resave``).
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from ckptctl.errors import InputError, UnrepairableError, UsageError
 from ckptctl.findings import ERROR, Finding
 from ckptctl.gcpause import paused
 from ckptctl.format import names as N
-from ckptctl.format import read_ahead
+from ckptctl.layout.reading import MetadataReading
 from ckptctl.resave.analyze import Chosen, Repair, analyze
 from ckptctl.resave.keep import (already_so, keep_layout_plan, keep_layout_source, kept_files, link_matching,
                                  note_index_changes, own_metadata)
@@ -84,30 +85,32 @@ def _check_prefer(prefer: str | None) -> None:
 
 
 def resave(root: str | os.PathLike[str], opts: ExportOptions, *, output: str | os.PathLike[str] | None = None,
-           repair: bool = False, prefer: str | None = None, link: bool = False) -> ResaveResult | RootResult:
+           repair: bool = False, prefer: str | None = None, link: bool = False,
+           whole_root: bool = True) -> ResaveResult | RootResult:
     """Rewrite the checkpoint at ``root`` (in place, or into ``output``): re-plan when a shard
     size or dtype is given, else keep its layout and repair what is certain. ``link``: into
     ``output``, hard-link unchanged shards instead of cloning or copying them. ``prefer``: a kind,
     ``index``/``single``, or one family's file name. In place, a symlinked ``root`` is rewritten
     where it points (the link stays a link). A repair publishes only a version that verifies
-    clean."""
-    # the metadata of every tensor: acyclic, freed by reference counting; a large index is read by
-    # a worker beside the headers (layout.scan)
-    with paused(), read_ahead.scope(root):
-        return _resave(Path(root), opts, output=output, repair=repair, prefer=prefer, link=link)
+    clean. ``whole_root``: a multi-component root is resaved as a whole (:mod:`ckptctl.resave.root`);
+    False when that writer resaves the root's own module 0 as one model."""
+    # the metadata of every tensor: acyclic, freed by reference counting
+    with paused():
+        return _resave(Path(root), opts, output=output, repair=repair, prefer=prefer, link=link,
+                       whole_root=whole_root)
 
 
 def _resave(root: Path, opts: ExportOptions, *, output: str | os.PathLike[str] | None,
-            repair: bool, prefer: str | None, link: bool) -> ResaveResult | RootResult:
+            repair: bool, prefer: str | None, link: bool, whole_root: bool) -> ResaveResult | RootResult:
     """:func:`resave`'s steps."""
     # Every option is checked before anything touches the filesystem (a recovery renames).
     _check_prefer(prefer)
-    first = L.scan(root) if root.is_dir() else None  # reused below when no recovery changed the directory
-    if first is not None and first.kind in L.ROOTS:  # the tree writer, imported only for a root
-        from ckptctl.write.tree import is_root, resave_root
+    reading = MetadataReading()  # what this command reads of the directory's metadata, read once
+    first = L.scan(root, reading=reading) if root.is_dir() else None  # reused below unless a recovery changed it
+    if whole_root and first is not None and first.kind in L.ROOTS:  # a pipeline or sentence-transformers root
+        from ckptctl.resave.root import resave_root  # the tree writer, imported only for a root
 
-        if is_root(root, first):  # a pipeline or sentence-transformers root: one publish
-            return resave_root(root, opts, output=output, repair=repair, prefer=prefer, link=link)
+        return resave_root(root, opts, output=output, repair=repair, prefer=prefer, link=link, lay=first)
     # In place, unchanged shards are hard-linked (one name survives the publish); into --output
     # they are cloned or copied (an independent copy) unless the caller asked for links.
     opts = replace(opts, overwrite=True if not output else opts.overwrite, link_unchanged=not output or link)
@@ -122,7 +125,7 @@ def _resave(root: Path, opts: ExportOptions, *, output: str | os.PathLike[str] |
             first = None  # rolled forward or back: scanned again
     if not root.is_dir():
         raise InputError(f"{root} is not a checkpoint directory", "resave works on a directory")
-    chosen, rep = analyze(root, prefer=prefer, repair=repair, lay=first)
+    chosen, rep = analyze(root, prefer=prefer, repair=repair, lay=first, reading=reading)
     dest = Path(output) if output else root
     check = _verified(dest, rep) if repair else None
     replan = opts.dtype not in (None, "keep") or (opts.max_shard_size is not None and not settings.keep_layout)
@@ -136,7 +139,7 @@ def _resave(root: Path, opts: ExportOptions, *, output: str | os.PathLike[str] |
     if not chosen.files:  # pickles: read through torch like an export
         from ckptctl.sources.base import open_source
 
-        with open_source(root, only=L.PYTORCH) as src:  # read (weights_only) even to find it sound
+        with open_source(root, only=L.PYTORCH, reading=reading) as src:  # read (weights_only) even to find it sound
             if repair and not replan and not output and not rep.fixes:
                 return _unchanged(dest, opts, rep, chosen.errors)  # a sound pickle checkpoint
             from ckptctl.write.inputs import build_inputs, entries_for
@@ -151,7 +154,7 @@ def _resave(root: Path, opts: ExportOptions, *, output: str | os.PathLike[str] |
     if replan:
         from ckptctl.sources.safetensors_source import SafetensorsSource
 
-        src = SafetensorsSource.open(root, chosen.files)
+        src = SafetensorsSource.open(root, chosen.files, fast=reading.fast)
         entries = entries_for(src, opts.dtype)
         plan = _replan(entries, settings, src.metadata or None, opts)
         link_matching(plan, root, entries)

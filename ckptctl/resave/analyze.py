@@ -16,6 +16,7 @@ from ckptctl.format import names as N
 from ckptctl.format.header import Header
 from ckptctl.format.index import Index
 from ckptctl.layout.policy import label
+from ckptctl.layout.reading import MetadataReading
 from ckptctl.resave.saves import Save, assess, mtime_ns, read_all, split, usable_index
 
 
@@ -49,12 +50,12 @@ def _model_families(lay: L.Layout) -> list[L.Family]:
 
 
 def analyze(root: Path, *, prefer: str | None = None, repair: bool = False,
-            lay: L.Layout | None = None) -> tuple[Chosen, Repair]:
+            lay: L.Layout | None = None, reading: MetadataReading | None = None) -> tuple[Chosen, Repair]:
     """Choose the safetensors files that make up the checkpoint (none: a pickle checkpoint that is
     converted like an export), from ``layout.scan`` and its one ranking policy. ``lay``: the scan
-    of ``root`` as it is now, when the caller has it."""
+    of ``root`` as it is now, when the caller has it; else it is scanned with ``reading``."""
     if lay is None:
-        lay = L.scan(root)
+        lay = L.scan(root, reading=reading)
     rep = Repair()
     errors = [f for f in lay.findings if f.severity == ERROR]
     if not repair and (errors or lay.leftovers):
@@ -117,7 +118,7 @@ def _choose_save(root: Path, lay: L.Layout, fams: list[L.Family], prefer: str | 
 
     def judge(fam: L.Family) -> L.Assessment:
         if id(fam) not in judged:
-            read[id(fam)] = read_all(root, fam.files)
+            read[id(fam)] = read_all(root, fam.files, lay.reading)
             judged[id(fam)] = assess(root, by_family[id(fam)], cfg, read[id(fam)])
         return judged[id(fam)]
 
@@ -129,7 +130,7 @@ def _choose_save(root: Path, lay: L.Layout, fams: list[L.Family], prefer: str | 
     # renumbered, and the final verify judges the result.
     renumber = save.gaps_only and len(saves) == 1 and not read[id(chosen)][1]
     if not verdict.complete and not renumber:
-        raise _incomplete(root, save)
+        raise _incomplete(root, save, lay.reading)
     _refuse_a_mix(root, lay, chosen)
     why = f"--prefer {prefer}" if prefer else None
     for s in saves:
@@ -169,9 +170,9 @@ def _refuse_a_mix(root: Path, lay: L.Layout, chosen: L.Family) -> None:
             "nothing was changed")
 
 
-def _incomplete(root: Path, save: Save) -> UnrepairableError:
+def _incomplete(root: Path, save: Save, reading: MetadataReading) -> UnrepairableError:
     """The refusal for a save that cannot be made whole: what is missing and which tensors are lost."""
-    headers, problems = read_all(root, save.family.files)
+    headers, problems = read_all(root, save.family.files, reading)
     doc = save.family.index_doc
     lost: list[str] = []
     if doc is not None and doc.ok:

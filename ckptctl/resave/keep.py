@@ -16,8 +16,9 @@ from ckptctl import layout as L
 from ckptctl.errors import UnrepairableError
 from ckptctl.format import names as N
 from ckptctl.format.names import MANIFEST_NAME
-from ckptctl.format.header import Header, TensorInfo, TensorTable, encode_header, read_header
+from ckptctl.format.header import Header, TensorInfo, TensorTable, encode_header
 from ckptctl.format.index import Index
+from ckptctl.layout.reading import MetadataReading
 from ckptctl.plan import Plan, ShardPlan
 from ckptctl.resave.analyze import Chosen, Repair
 
@@ -79,11 +80,8 @@ class KeptFiles:
 
     def same_map_as(self, old: Index) -> bool:
         """Whether ``old`` maps exactly the plan's tensors to the plan's files (``weight_map``
-        equality), said without a dict of every tensor when ``old`` has its ``joins``: each
-        file's sorted names, joined by newlines, against the index's own."""
-        said = old.agrees_with({name: keep if isinstance(keep, TensorTable) else [t.name for t in keep]
-                                for keep, name in zip(self.keeps, self.names) if len(keep)})
-        return old.weight_map == self.weight_map if said is None else said
+        equality)."""
+        return old.weight_map == self.weight_map
 
 
 def _records(keep: TensorTable | list[TensorInfo]) -> list[TensorInfo]:
@@ -95,11 +93,10 @@ def kept_files(root: Path, chosen: Chosen, rep: Repair) -> KeptFiles:
     its library's name and variant; a file that does not change is linked. The fixes it implies
     (a tensor stored twice, a renamed file, trailing bytes dropped) are added to ``rep``."""
     files = chosen.files
-    headers = {n: chosen.headers.get(n) or read_header(root / n, display=str(root / n)) for n in files}
+    reading = chosen.layout.reading if chosen.layout is not None else MetadataReading()
+    headers = {n: chosen.headers.get(n) or reading.header(root / n, display=str(root / n)) for n in files}
     keeps: dict[str, TensorTable | list[TensorInfo]]
-    # no tensor in two files: the index says so when it agrees with every header (its joins)
-    agree = chosen.index is not None and chosen.index.agrees_with({n: headers[n].tensors for n in files})
-    if agree or len(set().union(*(headers[n].tensors for n in files))) == sum(len(headers[n].tensors) for n in files):
+    if len(set().union(*(headers[n].tensors for n in files))) == sum(len(headers[n].tensors) for n in files):
         # no tensor stored twice: every file keeps all its tensors
         keeps = {n: headers[n].tensors for n in sorted(files) if headers[n].tensors}
     else:

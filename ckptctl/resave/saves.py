@@ -22,20 +22,21 @@ from ckptctl import layout as L
 from ckptctl.config_fields import ConfigFields, as_int
 from ckptctl.findings import ERROR, Finding
 from ckptctl.format import names as N
-from ckptctl.format.header import Header, MergedSpecs, read_header
+from ckptctl.format.header import Header, MergedSpecs
+from ckptctl.layout.reading import MetadataReading
 from ckptctl.tensor_names import TensorNames
 
 
-def read_all(root: Path, names: list[str]) -> tuple[dict[str, Header], list[Finding]]:
-    """The headers of ``names`` and every problem that makes a file unusable (missing, corrupt
-    header, truncated data; trailing bytes are repairable, not a problem)."""
+def read_all(root: Path, names: list[str], reading: MetadataReading) -> tuple[dict[str, Header], list[Finding]]:
+    """The headers of ``names`` (read by ``reading``) and every problem that makes a file unusable
+    (missing, corrupt header, truncated data; trailing bytes are repairable, not a problem)."""
     headers, problems = {}, []
     for n in names:
         p = root / n
         if not p.is_file():
             problems.append(Finding("index.shard_missing", ERROR, str(p), f"{n} is missing"))
             continue
-        h = read_header(p, display=str(p))
+        h = reading.header(p, display=str(p))
         fatal = [f for f in h.findings if f.severity == ERROR and f.code != "header.trailing_bytes"]
         if fatal:
             problems.extend(fatal)
@@ -159,15 +160,11 @@ def _gaps(key: tuple[str | None, str, str | None], files: list[str], counts: set
 
 
 def assess(root: Path, save: Save, cfg: dict[str, Any] | None,
-           read: tuple[dict[str, Header], list[Finding]] | None = None) -> L.Assessment:
+           read: tuple[dict[str, Header], list[Finding]]) -> L.Assessment:
     """Complete (every file there with a sound header), consistent with config.json, how many
-    tensors, and when it was last written. ``read``: ``read_all`` of the save's files, when the
-    caller has it (the headers are then not read again)."""
-    headers, problems = read if read is not None else read_all(root, save.family.files)
-    doc = save.family.index_doc
-    # no name in two files when the index agrees with every header (its joins): no index of names
-    disjoint = doc is not None and doc.ok and doc.agrees_with({n: h.tensors for n, h in headers.items()})
-    tensors = MergedSpecs([h.tensors for h in headers.values()], disjoint=True if disjoint else None)
+    tensors, and when it was last written. ``read``: ``read_all`` of the save's files."""
+    headers, problems = read
+    tensors = MergedSpecs([h.tensors for h in headers.values()])
     mtime = max((_mtime(root / n) for n in save.family.all_files), default=0.0)
     return L.Assessment(complete=not problems and not save.missing and bool(save.family.files),
                         agrees=config_mismatches(tensors, cfg) == 0, tensors=len(tensors), mtime=mtime,

@@ -5,11 +5,14 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 from ckptctl.errors import InputError
 from ckptctl.format import dtypes as dt
 from ckptctl.format.tensor import SpecFields, TensorSpec
+
+if TYPE_CHECKING:
+    from ckptctl.layout.reading import MetadataReading
 
 CHUNK_BYTES = 16 * 1024 * 1024  # what one read/convert step holds in memory at most
 
@@ -156,14 +159,16 @@ def file_chunks(file: str, offset: int, total: int, src_dtype: str, target_dtype
         os.close(fd)
 
 
-def open_source(path: str | os.PathLike[str], *, key: str | None = None, only: str | None = None) -> Source:
+def open_source(path: str | os.PathLike[str], *, key: str | None = None, only: str | None = None,
+                reading: "MetadataReading | None" = None) -> Source:
     """Open whatever ``path`` holds as a tensor source: the family ``layout`` chooses (``only``
     names a kind), refused when the layout has an error finding (except for DCP, whose own
-    checks are stricter). A directory's copied extras (config, tokenizer, ...) come along."""
+    checks are stricter). A directory's copied extras (config, tokenizer, ...) come along.
+    ``reading``: the command's metadata reading (``layout.reading``), when it has one."""
     from ckptctl import layout as L
 
     p = Path(path)
-    lay = L.scan(p)
+    lay = L.scan(p, reading=reading)
     fam = lay.primary(only)
     errors = [f for f in lay.findings if f.severity == "error"
               and not (only and f.code == "layout.two_families")]  # --only resolves that one
@@ -175,7 +180,8 @@ def open_source(path: str | os.PathLike[str], *, key: str | None = None, only: s
     if fam.container == L.SAFETENSORS:
         from ckptctl.sources.safetensors_source import SafetensorsSource
 
-        src: Source = SafetensorsSource.open(lay.root, fam.files, kind=fam.kind)
+        src: Source = SafetensorsSource.open(lay.root, fam.files, kind=fam.kind,
+                                             fast=lay.reading.fast)
     elif fam.container == L.PYTORCH:
         from ckptctl.sources.torch_source import TorchSource
 

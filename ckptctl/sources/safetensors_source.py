@@ -15,12 +15,13 @@ from ckptctl.sources.base import CHUNK_BYTES, Source, SourceTensor, file_chunks
 
 class SafetensorsSource(Source):
     @classmethod
-    def open(cls, root: Path, files: list[str], *, kind: str = "safetensors") -> "SafetensorsSource":
+    def open(cls, root: Path, files: list[str], *, kind: str = "safetensors", fast: bool = True) -> "SafetensorsSource":
+        """The tensors of ``files`` in ``root`` (``fast``: the typed header decoder may read them)."""
         src = cls(path=root, kind=kind)
         for name in files:
             fpath = root / name
             file = str(fpath)
-            hdr = load_header(fpath, display=file)
+            hdr = load_header(fpath, display=file, fast=fast)
             table = hdr.tensors  # by column: a spec and an offset per tensor, no TensorInfo
             src.add_all(list(map(SourceTensor, table.spec_list(), repeat(None), repeat(None), repeat(file),
                                  map(hdr.data_start.__add__, table.begins))), list(table), name)

@@ -23,6 +23,7 @@ from ckptctl.format import small
 from ckptctl.format.header import Header
 from ckptctl.format.tensor import TensorSpec
 from ckptctl.layout import Family, Layout
+from ckptctl.layout.reading import MetadataReading
 from ckptctl.verify.report import IO_CODE, FileRecord, PathResult
 
 # (event, path, amount): "path" (a checkpoint starts), "file" (amount = bytes to read), "bytes", "done".
@@ -60,9 +61,6 @@ class FamilyTensors:
     family: Family
     tensors: dict[str, TensorSpec]
     complete: bool
-    # the index's Index.facts, when its index maps exactly the names its shards hold (they hold
-    # only for those names)
-    index_facts: Any = None
 
 
 def within(real: str, base: str) -> bool:
@@ -84,8 +82,10 @@ def allowed_root(root: Path) -> str:
 
 class Context:
     def __init__(self, root: Path, result: PathResult, options: VerifyOptions, progress: ProgressFn | None = None,
-                 base_root: Path | None = None) -> None:
+                 base_root: Path | None = None, reading: MetadataReading | None = None) -> None:
         self.root = root
+        # what this verify reads of the checkpoint's metadata (shared with component contexts)
+        self.reading = reading if reading is not None else MetadataReading()
         self.prefix = ""  # a component's folder below the checkpoint root, with a trailing "/"
         self.needs_weights = True  # a directory without weights is an error (not so a scheduler's folder)
         self.result = result
@@ -111,7 +111,7 @@ class Context:
     def component(self, path: str) -> "Context":
         """The context of a component folder (diffusers pipeline, sentence-transformers module):
         its own view and layout, the same result, file records and allowed link targets."""
-        sub = Context(self.root / path, self.result, self.options, self.progress, self.base_root)
+        sub = Context(self.root / path, self.result, self.options, self.progress, self.base_root, self.reading)
         sub.prefix = f"{self.prefix}{path}/"
         sub.allowed = self.allowed
         sub.records = self.records

@@ -51,13 +51,9 @@ def read_indexed(ctx: Context, fam: L.Family) -> FamilyTensors:
             continue
         if shard in files and ctx.inside(shard) is not None:
             reads[shard] = W.read_file(ctx, shard, fam.container)
-    # every shard read and holding exactly what the index maps to it (the index's joins), or not known
-    agree = all(r.names is not None for r in reads.values()) and bool(
-        doc.agrees_with({s: r.names for s, r in reads.items()}))  # type: ignore[misc]
-    table = W.merge(ctx, reads, disjoint=agree)
+    table = W.merge(ctx, reads)
     complete = set(shards) <= set(reads) and all(r.names is not None for r in reads.values())
-    if not agree:
-        _cross_check(ctx, shown, doc.weight_map, reads, shards)
+    _cross_check(ctx, shown, doc.weight_map, reads, shards)
     if not any(N.member_problem(s) for s in shards):
         _numbering(ctx, shown, shards, ext)
     if fam.container == L.SAFETENSORS:
@@ -66,7 +62,7 @@ def read_indexed(ctx: Context, fam: L.Family) -> FamilyTensors:
         names = set().union(*(r.names or set() for r in reads.values()))
         ctx.extend(W.alias_findings(doc.metadata, names, shown))
     W.shard_sizes(ctx, reads)
-    return FamilyTensors(fam, table, complete, doc.facts if agree else None)
+    return FamilyTensors(fam, table, complete)
 
 
 def _agrees(wm: dict[str, str], reads: dict[str, WeightsRead], shards: list[str]) -> bool:

@@ -15,16 +15,15 @@ import os
 import re
 from collections.abc import Mapping
 from operator import attrgetter
-from typing import Any, NamedTuple
+from typing import Any
 
 from ckptctl import layout as L
 from ckptctl.config_fields import ConfigFields, as_int
 from ckptctl.findings import ERROR, INFO, WARNING, Finding, PathFindings
 from ckptctl.format.tensor import TensorSpec
 from ckptctl.verify.architectures import GENERATIVE, SPECS, Dims, Spec
-from ckptctl.verify.context import Context, FamilyTensors
-from ckptctl.verify.stacks import (EXTRA_LAYER_FIELDS, check_experts, check_stacks, containers, count_findings,
-                                   expert_blocks)
+from ckptctl.verify.context import Context
+from ckptctl.verify.stacks import EXTRA_LAYER_FIELDS, check_experts, check_stacks, count_findings
 from ckptctl.tensor_names import RunPattern, TensorNames, dtypes, run_pattern
 from ckptctl.verify.tied import tied_bytes_step
 from ckptctl.verify.weights import transformers_rank
@@ -76,35 +75,6 @@ def _detect(tensors: "Tensors | TensorNames") -> tuple[Spec, str] | None:
     return (best[1], best[2]) if best else None
 
 
-class NameFacts(NamedTuple):
-    """What the config rules draw from the tensor names alone (a split's worker works them out
-    from the index's names, :func:`name_facts`, while this process reads the shard headers)."""
-
-    experts: dict[str, frozenset[int]]  # stacks.expert_blocks
-    containers: dict[str, frozenset[int]]  # stacks.containers
-    detected: tuple[int, str] | None  # _detect: (the layout's place in SPECS, the root)
-
-    def layout(self) -> tuple[Spec, str] | None:
-        return None if self.detected is None else (SPECS[self.detected[0]], self.detected[1])
-
-
-def name_facts(joins: dict[str, str]) -> NameFacts:
-    """The :class:`NameFacts` of an index's names (``Index.joins``): the names of every shard, none
-    holding a newline, so one text of them all is each name between two newlines. Each rule's
-    answer is a function of the set of names, whatever their order."""
-    names = TensorNames.of_text("\n" + "\n".join(joins.values()) + "\n")
-    found = _detect(names)
-    return NameFacts({b: frozenset(v) for b, v in expert_blocks(names).items()},
-                     {w: frozenset(v) for w, v in containers(names).items()},
-                     None if found is None else (SPECS.index(found[0]), found[1]))
-
-
-def _facts_of(family: FamilyTensors) -> NameFacts | None:
-    """The worker's facts of a family whose index maps exactly the names its shards hold."""
-    got = family.index_facts
-    return got[1] if got is not None and got[0] is name_facts else None
-
-
 _SHAPE = attrgetter("shape")
 
 
@@ -119,10 +89,8 @@ def _shape_ok(actual: tuple[int, ...], expected: tuple[int | None, ...] | None) 
 
 
 def check_config(display: str, cfg: Any, tensors: Tensors, *, check_dtype: bool = True,
-                 tokenizer_size: int | None = None, tokenizer_display: str | None = None,
-                 facts: NameFacts | None = None) -> list[Finding]:
-    """Findings about config.json (already parsed) against the checkpoint's tensors (``facts``:
-    what their names alone say, worked out already)."""
+                 tokenizer_size: int | None = None, tokenizer_display: str | None = None) -> list[Finding]:
+    """Findings about config.json (already parsed) against the checkpoint's tensors."""
     ctx = PathFindings(display)
     if not isinstance(cfg, dict):
         ctx.add("config.bad_json", ERROR, f"{display}: top level is a JSON {type(cfg).__name__}, not an object",
@@ -150,10 +118,10 @@ def check_config(display: str, cfg: Any, tensors: Tensors, *, check_dtype: bool 
                 f"{vocab}: those tokens index past the embedding",
                 "resize the embeddings (model.resize_token_embeddings) and re-export, or fix vocab_size",
                 tokenizer_size=tokenizer_size, vocab_size=vocab)
-    check_experts(ctx, cfg, names, per_block=None if facts is None else facts.experts)
-    found = None if cfg.get("is_encoder_decoder") else _detect(names) if facts is None else facts.layout()
+    check_experts(ctx, cfg, names)
+    found = None if cfg.get("is_encoder_decoder") else _detect(names)
     skip = f"{found[1]}{found[0].layer}" if found else None
-    stacked = check_stacks(ctx, cfg, names, skip=skip, known=None if facts is None else facts.containers)
+    stacked = check_stacks(ctx, cfg, names, skip=skip)
     if cfg.get("is_encoder_decoder"):
         ctx.add("config.not_checked", INFO, f"{display}: encoder-decoder model; layer counts checked per stack, "
                 "projection shapes not checked")
@@ -372,7 +340,7 @@ def config_step(ctx: Context) -> str | None:
         variant_match = any(want is not None and _dominant_float(t.tensors) == want
                             for t in ctx.tables if t.family.variant is not None)
         ctx.extend(check_config(shown, cfg, loaded.tensors, check_dtype=not variant_match, tokenizer_size=tok,
-                                tokenizer_display=tok_shown, facts=_facts_of(loaded)))
+                                tokenizer_display=tok_shown))
         if ctx.options.deep and isinstance(cfg, dict):
             tied_bytes_step(ctx, cfg, loaded)
     if not isinstance(cfg, dict):

@@ -23,13 +23,12 @@ from ckptctl import layout as L
 from ckptctl.errors import InputError, UsageError
 from ckptctl.findings import ERROR, SEVERITY_RANK, Finding
 from ckptctl.format import names as N
-from ckptctl.format import read_ahead
 from ckptctl.gcpause import paused
 from ckptctl.verify.context import DEEP_NOT_ASKED, Context, ProgressFn, VerifyOptions
 from ckptctl.verify.dcp import check_dcp
 from ckptctl.verify.index import family_tensors
 from ckptctl.verify.manifest import manifest_step
-from ckptctl.verify.model import config_step, name_facts
+from ckptctl.verify.model import config_step
 from ckptctl.verify.peft import adapter_step
 from ckptctl.verify.report import IO_CODE, Checks, PathResult, Report
 from ckptctl.verify.screen import scan_directory
@@ -147,7 +146,7 @@ def scan_file(ctx: Context) -> str | None:
     name = ctx.result.root
     try:
         os.stat(name)
-        ctx.layout = L.scan(name)
+        ctx.layout = L.scan(name, reading=ctx.reading)
     except OSError as exc:
         ctx.stop(Path(name).name, exc)
     return None
@@ -291,11 +290,7 @@ def verify_path(path: str | os.PathLike[str], *, display: str | None = None, opt
     # A checkpoint of 92k tensors makes about a million objects, none in a cycle, that live until
     # its result is made: the cyclic collector would traverse them again and again (a tenth of
     # the run). It resumes once _checked has returned and reference counting has freed them.
-    # Headers read ahead by layout.scan (beside an index parsed by a worker) live as long as this.
-    # A worker that reads a large index also works out the config rules' facts from its names
-    # (they are for config.json: none, no facts).
-    work = name_facts if os.path.isfile(p / "config.json") else None
-    with paused(), read_ahead.scope(p, names_work=work):
+    with paused():
         return _checked(PathResult(path=shown, root=str(p)), p, opts, progress, base_root)
 
 

@@ -72,7 +72,7 @@ def scan_directory(ctx: Context) -> None:
         return None
     screen(ctx)
     try:
-        ctx.layout = L.scan(ctx.root, names=[n for n in ctx.names if n not in ctx.hidden])
+        ctx.layout = L.scan(ctx.root, names=[n for n in ctx.names if n not in ctx.hidden], reading=ctx.reading)
     except CkptctlError as exc:
         ctx.stop("", exc)
     return None

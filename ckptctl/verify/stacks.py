@@ -12,7 +12,7 @@ encoder-decoder (per-stack counts: ``encoder_layers``/``decoder_layers``, T5's
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping, Set
+from collections.abc import Mapping
 
 from ckptctl.config_fields import ConfigFields, as_int
 from ckptctl.findings import ERROR, INFO, PathFindings
@@ -95,13 +95,11 @@ def count_findings(ctx: PathFindings, where: str, present: set[int], expected: i
                 f"fix {field}, or drop the stale layers with ckptctl resave", extra=extra[:200], stack=where)
 
 
-def check_stacks(ctx: PathFindings, cfg: dict, tensors: "Tensors | TensorNames", *, skip: str | None = None,
-                 known: Mapping[str, Set[int]] | None = None) -> bool:
+def check_stacks(ctx: PathFindings, cfg: dict, tensors: "Tensors | TensorNames", *, skip: str | None = None) -> bool:
     """Every layer stack against its count in the config. ``skip``: a container the caller has
-    already checked; ``known``: :func:`containers` of the tensors, worked out already. Returns
-    whether any stack was checked."""
+    already checked. Returns whether any stack was checked."""
     c = ConfigFields(cfg)
-    stacks = {k: v for k, v in (containers(tensors) if known is None else known).items() if k != skip}
+    stacks = {k: v for k, v in containers(tensors).items() if k != skip}
     checked = False
     enc_dec = bool(cfg.get("is_encoder_decoder"))
     if enc_dec:  # a stack whose every layer is gone is still a stack: its sibling names it
@@ -152,15 +150,12 @@ def expert_blocks(tensors: "Tensors | TensorNames") -> dict[str, set[int]]:
     return per_block
 
 
-def check_experts(ctx: PathFindings, cfg: dict, tensors: "Tensors | TensorNames", *,
-                  per_block: Mapping[str, Set[int]] | None = None) -> None:
-    """MoE: every layer that has experts has all of them, and the router's rows equal the count.
-    ``per_block``: :func:`expert_blocks` of the tensors, worked out already."""
+def check_experts(ctx: PathFindings, cfg: dict, tensors: "Tensors | TensorNames") -> None:
+    """MoE: every layer that has experts has all of them, and the router's rows equal the count."""
     c = ConfigFields(cfg)
     field, n = next(((f, v) for f in EXPERT_FIELDS if (v := as_int(c.get(f))) is not None), (None, None))
     names = TensorNames.of(tensors)
-    if per_block is None:
-        per_block = expert_blocks(names)
+    per_block = expert_blocks(names)
     if not per_block:
         return
     if n is None:

@@ -15,7 +15,7 @@ from ckptctl import layout as L
 from ckptctl.errors import CkptctlError
 from ckptctl.findings import ERROR, INFO, WARNING, Finding
 from ckptctl.format import dtypes as dt
-from ckptctl.format.header import Header, MergedSpecs, read_header
+from ckptctl.format.header import Header, MergedSpecs
 from ckptctl.format.tensor import TensorSpec
 from ckptctl.verify.context import Context, FamilyTensors, WeightsRead
 
@@ -97,7 +97,7 @@ def read_file(ctx: Context, name: str, container: str) -> WeightsRead:
     path, shown = ctx.root / name, ctx.disp(name)
     try:
         if container == L.SAFETENSORS:
-            hdr = out.header = ctx.deep_queue[name] = read_header(path, display=shown)
+            hdr = out.header = ctx.deep_queue[name] = ctx.reading.header(path, display=shown)
             ctx.extend(hdr.findings)
             ctx.extend(dtype_notes(hdr))
             if not any(f.code in _UNPARSED for f in hdr.findings):
@@ -120,14 +120,13 @@ def read_file(ctx: Context, name: str, container: str) -> WeightsRead:
     return out
 
 
-def merge(ctx: Context, reads: dict[str, WeightsRead], *, disjoint: bool = False) -> Mapping[str, TensorSpec]:
-    """All tensors of a family; a name stored in two files is an error. ``disjoint``: the caller
-    has proved that no name is in two files (the index agrees with every shard)."""
+def merge(ctx: Context, reads: dict[str, WeightsRead]) -> Mapping[str, TensorSpec]:
+    """All tensors of a family; a name stored in two files is an error."""
     if len(reads) == 1:  # one file: its own table (a name cannot repeat in it)
         return next(iter(reads.values())).tensors
     # No name in two files: the first-wins table below is each file's own, side by side (an index
     # of names; a header's spec made only when a rule asks for it).
-    merged = MergedSpecs([r.tensors for r in reads.values()], disjoint=True if disjoint else None)
+    merged = MergedSpecs([r.tensors for r in reads.values()])
     if _no_name_twice(reads, merged):
         return merged
     table: dict[str, TensorSpec] = {}

@@ -119,7 +119,8 @@ def open_inputs(src: str | os.PathLike[str], dst: str | os.PathLike[str], opts: 
     if not root_module and layout is not None:
         _refuse_multi_component(src_p, layout)
     try:
-        source = open_source(src_p, key=settings.key, only=settings.only)
+        source = open_source(src_p, key=settings.key, only=settings.only,
+                             reading=layout.reading if layout is not None else None)
     except CkptctlError as exc:
         if exc.phase is None and exc.exit_code != 2:
             exc.phase = "read-source"  # an I/O failure reading the source's metadata
@@ -150,9 +151,8 @@ def other_variants(src: Path, slot: tuple[str, str | None], lay: Layout) -> dict
     a broken family)."""
     from ckptctl import layout as L
     from ckptctl.findings import ERROR
-    from ckptctl.format.header import read_header
-
     damaged = {Path(f.path).name for f in lay.findings if f.severity == ERROR}
+    reading = lay.reading
     per_slot: dict[tuple[str, str | None], int] = {}
     for fam in lay.families:
         per_slot[fam.slot] = per_slot.get(fam.slot, 0) + 1
@@ -165,7 +165,7 @@ def other_variants(src: Path, slot: tuple[str, str | None], lay: Layout) -> dict
         if (fam.index is None and len(fam.files) > 1) or (
                 fam.index is not None and (doc is None or not doc.ok or set(doc.shards) != set(fam.files))):
             continue
-        headers = [read_header(src / n, display=str(src / n)) for n in fam.files]
+        headers = [reading.header(src / n, display=str(src / n)) for n in fam.files]
         if any(f.severity == ERROR for h in headers for f in h.findings):
             continue
         if doc is not None and set(doc.weight_map) != {t for h in headers for t in h.tensors}:

@@ -18,7 +18,6 @@ import os
 import stat
 import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -26,7 +25,6 @@ from ckptctl import _faults
 from ckptctl import layout as L
 from ckptctl.errors import CkptctlError, DiskFullError, InputError, Interrupted, UsageError, from_oserror
 from ckptctl.format.index import encode_index
-from ckptctl.gcpause import keep_until_exit
 from ckptctl.manifest import MANIFEST_NAME, build_manifest, encode_manifest, list_files
 from ckptctl.plan import Locate, Plan, make_plan, place_for_clone, with_alias_records
 from ckptctl.publish import Stage, check_destination, check_writable, free_space
@@ -362,7 +360,6 @@ def write_inputs(inputs: ExportInputs, dest: str | os.PathLike[str], *, plan: Pl
     except BaseException as exc:
         failed(job.stage_, job.dest, exc, phase)
         raise
-    keep_until_exit(job)  # its records: the CLI's process ends without freeing them one by one
     return result
 
 

@@ -4,7 +4,7 @@ directory, published once.
 A root is several models beside the files that tie them together (``model_index.json`` +
 ``unet/`` ``vae/`` ``text_encoder/`` ``scheduler/`` ``tokenizer/``; ``modules.json`` +
 ``sentence_bert_config.json`` + module 0 at the root + ``2_Dense/``). :func:`export_root` and
-:func:`resave_root` build the whole new root in one staging directory of the destination:
+:func:`ckptctl.resave.root.resave_root` build the whole new root in one staging directory of the destination:
 
 1. the root's other entries (manifests, configs, ``scheduler/``, ``tokenizer/``, weightless
    modules) are copied from the source (hard-linked when resaving in place);
@@ -13,8 +13,8 @@ A root is several models beside the files that tie them together (``model_index.
    new version first, so the component's own export decides (``write/superseded.py``) what of
    them it drops and keeps (another variant, a config it does not write);
 3. each component with weights is written by the normal single-component writer (``export``:
-   :func:`~ckptctl.write.job.write_inputs`; ``resave``: :func:`ckptctl.resave.resave` with
-   ``output``) into ``<staging>/data/<folder>``, under its own library's names (a diffusers
+   :func:`~ckptctl.write.job.write_inputs`; resave, given the same :func:`write_root` with its
+   own component writer: :func:`ckptctl.resave.resave` with ``output``) into ``<staging>/data/<folder>``, under its own library's names (a diffusers
    component stays ``diffusion_pytorch_model*``, a transformers one ``model*``); module 0 of a
    sentence-transformers root is written beside, then moved up into ``data/``;
 4. ``data/`` is sealed and published over the destination once, by the same
@@ -24,14 +24,12 @@ A root is several models beside the files that tie them together (``model_index.
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import os
 import stat
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable
 
 from ckptctl import _faults
 from ckptctl import layout as L
@@ -45,11 +43,11 @@ from ckptctl.write.options import ExportOptions, validate
 from ckptctl.write.files import link_or_copy
 from ckptctl.write.superseded import superseded
 
+if TYPE_CHECKING:
+    from ckptctl.layout.reading import MetadataReading
+
 ROOTS = L.ROOTS
 ROOT_MODULE = ".ckptctl-root-module"  # inside data/: where module 0 is written before it moves up
-
-# Set while the root module of a root is resaved: resave() must then treat the root as one model.
-_ROOT_MODULE: contextvars.ContextVar[bool] = contextvars.ContextVar("ckptctl_root_module", default=False)
 
 # (source folder, destination folder, options) -> the component's result
 ComponentWriter = Callable[[Path, Path, ExportOptions], Any]
@@ -94,20 +92,10 @@ class RootResult:
 
 
 def is_root(path: str | os.PathLike[str], lay: L.Layout | None = None) -> bool:
-    """Whether ``path`` is a multi-component root that resave must write as a whole (False while
-    :func:`resave_root` resaves that root's module 0 through ``resave``). ``lay``: its scan, when
-    the caller has it."""
+    """Whether ``path`` is a multi-component root, written (exported, resaved) as a whole.
+    ``lay``: its scan, when the caller has it."""
     p = Path(path)
-    return not _ROOT_MODULE.get() and p.is_dir() and (lay if lay is not None else L.scan(p)).kind in ROOTS
-
-
-@contextlib.contextmanager
-def _as_root_module() -> Iterator[None]:
-    token = _ROOT_MODULE.set(True)
-    try:
-        yield
-    finally:
-        _ROOT_MODULE.reset(token)
+    return p.is_dir() and (lay if lay is not None else L.scan(p)).kind in ROOTS
 
 
 def weighted_folders(lay: L.Layout) -> list[str]:
@@ -129,14 +117,15 @@ def weighted_folders(lay: L.Layout) -> list[str]:
 
 
 def export_root(src: str | os.PathLike[str], dst: str | os.PathLike[str], opts: ExportOptions, *,
-                key: str | None = None, only: str | None = None) -> RootResult:
+                key: str | None = None, only: str | None = None,
+                reading: "MetadataReading | None" = None) -> RootResult:
     """Export the multi-component root at ``src`` to ``dst`` as one directory: every component
     with weights exported under its own library's names, the rest of the root copied, published
-    once. ``key``/``only`` apply to each component."""
+    once. ``key``/``only`` apply to each component; ``reading``: the command's metadata reading."""
     validate(opts, only=only, key=key)
     src_p = Path(src)
     check_paths(src_p, Path(dst))
-    lay = L.scan(src_p)
+    lay = L.scan(src_p, reading=reading)
     if lay.kind not in ROOTS:
         raise InputError(f"{src_p} is not a multi-component root", "export it with `ckptctl export`")
 
@@ -145,45 +134,6 @@ def export_root(src: str | os.PathLike[str], dst: str | os.PathLike[str], opts: 
             return write_inputs(inputs, out)
 
     return write_root(src_p, lay, dst, opts, write, link=False)
-
-
-# -- resave ---------------------------------------------------------------------------------------
-
-
-def resave_root(root: str | os.PathLike[str], opts: ExportOptions, *, output: str | os.PathLike[str] | None = None,
-                repair: bool = False, prefer: str | None = None, link: bool = False) -> RootResult:
-    """Resave every component with weights of the root at ``root`` (in place, or into
-    ``output``) through :func:`ckptctl.resave.resave`, into one staging directory, published
-    once. ``--repair`` of a sound root (every component sound, no leftover at the root) writes
-    nothing (``unchanged``)."""
-    from ckptctl.resave import resave
-
-    root_p = Path(root)
-    opts = replace(opts, overwrite=True if not output else opts.overwrite)
-    validate(opts)
-    lay = L.scan(root_p)
-    if lay.kind not in ROOTS:
-        raise InputError(f"{root_p} is not a multi-component root", "resave it with `ckptctl resave`")
-    in_place = output is None or os.path.realpath(output) == os.path.realpath(root_p)
-
-    def write(folder: Path, out: Path, o: ExportOptions) -> Any:
-        target = None if os.path.realpath(out) == os.path.realpath(folder) else out  # a dry run in place
-        with _as_root_module() if folder == root_p else contextlib.nullcontext():
-            return resave(folder, o, output=target, repair=repair, prefer=prefer, link=in_place or link)
-
-    if repair and in_place:
-        probe = replace(opts, dry_run=True)
-        checked = {f: write(root_p / f if f else root_p, root_p / f if f else root_p, probe)
-                   for f in weighted_folders(lay)}
-        # at the root itself: leftovers, stray weights (module 0's own files are its resave's)
-        stale = set(superseded(root_p)[0]) - {MANIFEST_NAME} - (lay.weight_files if "" in checked else set())
-        if all(r.unchanged for r in checked.values()) and not stale:
-            return RootResult(str(Path(os.path.abspath(root_p))), opts.dry_run, lay.kind, checked, unchanged=True)
-        # a sound component folder is carried as it is (hard links), never rewritten
-        sound = {f: r for f, r in checked.items() if r.unchanged and f}
-        return write_root(root_p, lay, root_p, opts, write, link=True, from_source=True, sound=sound)
-    return write_root(root_p, lay, root_p if in_place else Path(output), opts, write,  # type: ignore[arg-type]
-                      link=in_place or link, from_source=True)
 
 
 # -- the one root writer --------------------------------------------------------------------------
