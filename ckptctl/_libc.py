@@ -1,8 +1,9 @@
 """The system calls ckptctl needs that the ``os`` module does not offer, through ctypes.
 
-One handle on the C library, opened on first use (``ctypes`` costs nothing to a command that
-never calls these). Each function raises ``OSError`` with the call's errno, ENOSYS where the C
-library lacks the call.
+The C library is looked up at each call (``dlopen(NULL)`` of the running program: a few
+microseconds, against calls made once a shard or once a chunk of megabytes), so nothing is kept
+between calls and ``ctypes`` costs nothing to a command that never calls these. Each function
+raises ``OSError`` with the call's errno, ENOSYS where the C library lacks the call.
 """
 
 from __future__ import annotations
@@ -11,24 +12,15 @@ import errno
 import os
 from typing import Any
 
-_libc: Any = None
-_functions: dict[str, Any] = {}  # name -> the C function, its argument types set
-
-
 def _call(names: tuple[str, ...], argtypes: list[Any], *args: Any) -> None:
     """The first of ``names`` the C library has, called with ``args``."""
     import ctypes
 
-    fn = _functions.get(names[0])
+    libc = ctypes.CDLL(None, use_errno=True)
+    fn = next((f for f in (getattr(libc, n, None) for n in names) if f is not None), None)
     if fn is None:
-        global _libc
-        if _libc is None:
-            _libc = ctypes.CDLL(None, use_errno=True)
-        fn = next((f for f in (getattr(_libc, n, None) for n in names) if f is not None), None)
-        if fn is None:
-            raise OSError(errno.ENOSYS, f"{names[0]} not available")
-        fn.argtypes, fn.restype = argtypes, ctypes.c_int
-        _functions[names[0]] = fn
+        raise OSError(errno.ENOSYS, f"{names[0]} not available")
+    fn.argtypes, fn.restype = argtypes, ctypes.c_int
     if fn(*args) != 0:
         err = ctypes.get_errno()
         raise OSError(err, os.strerror(err))
@@ -69,13 +61,3 @@ def madvise(address: int, length: int, advice: int) -> None:
     import ctypes
 
     _call(("madvise",), [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], address, length, advice)
-
-
-def die_with_parent(sig: int) -> None:
-    """prctl(PR_SET_PDEATHSIG, sig): this process gets ``sig`` when the thread that forked it
-    ends (a worker never outlives the command that started it)."""
-    import ctypes
-
-    pr_set_pdeathsig = 1
-    _call(("prctl",), [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong],
-          pr_set_pdeathsig, sig, 0, 0, 0)

@@ -330,7 +330,7 @@ def _inspect(p: Path, *, only: str | None, name_filter: str | None, key: str | N
     """:func:`inspect_path`'s steps."""
     lay = L.scan(p)
     if not lay.components:
-        fam = lay.primary(only) if lay.families else None
+        fam = L.choose(lay, prefer=only) if lay.families else None
         if fam is None:
             raise InputError(f"{p} holds no checkpoint weights", "pass a checkpoint directory or a weights file")
         res = Inspection(path=str(p), format=_format(fam), findings=list(lay.findings))
@@ -339,7 +339,7 @@ def _inspect(p: Path, *, only: str | None, name_filter: str | None, key: str | N
         res = Inspection(path=str(p), format=lay.kind, findings=list(lay.findings))
         for comp in lay.components:
             sub = lay if comp.path == "" else comp.layout
-            fam = sub.primary(only) if sub is not None and sub.families else None
+            fam = L.choose(sub, prefer=only) if sub is not None and sub.families else None
             row = ComponentRow(comp.name, comp.path, comp.cls, _format(fam) if fam else "none")
             res.components.append(row)
             if fam is None:

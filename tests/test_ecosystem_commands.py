@@ -20,7 +20,6 @@ from ckptctl.errors import UsageError
 from ckptctl.inspect import inspect_path
 from ckptctl.resave import resave
 from ckptctl.write.options import ExportOptions
-from ckptctl.resave.root import resave_root
 from ckptctl.write.tree import RootResult
 from tests.support import run_ckptctl
 

@@ -53,7 +53,7 @@ def test_single_file_path(tmp_path: Path) -> None:
     assert lay.single_file == "weights.safetensors" and lay.root == tmp_path
     assert [(f.kind, f.files, f.index, f.container) for f in lay.families] == [
         (L.SAFETENSORS, ["weights.safetensors"], None, L.SAFETENSORS)]
-    assert lay.findings == [] and lay.primary().files == ["weights.safetensors"]
+    assert lay.findings == [] and L.choose(lay).files == ["weights.safetensors"]
 
 
 def test_single_file_dir_with_extras(tmp_path: Path) -> None:
@@ -74,7 +74,7 @@ def test_sharded_safetensors(tmp_path: Path) -> None:
     assert len(shards) > 1
     lay = L.scan(tmp_path)
     assert lay.findings == []
-    fam = lay.primary()
+    fam = L.choose(lay)
     assert (fam.kind, fam.index, sorted(fam.files)) == (L.SAFETENSORS, L.ST_INDEX, shards)
     assert lay.weight_files == set(shards) | {L.ST_INDEX}
     # Pointing at the index file means the same as pointing at the directory.
@@ -151,10 +151,10 @@ def test_peft_adapter_beside_model(tmp_path: Path) -> None:
     assert codes(lay) == ["layout.adapter_beside_model"]
     assert lay.findings[0].severity == INFO
     with pytest.raises(InputError) as exc:
-        lay.primary()
+        L.choose(lay)
     assert "--only peft" in (exc.value.hint or "")  # the hint names a value --only accepts
-    assert lay.primary("peft").files == ["adapter_model.safetensors"]
-    assert lay.primary("safetensors").files == ["model.safetensors"]
+    assert L.choose(lay, prefer="peft").files == ["adapter_model.safetensors"]
+    assert L.choose(lay, prefer="safetensors").files == ["model.safetensors"]
 
 
 def test_two_adapters(tmp_path: Path) -> None:
@@ -235,7 +235,7 @@ def test_index_and_single_file(tmp_path: Path) -> None:
     assert sorted((f.index or "", len(f.files)) for f in lay.families)[0] == ("", 1)
     assert len(lay.families) == 2
     with pytest.raises(InputError):
-        lay.primary()
+        L.choose(lay)
 
 
 def test_safetensors_and_bin(tmp_path: Path) -> None:
@@ -245,9 +245,9 @@ def test_safetensors_and_bin(tmp_path: Path) -> None:
     assert codes(lay) == ["layout.two_families"]
     assert sorted(f.kind for f in lay.families) == [L.PYTORCH, L.SAFETENSORS]
     with pytest.raises(InputError) as exc:
-        lay.primary()
+        L.choose(lay)
     assert "--only" in (exc.value.hint or "")
-    assert lay.primary("pytorch").files == ["pytorch_model.bin"]
+    assert L.choose(lay, prefer="pytorch").files == ["pytorch_model.bin"]
 
 
 def test_unreferenced_shard(tmp_path: Path) -> None:
@@ -257,7 +257,7 @@ def test_unreferenced_shard(tmp_path: Path) -> None:
     lay = L.scan(tmp_path)
     assert codes(lay) == ["layout.unreferenced_shard"]
     assert lay.findings[0].path == str(tmp_path / stale)
-    assert stale not in lay.primary().files
+    assert stale not in L.choose(lay).files
 
 
 def test_missing_index(tmp_path: Path) -> None:
@@ -266,7 +266,7 @@ def test_missing_index(tmp_path: Path) -> None:
     lay = L.scan(tmp_path)
     assert codes(lay) == ["layout.missing_index"]
     assert lay.findings[0].severity == ERROR
-    assert len(lay.primary().files) > 1 and lay.primary().index is None
+    assert len(L.choose(lay).files) > 1 and L.choose(lay).index is None
 
 
 def test_missing_bin_index(tmp_path: Path) -> None:
@@ -282,7 +282,7 @@ def test_shard_named_by_index_is_missing(tmp_path: Path) -> None:
     lay = L.scan(tmp_path)
     assert codes(lay) == ["layout.shard_missing"]
     assert shards[-1] in lay.findings[0].message
-    assert sorted(lay.primary().files) == shards[:-1]
+    assert sorted(L.choose(lay).files) == shards[:-1]
 
 
 def test_index_naming_a_path_outside(tmp_path: Path) -> None:
@@ -299,7 +299,7 @@ def test_broken_index_is_reported(tmp_path: Path) -> None:
     (tmp_path / L.ST_INDEX).write_text('{"weight_map": {"a": ')
     lay = L.scan(tmp_path)
     assert codes(lay) == ["index.bad_json"]
-    assert sorted(lay.primary().files) == shards  # still lists the shards for inspection
+    assert sorted(L.choose(lay).files) == shards  # still lists the shards for inspection
 
 
 def test_index_without_metadata_is_reported(tmp_path: Path) -> None:
@@ -322,14 +322,14 @@ def test_stray_safetensors_file(tmp_path: Path) -> None:
     save_file(sd(1), alone / "consolidated.safetensors")
     lay = L.scan(alone)
     assert codes(lay) == ["layout.unrecognised_weights"] and lay.findings[0].severity == WARNING
-    assert lay.primary().files == ["consolidated.safetensors"]
+    assert L.choose(lay).files == ["consolidated.safetensors"]
 
 
 def test_empty_dir_and_bad_paths(tmp_path: Path) -> None:
     lay = L.scan(tmp_path)
     assert lay.families == [] and lay.findings == []
     with pytest.raises(InputError):
-        lay.primary()
+        L.choose(lay)
     with pytest.raises(InputError):
         L.scan(tmp_path / "absent")
     touch(tmp_path, "notes.txt")

@@ -1,4 +1,4 @@
-"""write/tree.py directly: resave_root (--repair of a damaged root, --output, a dry run) and a root
+"""The root writer (write/tree.py) through resave (--repair of a damaged root, --output, a dry run) and a root
 export's dry run, on real library outputs (tests/ecosystem)."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from ecosystem import by_name, compare, fresh_copy
 from ckptctl.api import export
 from ckptctl.errors import UsageError
 from ckptctl.write.options import ExportOptions
-from ckptctl.resave.root import resave_root
+from ckptctl.resave import resave
 from ckptctl.write.tree import is_root
 
 pytest_plugins = ["ecosystem.fixtures"]
@@ -31,7 +31,7 @@ def test_repair_of_a_root_repairs_each_component_and_publishes_once(build_one, t
     index = c / "vae" / "diffusion_pytorch_model.safetensors.index.json"
     index.write_text(index.read_text().replace('"total_size": ', '"total_size": 1'))  # a wrong total_size
     untouched = {n: v for n, v in _files(c).items() if n.startswith(("text_encoder/", "scheduler/"))}
-    res = resave_root(c, ExportOptions(fsync=False, max_shard_size=None), repair=True)
+    res = resave(c, ExportOptions(fsync=False, max_shard_size=None), repair=True)
     assert not res.unchanged and res.publish == "exchange" and res.removed == []
     assert not (c / "tmp-checkpoint-1").exists()
     assert not list((c / "unet").glob("*-of-[?][?][?][?][?].safetensors"))
@@ -40,7 +40,7 @@ def test_repair_of_a_root_repairs_each_component_and_publishes_once(build_one, t
     e = by_name(name)
     assert compare(e.load(build_one(name)), e.load(c)) == []
     assert [p.name for p in tmp_path.iterdir()] == ["c"]
-    again = resave_root(c, ExportOptions(fsync=False, max_shard_size=None), repair=True)
+    again = resave(c, ExportOptions(fsync=False, max_shard_size=None), repair=True)
     assert again.unchanged and again.publish is None
 
 
@@ -48,7 +48,7 @@ def test_resave_root_into_an_output_is_an_independent_copy(build_one, tmp_path: 
     name = "sentence-transformers/root"
     src = build_one(name)
     before = _files(src)
-    res = resave_root(src, ExportOptions(fsync=False, max_shard_size="20KB"), output=tmp_path / "out")
+    res = resave(src, ExportOptions(fsync=False, max_shard_size="20KB"), output=tmp_path / "out")
     assert res.publish == "rename" and set(res.components) == {"", "2_Dense"}
     assert _files(src) == before
     out = tmp_path / "out"
@@ -60,7 +60,7 @@ def test_resave_root_into_an_output_is_an_independent_copy(build_one, tmp_path: 
 
     assert torch.equal(e.forward(src), e.forward(out))
     with pytest.raises(UsageError):  # an existing output needs --overwrite
-        resave_root(src, ExportOptions(fsync=False), output=out)
+        resave(src, ExportOptions(fsync=False), output=out)
 
 
 @pytest.mark.parametrize("name", ["diffusers/pipeline", "sentence-transformers/root"])
@@ -70,7 +70,7 @@ def test_dry_runs_of_a_root_write_nothing(name: str, build_one, tmp_path: Path) 
     before = _files(c)
     res = export(src, tmp_path / "out", ExportOptions(dry_run=True))
     assert res.dry_run and res.publish is None and res.parameters == by_name(name).parameters
-    res = resave_root(c, ExportOptions(dry_run=True, max_shard_size="20KB"))
+    res = resave(c, ExportOptions(dry_run=True, max_shard_size="20KB"))
     assert res.dry_run and res.publish is None and res.tensors == len(by_name(name).load(src))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c"] and _files(c) == before
 

@@ -31,9 +31,9 @@ STORAGE_DTYPES = {
     "ByteStorage": "U8", "BoolStorage": "BOOL", "ComplexFloatStorage": "C64",
 }
 # torch dtype attribute -> safetensors dtype
-TORCH_DTYPES = {d.torch_name: d.name for d in dt.DTYPES if d.torch_name}
-TORCH_DTYPES.update({"float": "F32", "double": "F64", "half": "F16", "long": "I64", "int": "I32",
-                     "short": "I16", "complex64": "C64", "cfloat": "C64"})
+TORCH_DTYPES = {**{d.torch_name: d.name for d in dt.DTYPES if d.torch_name},
+                "float": "F32", "double": "F64", "half": "F16", "long": "I64", "int": "I32",
+                "short": "I16", "complex64": "C64", "cfloat": "C64"}
 # torch's legacy storage classes that safetensors has no dtype for: known, not unsafe.
 _OTHER_STORAGES = frozenset({"ComplexDoubleStorage", "QInt8Storage", "QInt32Storage", "QUInt8Storage",
                              "QUInt4x2Storage", "QUInt2x4Storage"})

@@ -5,23 +5,34 @@ from __future__ import annotations
 
 import os
 import stat
-from typing import TYPE_CHECKING
+from pathlib import Path
+from typing import Protocol
 
 from ckptctl.findings import ERROR
 from ckptctl.format import names as N
 from ckptctl.format import small
-from ckptctl.layout.model import MODEL_INDEX, MODULES_JSON, PIPELINE, SENTENCE_TRANSFORMERS, Component
+from ckptctl.layout.model import MODEL_INDEX, MODULES_JSON, PIPELINE, SENTENCE_TRANSFORMERS, Component, Layout
 
-if TYPE_CHECKING:
-    from ckptctl.layout.scan import _Scanner
+
+class _Scanner(Protocol):
+    """What a directory's scan (``layout.scan``) offers the search for its components."""
+
+    root: Path
+    present: set[str]
+    lay: Layout
+    claimed: set[str]
+
+    def add(self, code: str, severity: str, path: str, message: str, hint: str | None = None) -> None: ...
+
+    def regular(self, path: Path) -> bool: ...
+
+    def scan_folder(self, where: Path) -> Layout: ...
 
 _MAX_MANIFEST = 1 << 20  # model_index.json / modules.json are a few hundred bytes
 
 
 def scan_components(scanner: "_Scanner") -> None:
     """Find the components a root's manifest names and scan each one's folder."""
-    from ckptctl.layout.scan import scan
-
     lay = scanner.lay
     if MODEL_INDEX in scanner.present:
         entries = _pipeline_components(_manifest(scanner, MODEL_INDEX, dict))
@@ -51,17 +62,15 @@ def scan_components(scanner: "_Scanner") -> None:
                      "restore the component's folder from the save that wrote it, or fix "
                      f"{MODEL_INDEX if lay.kind == PIPELINE else MODULES_JSON}")
             continue
-        comp.layout = scan(where, reading=scanner.reading)
+        comp.layout = scanner.scan_folder(where)
         scanner.claimed.add(path.split("/", 1)[0])
 
 
 def _manifest(scanner: "_Scanner", name: str, want: type) -> object:
     """A small JSON manifest, read with a bound; malformed is a finding and reads as empty."""
-    from ckptctl.layout.scan import _regular
-
     path = scanner.root / name
     try:
-        if not _regular(path) or os.path.getsize(path) > _MAX_MANIFEST:
+        if not scanner.regular(path) or os.path.getsize(path) > _MAX_MANIFEST:
             raise ValueError("not a regular file of at most 1 MiB")
         doc = small.read_json(path, limit=_MAX_MANIFEST, follow=True)
         if not isinstance(doc, want):

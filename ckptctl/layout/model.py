@@ -149,9 +149,3 @@ class Layout:
     @property
     def weight_files(self) -> set[str]:
         return {name for fam in self.families for name in fam.all_files}
-
-    def primary(self, prefer: str | None = None) -> Family:
-        """The one family a command should read; raises when there is none or it is ambiguous."""
-        from ckptctl.layout.policy import choose
-
-        return choose(self, prefer=prefer)

@@ -88,6 +88,13 @@ class _Scanner:
     def add(self, code: str, severity: str, path: str, message: str, hint: str | None = None) -> None:
         _add(self.lay, code, severity, path, message, hint)
 
+    def regular(self, path: Path) -> bool:
+        return _regular(path)
+
+    def scan_folder(self, where: Path) -> Layout:
+        """A component's folder, scanned with this scan's reading."""
+        return scan(where, reading=self.reading)
+
     def run(self) -> Layout:
         self._leftovers()
         self._named_families()

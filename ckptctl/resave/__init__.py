@@ -110,7 +110,8 @@ def _resave(root: Path, opts: ExportOptions, *, output: str | os.PathLike[str] |
     if whole_root and first is not None and first.kind in L.ROOTS:  # a pipeline or sentence-transformers root
         from ckptctl.resave.root import resave_root  # the tree writer, imported only for a root
 
-        return resave_root(root, opts, output=output, repair=repair, prefer=prefer, link=link, lay=first)
+        return resave_root(root, opts, resave_one=resave, output=output, repair=repair, prefer=prefer, link=link,
+                           lay=first)
     # In place, unchanged shards are hard-linked (one name survives the publish); into --output
     # they are cloned or copied (an independent copy) unless the caller asked for links.
     opts = replace(opts, overwrite=True if not output else opts.overwrite, link_unchanged=not output or link)
@@ -137,7 +138,7 @@ def _resave(root: Path, opts: ExportOptions, *, output: str | os.PathLike[str] |
             if n in L.COPIED_EXTRAS and n not in extras:
                 extras[n] = root / n
     if not chosen.files:  # pickles: read through torch like an export
-        from ckptctl.sources.base import open_source
+        from ckptctl.sources.opener import open_source
 
         with open_source(root, only=L.PYTORCH, reading=reading) as src:  # read (weights_only) even to find it sound
             if repair and not replan and not output and not rep.fixes:

@@ -1,13 +1,14 @@
 """``resave`` of a multi-component root (a diffusers pipeline, a sentence-transformers model):
-every component with weights resaved by :func:`ckptctl.resave.resave` into one staging
-directory, published once by the root writer (:func:`ckptctl.write.tree.write_root`)."""
+every component with weights resaved by the one-model resave (:func:`ckptctl.resave.resave`,
+handed in as ``resave_one``) into one staging directory, published once by the root writer
+(:func:`ckptctl.write.tree.write_root`)."""
 
 from __future__ import annotations
 
 import os
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from ckptctl import layout as L
 from ckptctl.errors import InputError
@@ -17,15 +18,13 @@ from ckptctl.write.superseded import superseded
 from ckptctl.write.tree import ROOTS, RootResult, weighted_folders, write_root
 
 
-def resave_root(root: str | os.PathLike[str], opts: ExportOptions, *, output: str | os.PathLike[str] | None = None,
-                repair: bool = False, prefer: str | None = None, link: bool = False,
-                lay: L.Layout | None = None) -> RootResult:
+def resave_root(root: str | os.PathLike[str], opts: ExportOptions, *, resave_one: Callable[..., Any],
+                output: str | os.PathLike[str] | None = None, repair: bool = False, prefer: str | None = None,
+                link: bool = False, lay: L.Layout | None = None) -> RootResult:
     """Resave every component with weights of the root at ``root`` (in place, or into
-    ``output``) through :func:`ckptctl.resave.resave`, into one staging directory, published
-    once. ``--repair`` of a sound root (every component sound, no leftover at the root) writes
-    nothing (``unchanged``). ``lay``: the root's scan, when the caller has it."""
-    from ckptctl.resave import resave
-
+    ``output``) through ``resave_one`` (:func:`ckptctl.resave.resave`), into one staging
+    directory, published once. ``--repair`` of a sound root (every component sound, no leftover
+    at the root) writes nothing (``unchanged``). ``lay``: the root's scan, when the caller has it."""
     root_p = Path(root)
     opts = replace(opts, overwrite=True if not output else opts.overwrite)
     validate(opts)
@@ -37,7 +36,7 @@ def resave_root(root: str | os.PathLike[str], opts: ExportOptions, *, output: st
     def write(folder: Path, out: Path, o: ExportOptions) -> Any:
         target = None if os.path.realpath(out) == os.path.realpath(folder) else out  # a dry run in place
         # module 0 lives at the root itself: resaved as one model, not as the root again
-        return resave(folder, o, output=target, repair=repair, prefer=prefer, link=in_place or link,
+        return resave_one(folder, o, output=target, repair=repair, prefer=prefer, link=in_place or link,
                       whole_root=folder != root_p)
 
     if repair and in_place:

@@ -11,6 +11,7 @@ conversion.
 
 from __future__ import annotations
 
-from ckptctl.sources.base import CHUNK_BYTES, Source, SourceTensor, open_source
+from ckptctl.sources.base import CHUNK_BYTES, Source, SourceTensor
+from ckptctl.sources.opener import open_source
 
 __all__ = ["CHUNK_BYTES", "Source", "SourceTensor", "open_source"]

@@ -18,7 +18,8 @@ from ckptctl.errors import CkptctlError, InputError, UsageError
 from ckptctl.format import dtypes as dt
 from ckptctl.format import names as N
 from ckptctl.format.tensor import TensorSpec
-from ckptctl.sources.base import Source, SourceTensor, SpecFields, open_source
+from ckptctl.sources.base import Source, SourceTensor, SpecFields
+from ckptctl.sources.opener import open_source
 from ckptctl.write.options import ExportOptions, ExportSettings, target_dtype, validate
 
 if TYPE_CHECKING:
