@@ -1,0 +1,176 @@
+"""The metadata reading (``ckptctl.layout.reading.MetadataReading``): what one command reads once
+and keeps, and the fast metadata paths switched off by its one argument.
+
+The commands are run both ways over the whole verify corpus (in process) and through the real
+CLI (``CKPTCTL_FAST_METADATA=0`` in the environment): the same findings, inspections, repairs,
+files and ``--json`` bytes."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import pytest
+from safetensors.numpy import save_file
+
+import corpus
+from ckptctl import layout as L
+from ckptctl.errors import CkptctlError
+from ckptctl.format.index import encode_index
+from ckptctl.inspect import inspect_path
+from ckptctl.layout.reading import FAST_ENV, MetadataReading
+from ckptctl.resave import resave
+from ckptctl.sizes import parse_size
+from ckptctl.verify import VerifyOptions, verify_paths
+from ckptctl.write.options import ExportOptions
+from tests.support import run_cli_subprocess
+
+
+def _write_index(p: Path, weight_map: dict[str, str]) -> None:
+    p.write_text(json.dumps({"metadata": {"total_size": 8}, "weight_map": weight_map}), encoding="utf-8")
+
+
+def test_the_switch_is_the_argument_else_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(FAST_ENV, raising=False)
+    assert MetadataReading().fast and not MetadataReading(fast=False).fast
+    monkeypatch.setenv(FAST_ENV, "0")
+    assert not MetadataReading().fast and MetadataReading(fast=True).fast
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_an_index_is_parsed_once_per_content_and_each_read_gets_its_own_copy(tmp_path: Path, fast: bool) -> None:
+    p = tmp_path / "model.safetensors.index.json"
+    _write_index(p, {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"})
+    reading = MetadataReading(fast=fast)
+    first, second = reading.index(p), reading.index(p)
+    assert first is not second and first._source is second._source  # one parse, two copies
+    first.weight_map["x"] = "elsewhere"
+    first.metadata["total_size"] = 0
+    assert second.weight_map == {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}
+    assert second.metadata == {"total_size": 8}
+    # the same size and time stamps, other bytes: read anew, never served from before
+    st = os.stat(p)
+    _write_index(p, {"a": "model-00002-of-00002.safetensors", "b": "model-00001-of-00002.safetensors"})
+    os.utime(p, ns=(st.st_atime_ns, st.st_mtime_ns))
+    third = reading.index(p)
+    assert third.weight_map == {"a": "model-00002-of-00002.safetensors", "b": "model-00001-of-00002.safetensors"}
+    # another reading keeps nothing of this one's
+    assert MetadataReading(fast=fast).index(p)._source is not third._source
+
+
+def test_a_scan_keeps_its_reading_for_the_reads_that_follow(tmp_path: Path) -> None:
+    d = tmp_path / "ck"
+    d.mkdir()
+    save_file({"w": np.ones((2, 2), np.float32)}, str(d / "model-00001-of-00001.safetensors"))
+    _write_index(d / "model.safetensors.index.json", {"w": "model-00001-of-00001.safetensors"})
+    reading = MetadataReading()
+    lay = L.scan(d, reading=reading)
+    assert lay.reading is reading
+    again = L.scan(d, reading=lay.reading)
+    assert again.families[0].index_doc._source is lay.families[0].index_doc._source
+    assert L.scan(d).reading is not reading  # a scan without one makes its own
+
+
+# ---------------------------------------------------------------------------------------------
+# the commands both ways
+
+
+def _tree(d: Path) -> dict[str, str]:
+    """What each file below ``d`` holds, with the run's own directory written as P."""
+    here = str(d.parent).encode()
+    return {str(p.relative_to(d)): hashlib.sha256(p.read_bytes().replace(here, b"P")).hexdigest()
+            if p.is_file() else "other" for p in sorted(d.rglob("*")) if not p.is_symlink()}
+
+
+def _outcome(fn: Callable[[Path], Any], d: Path) -> Any:
+    try:
+        out = fn(d)
+    except CkptctlError as exc:
+        out = {"error": type(exc).__name__, "message": exc.message, "hint": exc.hint}
+    text = json.dumps(out, default=str).replace(str(d), "D").replace(str(d.parent), "P")
+    # the disk's free space and the time taken, as they are at that moment
+    text = re.sub(r'"(space_available|seconds)": [0-9.e-]+', r'"\1": 0', text)
+    return json.loads(re.sub(r"[.][0-9a-f]{16}-[0-9a-f]{8}", ".STAGING", text))  # a staging directory's name
+
+
+def _run(case: corpus.Case, d: Path) -> dict[str, Any]:
+    before = _tree(d)
+    size = parse_size(case.args[-1]) if "--max-shard-size" in case.args else None
+    opts = VerifyOptions(deep=case.deep, max_shard_size=size)
+    got = {"verify": _outcome(lambda p: verify_paths([str(p)], options=opts).to_dict(), d),
+           "inspect": _outcome(lambda p: inspect_path(p).to_dict(), d)}
+    res = _outcome(lambda p: resave(p, ExportOptions(fsync=False), repair=True).to_dict(), d)
+    # what the commands changed (a builder's pickle is not byte for byte the same from run to run)
+    got["resave"], got["changed"] = res, {k: v for k, v in _tree(d).items() if before.get(k) != v}
+    got["removed"] = sorted(before.keys() - _tree(d).keys())
+    return got
+
+
+CASES = list(corpus.CASES) + [corpus.Case("clean_" + k, fn) for k, fn in corpus.CLEAN.items()]
+
+
+def test_verify_inspect_and_resave_are_the_same_without_the_fast_paths_over_the_corpus(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    differ = []
+    for case in CASES:
+        results = []
+        for fast in ("1", "0"):
+            d = tmp_path / case.name / fast / "ck"  # each run gets the case made afresh (seeded builders)
+            d.mkdir(parents=True)
+            case.make(d)
+            monkeypatch.setenv(FAST_ENV, fast)
+            results.append(_run(case, d))
+        if results[0] != results[1]:
+            differ.append({"case": case.name, "fast": results[0], "reference": results[1]})
+    assert len(CASES) >= 100
+    assert differ == [], json.dumps(differ[0], indent=1)[:6000]
+
+
+def _large(d: Path, *, shards: int = 4, per_shard: int = 1500) -> None:
+    """6,000 tensors in 4 shards with their index."""
+    d.mkdir()
+    wm: dict[str, str] = {}
+    total = 0
+    for s in range(1, shards + 1):
+        name = f"model-{s:05d}-of-{shards:05d}.safetensors"
+        names = [f"model.layers.{s}.mlp.experts.{i}.proj.weight" for i in range(per_shard)]
+        save_file({n: np.full((2, 2), float(s), np.float32) for n in names}, str(d / name), metadata={"format": "pt"})
+        wm.update(dict.fromkeys(names, name))
+        total += 16 * per_shard
+    (d / "model.safetensors.index.json").write_bytes(encode_index(wm, total))
+
+
+def _moved(wm: dict[str, str]) -> None:
+    wm[next(iter(wm))] = "model-00002-of-00004.safetensors"
+
+
+def _invented(wm: dict[str, str]) -> None:
+    wm["model.not.stored.weight"] = "model-00003-of-00004.safetensors"
+
+
+@pytest.mark.parametrize("edit", [None, _moved, _invented], ids=["clean", "moved", "invented"])
+@pytest.mark.parametrize("command", [("verify", "--json"), ("inspect", "--json"),
+                                     ("resave", "--repair", "--dry-run", "--json")])
+def test_the_cli_prints_the_same_bytes_without_the_fast_paths(tmp_path: Path, command: tuple[str, ...],
+                                                              edit: Callable[[dict[str, str]], None] | None) -> None:
+    d = tmp_path / "big"
+    _large(d)
+    if edit is not None:
+        idx = d / "model.safetensors.index.json"
+        doc = json.loads(idx.read_text())
+        edit(doc["weight_map"])
+        idx.write_text(json.dumps(doc, indent=2))
+    runs = [run_cli_subprocess(command[0], d, *command[1:], env={**os.environ, FAST_ENV: fast}) for fast in "10"]
+    assert runs[0][0] == runs[1][0], (runs[0][2], runs[1][2])
+    if command[0] == "resave":  # its time and the disk's free space differ from run to run
+        docs = [re.sub(r'"(space_available|seconds)": [0-9.e-]+', "", r[1]) for r in runs]
+        assert docs[0] == docs[1]
+    else:
+        assert runs[0][1] == runs[1][1]
+    if edit is not None and command[0] == "verify":
+        assert runs[0][0] == 1
