@@ -3,12 +3,11 @@
 Each command lives in its own module, imported only when the app that holds it is built:
 ``ckptctl verify ...`` builds an app of the root and ``verify`` alone (Typer reads the signature
 of every registered command when it runs), ``--help``, completion and anything else the full app.
-``app`` is the full app (built on first use).
+``app`` is the full app (built when it is asked for).
 """
 
 from __future__ import annotations
 
-import functools
 import importlib
 import os
 import sys
@@ -66,8 +65,8 @@ def build(names: tuple[str, ...] = tuple(COMMANDS)) -> typer.Typer:
     return made
 
 
-@functools.cache
 def full_app() -> typer.Typer:
+    """The app with every command (built at each call: nothing is kept at module level)."""
     return build()
 
 
