@@ -12,8 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ckptctl.format import dtypes as dt
-from ckptctl.format import header as H
-from ckptctl.format.header import TensorInfo, encode_header, layout_order
+from ckptctl.format import encode as H
+from ckptctl.format.header import TensorInfo, layout_order
 from ckptctl.format.tensor import TensorSpec, by_columns
 
 _names = st.text(st.sampled_from('ab."\\\n\x00\x1f\u00e9\u4e2d\U0001f600 '), min_size=0, max_size=6)

@@ -4,6 +4,10 @@ Golden: ``encode_header`` produces the very bytes ``safetensors.torch.save``/``s
 and the same data layout. Malformed headers (built byte by byte) each produce their precise
 finding code. Fuzzing: random bytes and mutations of valid files never raise, never allocate
 from a length field, and every file ``safe_open`` rejects gets at least one error finding.
+
+Every header here is read both ways (``fast`` on and off), and :func:`parse` holds the fast
+reading to the reference one: the same findings (message, hint and details too), metadata and
+table, row by row.
 """
 
 from __future__ import annotations
@@ -22,10 +26,13 @@ from hypothesis import strategies as st
 from safetensors import safe_open
 from safetensors.torch import save, save_file
 
+from ckptctl.errors import InputError, OperationalError
 from ckptctl.findings import ERROR, WARNING
 from ckptctl.format import dtypes as dt
+from ckptctl.format import header_fast
 from ckptctl.format.header import (
     MAX_HEADER_SIZE,
+    Header,
     encode_header,
     header_size_of,
     load_header,
@@ -33,9 +40,34 @@ from ckptctl.format.header import (
     read_header,
 )
 from ckptctl.format.tensor import TensorSpec
-from ckptctl.errors import InputError, OperationalError
 
 FUZZ = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+FAST = pytest.mark.parametrize("fast", [True, False], ids=["fast", "strict"])
+
+
+def same_header(a: Header, b: Header) -> None:
+    """The same result: every finding (code, severity, message, hint, tensor, details), the
+    metadata, and the table row by row, with its kinds and their codes."""
+    assert a.findings == b.findings
+    assert (a.path, a.file_size, a.header_len, a.metadata) == (b.path, b.file_size, b.header_len, b.metadata)
+    assert list(a.tensors.items()) == list(b.tensors.items())
+    assert a.tensors.kinds == b.tensors.kinds
+    assert list(a.tensors.kind_codes) == list(b.tensors.kind_codes)
+    assert a.tensors._contiguous == b.tensors._contiguous
+
+
+def parse(blob: bytes, fast: bool = True, path: str = "<bytes>") -> Header:
+    """``parse_header_bytes``; with ``fast``, held to the reference reader's result."""
+    hdr = parse_header_bytes(blob, path=path, fast=fast)
+    if fast:
+        same_header(hdr, parse_header_bytes(blob, path=path, fast=False))
+    return hdr
+
+
+def fast_taken(blob: bytes) -> bool:
+    """The fast decoder reads this file's header itself (no fallback)."""
+    (n,) = struct.unpack("<Q", blob[:8])
+    return header_fast.decode(bytearray(blob[8:8 + n])) is not None
 
 # Every safetensors dtype torch can hold (F6_* have no torch dtype).
 TORCH_DTYPES = [d for d in dt.DTYPES if d.torch_name and hasattr(torch, d.torch_name)]
@@ -102,8 +134,9 @@ def assert_golden(tensors: dict[str, torch.Tensor], metadata: dict[str, str] | N
     assert len(data) == sum(i.nbytes for i in infos)
     for i in infos:
         assert data[i.begin:i.end] == tensor_bytes(tensors[i.name]), i.name
-    # And the validator has nothing to say about an official file.
-    hdr = parse_header_bytes(blob)
+    # And the validator has nothing to say about an official file (either way: parse holds the
+    # fast reading to the reference).
+    hdr = parse(blob)
     if metadata is None or metadata.get("format") in ("pt", "mlx"):
         expected = []
     else:
@@ -135,8 +168,9 @@ def test_golden_all_dtypes_in_one_file() -> None:
         tensors[f"layer.{i}.{d.name.lower()}"] = make_tensor(d, (3, 2 + 2 * (i % 3)), gen)
         tensors[f"z{i}"] = make_tensor(d, (2,), gen)
     blob = assert_golden(tensors, {"format": "pt"})
+    assert fast_taken(blob)
     # The writer orders by dtype (descending enum order), then by name.
-    hdr = parse_header_bytes(blob)
+    hdr = parse(blob)
     ranks = [dt.RANK[t.dtype] for t in hdr.tensors.values()]
     assert ranks == sorted(ranks, reverse=True)
 
@@ -154,7 +188,8 @@ def test_golden_scalars_and_zero_size() -> None:
         "vec": make_tensor(dt.BY_NAME["F32"], (5,), gen),
     }
     blob = assert_golden(tensors)
-    hdr = parse_header_bytes(blob)
+    assert fast_taken(blob)  # zero-size tensors too
+    hdr = parse(blob)
     assert hdr.tensors["scalar_f32"].shape == ()
     assert hdr.tensors["scalar_f32"].numel == 1
     assert hdr.tensors["empty_2x0"].nbytes == 0
@@ -169,10 +204,10 @@ def test_safetensors_empty_file_with_empty_metadata_is_invalid() -> None:
     """safetensors 0.8.0 writes ``{},"__metadata__":{}}`` for ``save({}, metadata={})``, a file
     it cannot read back. ckptctl flags that file and encodes the valid header instead."""
     blob = save({}, metadata={})
-    assert [f.code for f in parse_header_bytes(blob).findings] == ["header.bad_padding"]
+    assert [f.code for f in parse(blob).findings] == ["header.bad_padding"]
     mine, infos = encode_header([], {})
     assert mine[8:].rstrip(b" ") == b'{"__metadata__":{}}' and infos == []
-    assert parse_header_bytes(mine).findings[0].code == "header.format_missing"
+    assert parse(mine).findings[0].code == "header.format_missing"
 
 
 UNICODE_NAMES = [
@@ -185,8 +220,8 @@ UNICODE_NAMES = [
 def test_golden_unicode_and_escaped_names() -> None:
     gen = torch.Generator().manual_seed(4)
     tensors = {n: make_tensor(dt.BY_NAME["F16"], (2,), gen) for n in UNICODE_NAMES}
-    assert_golden(tensors)
-    assert_golden(tensors, {"format": "pt"})
+    assert fast_taken(assert_golden(tensors))  # escapes, quotes, a BOM inside a name: read by msgspec
+    assert fast_taken(assert_golden(tensors, {"format": "pt"}))
 
 
 @pytest.mark.parametrize("metadata", [
@@ -199,11 +234,13 @@ def test_golden_unicode_and_escaped_names() -> None:
 ])
 def test_golden_metadata(metadata: dict[str, str]) -> None:
     gen = torch.Generator().manual_seed(5)
-    assert_golden({"b": make_tensor(dt.BY_NAME["BF16"], (4,), gen),
-                   "a": make_tensor(dt.BY_NAME["U8"], (3,), gen)}, metadata)
+    blob = assert_golden({"b": make_tensor(dt.BY_NAME["BF16"], (4,), gen),
+                          "a": make_tensor(dt.BY_NAME["U8"], (3,), gen)}, metadata)
+    assert fast_taken(blob)
 
 
-def test_golden_save_file_on_disk(tmp_path: Path) -> None:
+@FAST
+def test_golden_save_file_on_disk(tmp_path: Path, fast: bool) -> None:
     gen = torch.Generator().manual_seed(6)
     tensors = {"emb": make_tensor(dt.BY_NAME["F32"], (4, 3), gen),
                "mask": make_tensor(dt.BY_NAME["BOOL"], (5,), gen),
@@ -213,7 +250,7 @@ def test_golden_save_file_on_disk(tmp_path: Path) -> None:
     blob = path.read_bytes()
     mine, infos = encode_header([spec_of(k, v) for k, v in tensors.items()], {"format": "pt"})
     assert blob[:len(mine)] == mine
-    hdr = read_header(path)
+    hdr = read_header(path, fast=fast)
     assert hdr.findings == [] and hdr.ok
     assert hdr.data_start == len(mine)
     assert [(t.name, t.begin, t.end) for t in hdr.tensors.values()] == [(i.name, i.begin, i.end) for i in infos]
@@ -256,7 +293,7 @@ def test_encode_sub_byte_f6_layout() -> None:
     # F6 has no torch dtype; the encoder still lays it out (4 values = 3 bytes) after wider types.
     blob, infos = encode_header([TensorSpec("s", "F6_E2M3", (4,)), TensorSpec("w", "F32", (2,))])
     assert [(i.name, i.begin, i.end) for i in infos] == [("w", 0, 8), ("s", 8, 11)]
-    assert parse_header_bytes(blob + bytes(11)).findings == []
+    assert parse(blob + bytes(11)).findings == []
 
 
 # ------------------------------------------------------------------------------------------
@@ -379,9 +416,11 @@ def _codes(hdr) -> set[str]:
     return {f.code for f in hdr.findings}
 
 
+@FAST
 @pytest.mark.parametrize("name,blob,codes,severity", MALFORMED, ids=[c[0] for c in MALFORMED])
-def test_malformed_precise_code(name: str, blob: bytes, codes: set[str], severity: str, tmp_path: Path) -> None:
-    hdr = parse_header_bytes(blob, path="x.safetensors")
+def test_malformed_precise_code(name: str, blob: bytes, codes: set[str], severity: str, tmp_path: Path,
+                                fast: bool) -> None:
+    hdr = parse(blob, fast, path="x.safetensors")
     assert _codes(hdr) == codes, [f.message for f in hdr.findings]
     assert {f.severity for f in hdr.findings} == {severity}
     assert hdr.ok == (severity != ERROR)
@@ -390,15 +429,15 @@ def test_malformed_precise_code(name: str, blob: bytes, codes: set[str], severit
     # The file reader says exactly the same as the in-memory parser.
     p = tmp_path / "x.safetensors"
     p.write_bytes(blob)
-    from_file = read_header(p, display="x.safetensors")
+    from_file = read_header(p, display="x.safetensors", fast=fast)
     assert [(f.code, f.severity, f.tensor) for f in from_file.findings] == \
         [(f.code, f.severity, f.tensor) for f in hdr.findings]
     if severity == ERROR:
         with pytest.raises(InputError) as exc:
-            load_header(p, display="x.safetensors")
+            load_header(p, display="x.safetensors", fast=fast)
         assert any(c in exc.value.message for c in codes)
     else:
-        assert load_header(p, display="x.safetensors").findings == from_file.findings
+        assert load_header(p, display="x.safetensors", fast=fast).findings == from_file.findings
 
 
 # ckptctl is stricter than safetensors on purpose only here: identical duplicate keys open in
@@ -432,16 +471,17 @@ def test_serde_depth_limit_boundary() -> None:
         for levels, ok in ((127, True), (128, False)):
             p.write_bytes(deep(levels))
             assert _safe_open_ok(p) is ok
-            assert parse_header_bytes(deep(levels)).ok is ok
+            assert parse(deep(levels)).ok is ok
 
 
-def test_hub_limit_warning(tmp_path: Path) -> None:
+@FAST
+def test_hub_limit_warning(tmp_path: Path, fast: bool) -> None:
     blob = mk("{}" + " " * 25_000_006)
-    hdr = parse_header_bytes(blob)
+    hdr = parse(blob, fast)
     assert [(f.code, f.severity) for f in hdr.findings] == [("header.hub_limit", WARNING)]
     p = tmp_path / "big.safetensors"
     p.write_bytes(blob)
-    assert [(f.code, f.severity) for f in read_header(p).findings] == [("header.hub_limit", WARNING)]
+    assert [(f.code, f.severity) for f in read_header(p, fast=fast).findings] == [("header.hub_limit", WARNING)]
 
 
 def test_several_problems_are_all_reported() -> None:
@@ -455,7 +495,7 @@ def test_several_problems_are_all_reported() -> None:
         "late": E("U8", [2], [9, 11]),  # starts after a gap (data ends at 6 before it)
         "inside": E("U8", [1], [10, 11]),  # starts inside "late"
     }
-    hdr = parse_header_bytes(mk(header, b"x" * 11))
+    hdr = parse(mk(header, b"x" * 11))
     got = {(f.code, f.tensor) for f in hdr.findings}
     assert got >= {
         ("header.format_missing", None),
@@ -470,18 +510,22 @@ def test_several_problems_are_all_reported() -> None:
     assert not hdr.ok
 
 
-def test_valid_tensors_are_returned_in_offset_order() -> None:
-    hdr = parse_header_bytes(mk({"b": E(offsets=[1, 2]), "a": E()}, b"xy"))
+@FAST
+def test_valid_tensors_are_returned_in_offset_order(fast: bool) -> None:
+    blob = mk({"b": E(offsets=[1, 2]), "a": E()}, b"xy")
+    assert fast_taken(blob)
+    hdr = parse(blob, fast)
     assert hdr.ok and hdr.findings == []
     assert list(hdr.tensors) == ["a", "b"]
     assert hdr.data_bytes == 2
 
 
-def test_read_header_missing_file_raises(tmp_path: Path) -> None:
+@FAST
+def test_read_header_missing_file_raises(tmp_path: Path, fast: bool) -> None:
     # a file missing when its header is read vanished mid-operation (a missing input is refused
     # before, exit 2): an I/O failure, exit 3 (issue 15)
     with pytest.raises(OperationalError) as err:
-        read_header(tmp_path / "absent.safetensors")
+        read_header(tmp_path / "absent.safetensors", fast=fast)
     assert err.value.exit_code == 3 and "no such file or directory" in err.value.message
 
 
@@ -508,27 +552,28 @@ def _check_findings(hdr) -> None:
 @FUZZ
 @given(st.binary(max_size=600))
 def test_fuzz_random_bytes_never_raise(blob: bytes) -> None:
-    _check_findings(parse_header_bytes(blob))
+    _check_findings(parse(blob))
 
 
 @FUZZ
 @given(st.integers(0, 2**64 - 1), st.binary(max_size=200))
 def test_fuzz_length_field_never_raises(n: int, tail: bytes) -> None:
-    hdr = parse_header_bytes(struct.pack("<Q", n) + tail)
+    hdr = parse(struct.pack("<Q", n) + tail)
     _check_findings(hdr)
     if n > len(tail):
         assert not hdr.ok
 
 
+@FAST
 @pytest.mark.parametrize("n", [2**63, 2**64 - 1, MAX_HEADER_SIZE, MAX_HEADER_SIZE - 1, 99_999_992, 10**7])
-def test_length_field_is_never_allocated(n: int, tmp_path: Path) -> None:
+def test_length_field_is_never_allocated(n: int, tmp_path: Path, fast: bool) -> None:
     """A small file claiming a huge header is refused from its size, before any read."""
     p = tmp_path / "liar.safetensors"
     p.write_bytes(struct.pack("<Q", n) + b'{"a":1}')
     tracemalloc.start()
     try:
-        hdr = read_header(p)
-        parsed = parse_header_bytes(p.read_bytes())
+        hdr = read_header(p, fast=fast)
+        parsed = parse_header_bytes(p.read_bytes(), fast=fast)
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
@@ -596,12 +641,13 @@ def _apply_bytes(blob: bytes, op: tuple) -> bytes:
 
 
 def _differential(blob: bytes) -> None:
-    hdr = parse_header_bytes(blob)
+    hdr = parse(blob)
     _check_findings(hdr)
     p = Path(_FUZZ_DIR) / "m.safetensors"
     p.write_bytes(blob)
-    file_hdr = read_header(p)
-    assert [f.code for f in file_hdr.findings] == [f.code for f in hdr.findings]
+    for fast in (True, False):
+        file_hdr = read_header(p, fast=fast)
+        assert [f.code for f in file_hdr.findings] == [f.code for f in hdr.findings]
     if not _safe_open_ok(p):
         assert not hdr.ok, f"safe_open rejects but ckptctl reports {[f.code for f in hdr.findings]}"
 
@@ -691,7 +737,8 @@ def test_valid_file_passes_both() -> None:
     p = Path(_FUZZ_DIR) / "valid.safetensors"
     p.write_bytes(VALID)
     assert _safe_open_ok(p)
-    assert parse_header_bytes(VALID).findings == []
+    assert fast_taken(VALID)
+    assert parse(VALID).findings == []
 
 
 def teardown_module() -> None:

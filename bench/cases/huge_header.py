@@ -1,11 +1,14 @@
 """A legal 90 MB header (issue 15's last item): 1,250,000 one-element BF16 tensors in one
 ``model.safetensors`` (2.5 MB of data), as ``safetensors`` writes it. ``ckptctl verify`` and
 ``inspect --json`` against the reference, a bare ``json.loads`` of the header (with the cyclic
-collector off, as ckptctl parses). Peak RSS is the point: a JSON tree of it costs about 930 MiB."""
+collector off, as ckptctl parses), and ``verify`` with the fast header decoder off
+(``CKPTCTL_FAST_METADATA=0``: the strict reader alone). Peak RSS is the point: a JSON tree of it
+costs about 930 MiB."""
 
 from __future__ import annotations
 
 import json
+import shlex
 import sys
 from functools import partial
 from pathlib import Path
@@ -46,6 +49,8 @@ CASES = [
     Case("huge-header", f"one file, {TENSORS:,} tensors: a 90 MB header",
          [Command("json.loads of the header", [sys.executable, "-c", JSON_LOADS, str(_FILE)]),
           Command("ckptctl verify", [*CKPTCTL, "verify", str(_FILE), "-q"]),
+          Command("ckptctl verify (strict reader only)",
+                  "CKPTCTL_FAST_METADATA=0 " + shlex.join([*CKPTCTL, "verify", str(_FILE), "-q"])),
           Command("ckptctl inspect --json", [*CKPTCTL, "inspect", str(_FILE), "--json"])],
          prepare=partial(ensure_huge, _FILE), prefault=1 << 30),
 ]
