@@ -1,30 +1,31 @@
 """``verify --deep``: read every byte once, hash it, and decode floats for NaN/Inf/all-zero; the
-sha256 of each file is compared with the manifest's.
+sha256 of each file is compared with the manifest's. Nothing here imports torch; memory stays at a
+few windows per file whatever its size.
 
-One file at a time, two threads: the reader fills a small ring of fixed-size buffers and feeds
-each to sha256 (hashlib releases the GIL), the decoder walks the tensors that the buffer covers
-with numpy (bit masks on integer views, which release the GIL too). Memory stays at
-``BUFFERS x chunk_bytes`` plus numpy temporaries of one chunk, whatever the file size. Nothing
-here imports torch.
-
-Floats are classified from their bits, which works the same for every float format numpy lacks
-(bfloat16, the fp8 family): an exponent of all ones is Inf (mantissa zero) or NaN; a value is zero
-when every bit but the sign is zero.
+The fast path (:func:`scan_files`, the default): two workers; each file is read and hashed in
+order by one (hashlib releases the GIL), in windows of at most 1 MiB, and each window's floats are
+checked right after its hash, while it is in cache, by that worker, or by the other one once it has
+no file left: one large file keeps both cores busy, and so does the last of many. The reference
+(``fast=False``): :func:`scan_file` of two files at a time, each by a reader thread and a decoder
+thread. Floats are classified from their bits, the same for every format numpy lacks (bfloat16, the
+fp8 family): an exponent of all ones is Inf (mantissa zero) or NaN; a value is zero when every bit
+but the sign is zero (:func:`check_bits`, and :func:`check_bits_fast` beside it).
 """
-
 from __future__ import annotations
 
+import bisect
+import functools
 import hashlib
 import os
 import queue
 import re
 import threading
 from dataclasses import dataclass, field
-from typing import Any, BinaryIO, Callable, Iterator
+from typing import Any, BinaryIO, Callable, Iterator, Sequence
 
 from ckptctl.findings import ERROR, INFO, WARNING, Finding
 from ckptctl.format.header import Header, TensorInfo
-from ckptctl.threads import check, ordered_map
+from ckptctl.threads import WORKERS, HelpingPool, check, ordered_map
 from ckptctl.verify.context import DEEP_NOT_ASKED, Context
 
 CHUNK_BYTES = 8 * 1024 * 1024
@@ -72,10 +73,10 @@ class DeepResult:
     findings: list[Finding] = field(default_factory=list)
 
 
-def _np_dtype(bits: int) -> Any:
+def _np_dtype(bits: int, kind: str = "u") -> Any:
     import numpy as np
 
-    return {8: np.uint8, 16: np.dtype("<u2"), 32: np.dtype("<u4"), 64: np.dtype("<u8")}[bits]
+    return np.dtype(f"<{kind}{bits // 8}")
 
 
 class _TensorScanner:
@@ -97,38 +98,58 @@ class _TensorScanner:
             mv = mv[need:]
             if len(self.carry) < self.itemsize:
                 return
-            self._check(self.carry)
+            check_bits(self.fb, self.carry, self.stats)
             self.carry = b""
         n = len(mv) - len(mv) % self.itemsize
         if n:
-            self._check(mv[:n])
+            check_bits(self.fb, mv[:n], self.stats)
         if n < len(mv):
             self.carry = bytes(mv[n:])
 
-    def _check(self, buf: Any) -> None:
-        import numpy as np
 
-        fb = self.fb
-        assert fb is not None
-        a = np.frombuffer(buf, dtype=_np_dtype(fb.bits))
-        st = self.stats
+def check_bits(fb: _FloatBits, buf: Any, st: TensorStats) -> None:
+    """Add the NaN/Inf counts and whether any value is nonzero of ``buf`` (whole elements of
+    format ``fb``) to ``st``: the reference, by bit masks over the whole buffer."""
+    import numpy as np
+
+    a = np.frombuffer(buf, dtype=_np_dtype(fb.bits))
+    if fb.exp:
+        # the exponent bits sit just below the sign: all ones exactly when |x| >= the mask
+        mag = a & fb.absmask
+        if mag.max() >= fb.exp:
+            special = (a & fb.exp) == fb.exp
+            nan = int(np.count_nonzero(special & ((a & fb.man) != 0)))
+            st.nan += nan
+            st.inf += int(np.count_nonzero(special)) - nan
+    elif fb.nan_only is not None:
+        st.nan += int(np.count_nonzero((a & fb.absmask) == fb.nan_only))
+    elif fb.nan_is_signbit:
+        st.nan += int(np.count_nonzero(a == 0x80))
+    if not st.nonzero:
         if fb.exp:
-            # the exponent bits sit just below the sign: all ones exactly when |x| >= the mask
-            mag = a & fb.absmask
-            if mag.max() >= fb.exp:
-                special = (a & fb.exp) == fb.exp
-                nan = int(np.count_nonzero(special & ((a & fb.man) != 0)))
-                st.nan += nan
-                st.inf += int(np.count_nonzero(special)) - nan
-        elif fb.nan_only is not None:
-            st.nan += int(np.count_nonzero((a & fb.absmask) == fb.nan_only))
-        elif fb.nan_is_signbit:
-            st.nan += int(np.count_nonzero(a == 0x80))
-        if not st.nonzero:
-            if fb.exp:
-                st.nonzero = bool(mag.any())
-            else:
-                st.nonzero = bool(np.any(a & fb.absmask)) if not fb.nan_is_signbit else bool(np.any(a))
+            st.nonzero = bool(mag.any())
+        else:
+            st.nonzero = bool(np.any(a & fb.absmask)) if not fb.nan_is_signbit else bool(np.any(a))
+
+
+def check_bits_fast(fb: _FloatBits, buf: Any, st: TensorStats) -> None:
+    """:func:`check_bits`, which it must equal, from two reductions that write nothing: the largest
+    magnitude is the larger of the unsigned maximum less its sign bit and the signed maximum. Below
+    the special pattern there is no NaN/Inf, above zero a nonzero; a buffer with a special value,
+    and the formats whose magnitude is not all-but-sign (FNUZ, F4), are counted by check_bits."""
+    if not fb.exp and fb.nan_only is None:
+        check_bits(fb, buf, st)
+        return
+    import numpy as np
+
+    a = np.frombuffer(buf, dtype=_np_dtype(fb.bits))
+    if not a.size:
+        return
+    top = max(int(a.max()) & fb.absmask, int(a.view(_np_dtype(fb.bits, "i")).max()))
+    if top >= (fb.exp or fb.nan_only):
+        check_bits(fb, buf, st)
+    elif top:
+        st.nonzero = True
 
 
 def window_bytes(chunk_bytes: int) -> int:
@@ -149,13 +170,18 @@ def read_windows(f: BinaryIO, buf: bytearray, start: int, length: int) -> Iterat
     view = memoryview(buf)
     for at in range(0, length, len(buf)):
         want = min(len(buf), length - at)
-        got = 0
-        while got < want:
-            n = f.readinto(view[got:want])
-            if not n:
-                raise OSError(f"file ended at offset {start + at + got:,}, before {start + length:,}")
-            got += n
+        got = _fill(f, view[:want])
+        if got < want:
+            raise OSError(f"file ended at offset {start + at + got:,}, before {start + length:,}")
         yield view[:want]
+
+
+def _fill(f: BinaryIO, view: memoryview) -> int:
+    """Read into all of ``view`` unless the file ends first; returns the bytes read."""
+    got = 0
+    while got < len(view) and (n := f.readinto(view[got:])):
+        got += n
+    return got
 
 
 def _plan(header: Header | None) -> list[tuple[int, int, TensorInfo]]:
@@ -248,6 +274,136 @@ def scan_file(path: str, display: str, header: Header | None = None, *, chunk_by
     return DeepResult(h.hexdigest(), total, _findings(display, plan, scanners, header))
 
 
+FAST_WINDOW = 1 << 20  # the fast path's window: hashed, then scanned while it is still in cache
+
+
+class _SharedScan:
+    """One file on the fast path (:func:`scan_files`). A window never ends inside a float element,
+    and the counts are sums: which worker scans which window, in what order, cannot change them."""
+
+    def __init__(self, job: tuple[str, str, Header | None, int], window: int,
+                 check: Callable[[_FloatBits, Any, TensorStats], None]) -> None:
+        self.job, self.window, self.check = job, window, check
+        self.path, self.display, self.header, _ = job
+        self.plan = _plan(self.header)  # in offset order (Header.tensors is)
+        self.begins = [b for b, _, _ in self.plan]
+        self.scanners = {t.name: _TensorScanner(t) for _, _, t in self.plan}
+        self.cv = threading.Condition()
+        self.free: list[bytearray] = []
+        self.made = 0
+        self.outcome: DeepResult | OSError | None = None
+
+    def cut(self, start: int, end: int) -> int:
+        """Where the window from ``start`` ends, at most ``end``: never inside a float element."""
+        i = bisect.bisect_right(self.begins, end) - 1
+        if i >= 0:
+            b, e, t = self.plan[i]
+            size = self.scanners[t.name].itemsize
+            if b < end < e and b + (end - b) // size * size > start:
+                return b + (end - b) // size * size
+        return end
+
+    def take(self, size: int, most: int, stop: threading.Event) -> bytearray:
+        with self.cv:  # a free buffer of ``size`` bytes; at most ``most`` are ever made
+            while not self.free and self.made >= most:
+                check(stop)
+                self.cv.wait(0.1)
+            if self.free:
+                return self.free.pop()
+            self.made += 1
+        return bytearray(size)
+
+    def scan(self, buf: bytearray, start: int, end: int) -> None:
+        """Check the floats of the window ``buf`` holds (``[start, end)`` of the file), free ``buf``."""
+        found = []
+        with memoryview(buf) as mv:
+            i = max(0, bisect.bisect_right(self.begins, start) - 1)
+            while i < len(self.plan) and self.plan[i][0] < end:
+                b, e, t = self.plan[i]
+                sc = self.scanners[t.name]
+                lo, hi = max(b, start), min(e, end)
+                hi -= (hi - lo) % sc.itemsize
+                if sc.fb is not None and hi > lo:
+                    found.append((sc.stats, TensorStats()))
+                    self.check(sc.fb, mv[lo - start:hi - start], found[-1][1])
+                i += 1
+        with self.cv:
+            self.free.append(buf)
+            self.cv.notify()
+            for total, st in found:
+                total.nan, total.inf = total.nan + st.nan, total.inf + st.inf
+                total.nonzero = total.nonzero or st.nonzero
+
+    def run(self, pool: HelpingPool, progress: Callable[[int], None] | None) -> DeepResult:
+        """Read and hash the file; each window's scan runs here or is handed to the pool."""
+        h, pos, most = hashlib.sha256(), 0, pool.backlog + pool.workers
+        with open_unbuffered(self.path) as f:
+            size = os.fstat(f.fileno()).st_size
+            window = min(self.window, max(size, MIN_CHUNK_BYTES))
+            while pos < size:
+                check(pool.stop)
+                end = self.cut(pos, min(pos + window, size))
+                buf = self.take(window, most, pool.stop)
+                with memoryview(buf)[:end - pos] as view:
+                    if (got := _fill(f, view)) < len(view):
+                        raise OSError(f"file changed size while it was read ({size} -> {pos + got} bytes)")
+                    h.update(view)
+                task = functools.partial(self.scan, buf, pos, end)
+                if not (self.plan and pool.offer(task)):
+                    task()
+                if progress:
+                    progress(end - pos)
+                pos = end
+            if f.read(1):
+                raise OSError(f"file changed size while it was read ({size} -> {os.fstat(f.fileno()).st_size} bytes)")
+        self.outcome = DeepResult(h.hexdigest(), pos)  # the findings once every window is scanned
+        return self.outcome
+
+
+def scan_files(files: Sequence[tuple[str, str, Header | None, int]], *, chunk_bytes: int = CHUNK_BYTES,
+               progress: Callable[[str, str, int], None] | None = None, fast: bool = True,
+               workers: int = WORKERS) -> list[DeepResult | OSError]:
+    """:func:`scan_file` of every ``(path, display, header, size shown)``: one result per file, in
+    order, an OSError for a file that could not be read. ``progress(event, display, amount)`` is
+    called from the workers ("file" with the size, "bytes" read, "done"), one call at a time.
+
+    ``fast`` (the default): :class:`_SharedScan` on a :class:`~ckptctl.threads.HelpingPool` of
+    ``workers`` threads, windows of at most :data:`FAST_WINDOW` bytes, floats checked by
+    :func:`check_bits_fast`. Off: the reference, :func:`scan_file` of two files at a time with
+    :func:`check_bits`. Both give the same results."""
+    lock = threading.Lock()
+
+    def report(event: str, shown: str, amount: int) -> None:
+        if progress is not None:
+            with lock:
+                progress(event, shown, amount)
+
+    def one(job: Any, stop: threading.Event | None = None) -> DeepResult | OSError:
+        s = job if isinstance(job, _SharedScan) else None
+        path, shown, hdr, size = s.job if s else job
+        report("file", shown, size)
+        counted = (lambda n: report("bytes", shown, n)) if progress else None
+        try:
+            return s.run(pool, counted) if s else scan_file(path, shown, hdr, chunk_bytes=chunk_bytes, stop=stop,
+                                                            progress=counted)
+        except OSError as exc:
+            if s:
+                s.outcome = exc
+            return exc
+        finally:
+            report("done", shown, 0)
+
+    if not fast:
+        with ordered_map(one, files) as results:
+            return list(results)
+    window = min(window_bytes(chunk_bytes), FAST_WINDOW)
+    scans = [_SharedScan(job, window, check_bits_fast) for job in files]
+    pool = HelpingPool(workers)
+    pool.run(one, scans)
+    return [s.outcome if isinstance(s.outcome, OSError) else DeepResult(  # type: ignore[union-attr]
+        s.outcome.sha256, s.outcome.bytes_read, _findings(s.display, s.plan, s.scanners, s.header)) for s in scans]
+
+
 def _findings(display: str, plan: list[tuple[int, int, TensorInfo]], scanners: dict[str, _TensorScanner],
               header: Header | None) -> list[Finding]:
     out: list[Finding] = []
@@ -293,60 +449,40 @@ def _findings(display: str, plan: list[tuple[int, int, TensorInfo]], scanners: d
 SHA256_NAME = re.compile(r"[0-9a-f]{64}")
 
 
-
-def deep_step(ctx: Context) -> str | None:
+def deep_step(ctx: Context, *, fast: bool | None = None) -> str | None:
     """Every weights file that was read, every DCP file, every file the manifest lists: hashed,
-    floats decoded (safetensors), the digest compared with the manifest's."""
+    floats decoded (safetensors), the digest compared with the manifest's. ``fast``: see
+    :func:`scan_files`; unset, the command's ``reading.fast`` (off with ``CKPTCTL_FAST_METADATA=0``)."""
     if not ctx.options.deep:
         return DEEP_NOT_ASKED
     queue = dict(ctx.deep_queue)
     manifest = ctx.manifest or {}
     for name in manifest:
         queue.setdefault(name, None)
-    outer = ctx.progress
-    lock = threading.Lock()
-
-    def progress(event: str, shown: str, amount: int) -> None:
-        if outer is not None:
-            with lock:  # two files are read at once: one caller at a time
-                outer(event, shown, amount)
-
-    def scan(job: tuple[str, Header | None, int], stop: threading.Event) -> DeepResult | OSError:
-        name, hdr, size = job
-        shown = ctx.disp(name)
-        progress("file", shown, size)
-        try:
-            return scan_file(str(ctx.root / name), shown, hdr, chunk_bytes=ctx.options.chunk_bytes,
-                             progress=(lambda n: progress("bytes", shown, n)) if outer else None, stop=stop)
-        except OSError as exc:
-            return exc
-        finally:
-            progress("done", shown, 0)
-
-    # Two files at a time (each is hashed by its reader thread and decoded by another; hashlib
-    # and numpy release the GIL), so both cores stay busy; results are taken in queue order, so
-    # the findings come out as from one file at a time.
+    # results in queue order: the findings come out as from one file at a time
     todo = []
     for name, hdr in queue.items():
         rec = ctx.record(name, "extra")
         if rec.sha256 is None:
             todo.append((name, hdr, rec.size or 0))
-    with ordered_map(scan, todo) as results:
-        scanned = dict(zip((name for name, _, _ in todo), results))
-        for name in queue:
-            rec = ctx.record(name, "extra")
-            if name not in scanned:  # a component's file the root's manifest lists: read once
-                _compare(ctx, name, rec.sha256, manifest)  # type: ignore[arg-type]
-                continue
-            dr = scanned[name]
-            if isinstance(dr, OSError):
-                ctx.io(name, dr)
-                continue
-            rec.sha256 = dr.sha256
-            ctx.result.bytes_read += dr.bytes_read
-            ctx.extend(dr.findings)
-            _compare(ctx, name, dr.sha256, manifest)
-            _compare_blob(ctx, name, dr.sha256)
+    results = scan_files([(str(ctx.root / name), ctx.disp(name), hdr, size) for name, hdr, size in todo],
+                         chunk_bytes=ctx.options.chunk_bytes, progress=ctx.progress,
+                         fast=ctx.reading.fast if fast is None else fast)
+    scanned = dict(zip((name for name, _, _ in todo), results))
+    for name in queue:
+        rec = ctx.record(name, "extra")
+        if name not in scanned:  # a component's file the root's manifest lists: read once
+            _compare(ctx, name, rec.sha256, manifest)  # type: ignore[arg-type]
+            continue
+        dr = scanned[name]
+        if isinstance(dr, OSError):
+            ctx.io(name, dr)
+            continue
+        rec.sha256 = dr.sha256
+        ctx.result.bytes_read += dr.bytes_read
+        ctx.extend(dr.findings)
+        _compare(ctx, name, dr.sha256, manifest)
+        _compare_blob(ctx, name, dr.sha256)
     return None
 
 
