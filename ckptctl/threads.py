@@ -128,3 +128,31 @@ class HelpingPool:
                 self._errors.append(exc)
                 self.stop.set()
                 cv.notify_all()
+
+
+class Buffers:
+    """At most ``most`` bytearrays of ``size`` bytes, made when first needed and reused: a reader
+    hands its windows to other threads without its memory growing."""
+
+    def __init__(self, size: int, most: int) -> None:
+        self.size, self.most = size, most
+        self._cv = threading.Condition()
+        self._free: list[bytearray] = []
+        self._made = 0
+
+    def take(self, stop: threading.Event | None = None) -> bytearray:
+        """A free buffer (waiting for one when ``most`` are out; :class:`Stopped` once ``stop`` is set)."""
+        with self._cv:
+            while not self._free and self._made >= self.most:
+                check(stop)
+                self._cv.wait(0.1)
+            if self._free:
+                return self._free.pop()
+            self._made += 1
+        return bytearray(self.size)
+
+    def give(self, buf: bytearray) -> None:
+        """``buf`` is free again."""
+        with self._cv:
+            self._free.append(buf)
+            self._cv.notify()

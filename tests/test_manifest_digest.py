@@ -2,24 +2,40 @@
 through Python from memory, kernel-copied and cloned ranges read back from the shard. Every
 digest taken that way must be the sha256 of the published file, on every write path (kernel copy,
 streamed conversion, both mixed in one shard, a pickle source, an index and extras hashed from
-memory); an out-of-order write falls back to reading the file."""
+memory); an out-of-order write falls back to reading the file. Every test runs with the read-back
+at the end (the reference, ``early=False``), with the early reader (the default) and with an early
+reader that starts at the first final byte."""
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
+import threading
 from pathlib import Path
 
 import pytest
 import torch
 
 from ckptctl.manifest import MANIFEST_NAME
+from ckptctl.threads import Stopped
+from ckptctl.write import shards as shards_module
 from ckptctl.write.digest import ShardDigest
 from ckptctl.write.inputs import open_inputs
 from ckptctl.write.job import ExportJob
 from ckptctl.write.options import ExportOptions
 from tests.support import run_ckptctl, state, write_config, write_pickle, write_sharded
+
+
+MODES = {"reference": {"early": False}, "early": {}, "early-always": {"early_bytes": 1}}
+
+
+@pytest.fixture(params=sorted(MODES))
+def mode(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> dict:
+    """The writer's digests made with each mode's arguments."""
+    monkeypatch.setattr(shards_module, "ShardDigest", functools.partial(ShardDigest, **MODES[request.param]))
+    return MODES[request.param]
 
 
 def _sha(p: Path) -> str:
@@ -63,7 +79,7 @@ def _mixed_state() -> dict[str, torch.Tensor]:
     return out
 
 
-def test_kernel_copied_shards_index_and_extras_hashed_while_written(tmp_path):
+def test_kernel_copied_shards_index_and_extras_hashed_while_written(tmp_path, mode):
     src = tmp_path / "src"
     write_sharded(src, state(1, n=8), per_shard=3)
     write_config(src)
@@ -75,7 +91,7 @@ def test_kernel_copied_shards_index_and_extras_hashed_while_written(tmp_path):
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
-def test_streamed_and_kernel_copied_tensors_in_one_shard(tmp_path, dtype):
+def test_streamed_and_kernel_copied_tensors_in_one_shard(tmp_path, dtype, mode):
     src = tmp_path / "src"
     write_sharded(src, _mixed_state(), per_shard=5)
     taken, doc = _staged_digests(src, tmp_path / "out", dtype=dtype, chunk_bytes=256)
@@ -83,7 +99,7 @@ def test_streamed_and_kernel_copied_tensors_in_one_shard(tmp_path, dtype):
     _check(tmp_path / "out", taken, doc)
 
 
-def test_pickle_source_hashed_while_written(tmp_path):
+def test_pickle_source_hashed_while_written(tmp_path, mode):
     src = tmp_path / "src"
     src.mkdir()
     sd = _mixed_state()
@@ -115,11 +131,12 @@ def _file(tmp_path: Path, data: bytes) -> int:
     return os.open(p, os.O_RDONLY)
 
 
-def test_shard_digest_in_order_from_memory_and_from_the_file(tmp_path):
+@pytest.mark.parametrize("kw", MODES.values(), ids=MODES)
+def test_shard_digest_in_order_from_memory_and_from_the_file(tmp_path, kw):
     data = os.urandom(10_000)
     fd = _file(tmp_path, data)
     try:
-        d = ShardDigest(fd)
+        d = ShardDigest(fd, **kw)
         d.written(0, data[:100])  # header: from memory
         d.final(100, 4000)  # a kernel copy: read back
         d.written(4100, data[4100:5000])  # streamed after it: the copy is read first
@@ -131,25 +148,96 @@ def test_shard_digest_in_order_from_memory_and_from_the_file(tmp_path):
         os.close(fd)
 
 
-def test_shard_digest_never_guesses(tmp_path):
+@pytest.mark.parametrize("kw", MODES.values(), ids=MODES)
+def test_shard_digest_never_guesses(tmp_path, kw):
     data = os.urandom(5000)
     fd = _file(tmp_path, data)
     try:
-        gap = ShardDigest(fd)
+        gap = ShardDigest(fd, **kw)
         gap.written(0, data[:100])
         gap.final(200, 4800)  # [100, 200) never written
         assert gap.finish(5000) is None
-        short = ShardDigest(fd)
+        short = ShardDigest(fd, **kw)
         short.final(0, 4000)
         assert short.finish(5000) is None  # not every byte is final
-        beyond = ShardDigest(fd)
+        beyond = ShardDigest(fd, **kw)
         beyond.final(0, 6000)  # the file is shorter than what was written
         assert beyond.finish(6000) is None
         # a stream that resumes after a partial kernel copy is not next in order: read back
-        resumed = ShardDigest(fd)
+        resumed = ShardDigest(fd, **kw)
         resumed.written(0, data[:10])
         resumed.written(2000, b"x" * 100)  # ignored: [10, 2000) is not final yet
         resumed.final(10, 4990)
         assert resumed.finish(5000) == hashlib.sha256(data).hexdigest()
+    finally:
+        os.close(fd)
+
+
+def test_early_reader_hashes_behind_the_writer_and_lets_streamed_bytes_be_read_back(tmp_path):
+    """A 24 MiB file made final range by range (as kernel copies finish), streamed pieces between
+    them: the early reader starts once 16 MiB wait, reads while the writer goes on, and finish
+    reads only what is left; the digest equals the reference's and hashlib's."""
+    data = os.urandom(24 << 20)
+    fd = _file(tmp_path, data)
+    try:
+        seen: set[str] = set()
+        d = ShardDigest(fd)
+        d.written(0, data[:4096])
+        at = 4096
+        for step in (5 << 20, 7 << 20, 6 << 20):  # kernel copies: 18 MiB final after the third
+            d.final(at, step)
+            at += step
+            seen.update(t.name for t in threading.enumerate())
+        for piece in range(4):  # streamed behind them: hashed from memory or read back
+            d.written(at, data[at:at + 65536])
+            d.final(at, 65536)
+            at += 65536
+        d.final(at, len(data) - at)
+        assert "ckptctl-digest" in seen
+        assert d.finish(len(data)) == hashlib.sha256(data).hexdigest()
+        ref = ShardDigest(fd, early=False)
+        ref.final(0, len(data))
+        assert ref.finish(len(data)) == hashlib.sha256(data).hexdigest()
+    finally:
+        os.close(fd)
+
+
+def test_early_reader_stops_on_close_and_on_a_short_file(tmp_path):
+    data = os.urandom(3 << 20)
+    fd = _file(tmp_path, data)
+    try:
+        d = ShardDigest(fd, early_bytes=1)
+        d.final(0, len(data))
+        d.close()  # the writer failed: the reader stops, the descriptor is closed
+        assert d.fd == -1 and d._reader is None
+        short = ShardDigest(fd, early_bytes=1)
+        short.final(0, len(data) + 100)  # more than the file holds
+        assert short.finish(len(data) + 100) is None
+        stop = threading.Event()
+        stop.set()
+        stopped = ShardDigest(fd, early_bytes=1 << 40)
+        stopped.final(0, len(data))
+        with pytest.raises(Stopped):
+            stopped.finish(len(data), stop)
+        assert stopped.fd == -1
+    finally:
+        os.close(fd)
+
+
+def test_a_shared_gate_bounds_the_early_readers(tmp_path):
+    data = os.urandom(2 << 20)
+    fd = _file(tmp_path, data)
+    try:
+        gate = threading.BoundedSemaphore(1)
+        assert gate.acquire(blocking=False)  # another shard's reader holds it
+        d = ShardDigest(fd, early_bytes=1, gate=gate)
+        d.final(0, len(data))
+        assert d._reader is None  # none started: finish reads it all
+        gate.release()
+        assert d.finish(len(data)) == hashlib.sha256(data).hexdigest()
+        e = ShardDigest(fd, early_bytes=1, gate=gate)
+        e.final(0, len(data))
+        assert e.finish(len(data)) == hashlib.sha256(data).hexdigest()
+        assert gate.acquire(blocking=False)  # given back when the reader ended
     finally:
         os.close(fd)

@@ -1,5 +1,6 @@
 """--deep: exact NaN/Inf/zero detection for every float format, across any chunk boundary, with a
-bounded buffer, on a second thread; sha256 equal to hashlib's over the whole file."""
+bounded buffer, on a second thread; sha256 equal to hashlib's over the whole file. Each runs on the
+reference (``scan_file``) and on the fast path (``scan_files``, one worker and two)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import numpy as np
 import pytest
 
 from ckptctl.format.header import read_header
-from ckptctl.verify.deep import scan_file
+from ckptctl.verify.deep import DeepResult, scan_file, scan_files
 
 torch = pytest.importorskip("torch")
 
@@ -70,12 +71,27 @@ def mixed(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, tup
     return path, want
 
 
+WAYS = ["reference", "scan_files-reference", "fast-1", "fast-2"]
+
+
+def scan(way: str, path: Path, hdr, **kw) -> DeepResult:
+    """One file scanned ``way``: scan_file itself, or scan_files (fast=False, or fast on 1 or 2 workers)."""
+    if way == "reference":
+        return scan_file(str(path), str(path), hdr, **kw)
+    kw.pop("progress", None)
+    fast, workers = (False, 2) if way == "scan_files-reference" else (True, int(way[-1]))
+    (res,) = scan_files([(str(path), str(path), hdr, 0)], fast=fast, workers=workers, **kw)
+    assert isinstance(res, DeepResult), res
+    return res
+
+
+@pytest.mark.parametrize("way", WAYS)
 @pytest.mark.parametrize("chunk", [64, 100, 1001, 4096, 8 << 20])
-def test_counts_are_exact_at_every_chunk_size(mixed, chunk: int) -> None:
+def test_counts_are_exact_at_every_chunk_size(mixed, chunk: int, way: str) -> None:
     path, want = mixed
     hdr = read_header(path)
     assert hdr.ok and any(f.code == "header.unaligned_tensor" for f in hdr.findings)
-    res = scan_file(str(path), str(path), hdr, chunk_bytes=chunk)
+    res = scan(way, path, hdr, chunk_bytes=chunk)
     got: dict[str, list] = {n: [0, 0, False] for n in want}
     for f in res.findings:
         if f.tensor in got:
@@ -116,14 +132,37 @@ def test_memory_stays_bounded_and_decoding_runs_on_a_second_thread(tmp_path: Pat
     assert not res.findings
 
 
-def test_invalid_header_is_hashed_but_not_decoded(tmp_path: Path) -> None:
+def test_fast_path_memory_stays_bounded(tmp_path: Path) -> None:
+    """The same 48 MB file on the fast path, one worker and two: a few windows, nothing per file size."""
+    from safetensors.numpy import save_file
+
+    a = np.random.default_rng(0).standard_normal((3072, 1024)).astype(np.float32)
+    save_file({f"w{i}": a for i in range(4)}, str(tmp_path / "big.safetensors"), metadata={"format": "pt"})
+    del a
+    path = tmp_path / "big.safetensors"
+    hdr = read_header(path)
+    for workers in (1, 2):
+        tracemalloc.start()
+        try:
+            (res,) = scan_files([(str(path), str(path), hdr, 0)], chunk_bytes=8 << 20, workers=workers)
+            _, peak = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+        assert isinstance(res, DeepResult) and res.bytes_read == path.stat().st_size and not res.findings
+        assert res.sha256 == hashlib.sha256(path.read_bytes()).hexdigest()
+        assert peak < 8 * (1 << 20), f"peak traced memory {peak} bytes"
+
+
+@pytest.mark.parametrize("way", WAYS)
+def test_invalid_header_is_hashed_but_not_decoded(tmp_path: Path, way: str) -> None:
     p = tmp_path / "x.safetensors"
     p.write_bytes(b"version https://git-lfs.github.com/spec/v1\n")
-    res = scan_file(str(p), str(p), read_header(p), chunk_bytes=64)
+    res = scan(way, p, read_header(p), chunk_bytes=64)
     assert res.sha256 == hashlib.sha256(p.read_bytes()).hexdigest() and not res.findings
 
 
-def test_a_small_file_does_not_pay_for_full_size_buffers(tmp_path: Path) -> None:
+@pytest.mark.parametrize("way", WAYS)
+def test_a_small_file_does_not_pay_for_full_size_buffers(tmp_path: Path, way: str) -> None:
     """The read buffers are no larger than the file: a 4 KiB shard read with the default 8 MiB
     chunk allocates kilobytes, not three 8 MiB buffers (on a corpus of small files that zeroing
     was most of --deep's time)."""
@@ -132,7 +171,7 @@ def test_a_small_file_does_not_pay_for_full_size_buffers(tmp_path: Path) -> None
     hdr = read_header(path)
     tracemalloc.start()
     try:
-        res = scan_file(str(path), str(path), hdr)
+        res = scan(way, path, hdr)
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()

@@ -25,7 +25,7 @@ from typing import Any, BinaryIO, Callable, Iterator, Sequence
 
 from ckptctl.findings import ERROR, INFO, WARNING, Finding
 from ckptctl.format.header import Header, TensorInfo
-from ckptctl.threads import WORKERS, HelpingPool, check, ordered_map
+from ckptctl.threads import WORKERS, Buffers, HelpingPool, check, ordered_map
 from ckptctl.verify.context import DEEP_NOT_ASKED, Context
 
 CHUNK_BYTES = 8 * 1024 * 1024
@@ -288,9 +288,8 @@ class _SharedScan:
         self.plan = _plan(self.header)  # in offset order (Header.tensors is)
         self.begins = [b for b, _, _ in self.plan]
         self.scanners = {t.name: _TensorScanner(t) for _, _, t in self.plan}
-        self.cv = threading.Condition()
-        self.free: list[bytearray] = []
-        self.made = 0
+        self.lock = threading.Lock()
+        self.buffers: Buffers | None = None
         self.outcome: DeepResult | OSError | None = None
 
     def cut(self, start: int, end: int) -> int:
@@ -302,16 +301,6 @@ class _SharedScan:
             if b < end < e and b + (end - b) // size * size > start:
                 return b + (end - b) // size * size
         return end
-
-    def take(self, size: int, most: int, stop: threading.Event) -> bytearray:
-        with self.cv:  # a free buffer of ``size`` bytes; at most ``most`` are ever made
-            while not self.free and self.made >= most:
-                check(stop)
-                self.cv.wait(0.1)
-            if self.free:
-                return self.free.pop()
-            self.made += 1
-        return bytearray(size)
 
     def scan(self, buf: bytearray, start: int, end: int) -> None:
         """Check the floats of the window ``buf`` holds (``[start, end)`` of the file), free ``buf``."""
@@ -327,23 +316,24 @@ class _SharedScan:
                     found.append((sc.stats, TensorStats()))
                     self.check(sc.fb, mv[lo - start:hi - start], found[-1][1])
                 i += 1
-        with self.cv:
-            self.free.append(buf)
-            self.cv.notify()
+        assert self.buffers is not None
+        self.buffers.give(buf)
+        with self.lock:
             for total, st in found:
                 total.nan, total.inf = total.nan + st.nan, total.inf + st.inf
                 total.nonzero = total.nonzero or st.nonzero
 
     def run(self, pool: HelpingPool, progress: Callable[[int], None] | None) -> DeepResult:
         """Read and hash the file; each window's scan runs here or is handed to the pool."""
-        h, pos, most = hashlib.sha256(), 0, pool.backlog + pool.workers
+        h, pos = hashlib.sha256(), 0
         with open_unbuffered(self.path) as f:
             size = os.fstat(f.fileno()).st_size
             window = min(self.window, max(size, MIN_CHUNK_BYTES))
+            self.buffers = Buffers(window, pool.backlog + pool.workers)
             while pos < size:
                 check(pool.stop)
                 end = self.cut(pos, min(pos + window, size))
-                buf = self.take(window, most, pool.stop)
+                buf = self.buffers.take(pool.stop)
                 with memoryview(buf)[:end - pos] as view:
                     if (got := _fill(f, view)) < len(view):
                         raise OSError(f"file changed size while it was read ({size} -> {pos + got} bytes)")
