@@ -7,7 +7,8 @@ with the fast paths off (``CKPTCTL_FAST_METADATA=0``: the reference scan, one re
 thread per file, two files at a time), to show what the fast path earns.
 
 ``export-manifest``: ``export --manifest`` (the sha256 of every file it writes, taken while it
-writes) beside the same ``export`` without it (the reference)."""
+writes) beside the same ``export`` without it (the reference), and with the digests' early reader
+off (``ShardDigest(early=False)``: what the kernel copied is read back once the shard is written)."""
 
 from __future__ import annotations
 
@@ -30,6 +31,10 @@ HASHLIB_2 = ("import sys, glob, hashlib\nfrom concurrent.futures import ThreadPo
              "with ThreadPoolExecutor(2) as x:\n"
              "    list(x.map(h, sorted(glob.glob(sys.argv[1] + '/*.safetensors'))))\n")
 HASHLIB = "hashlib sha256, 2 threads"
+# the same command with every shard's digest made by the reference (read back at the end)
+EARLY_OFF = ("import functools, sys; from ckptctl.write import digest, shards; "
+             "shards.ShardDigest = functools.partial(digest.ShardDigest, early=False); "
+             "from ckptctl.cli import main; sys.argv[0] = 'ckptctl'; main()")
 
 
 def _deep(name: str, spec: Spec) -> Case:
@@ -49,7 +54,9 @@ def _export_manifest() -> Case:
     argv = [*CKPTCTL, "export", str(src), str(out), "--max-shard-size", "1GB", "-q"]
     return Case("export-manifest", f"{SPEC.name()}: export into 1 GB shards, with and without --manifest",
                 [Command("ckptctl export", argv, setup=c_out, teardown=c_out),
-                 Command("ckptctl export --manifest", [*argv, "--manifest"], setup=c_out, teardown=c_out)],
+                 Command("ckptctl export --manifest", [*argv, "--manifest"], setup=c_out, teardown=c_out),
+                 Command("ckptctl export --manifest (digest read back at the end)",
+                         [sys.executable, "-c", EARLY_OFF, *argv[3:], "--manifest"], setup=c_out, teardown=c_out)],
                 prepare=partial(ensure, SPEC), prefault=2 * SPEC.size + 2**29)
 
 
