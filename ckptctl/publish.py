@@ -25,6 +25,10 @@ Filesystems whose directory rename is a copy and a delete (object-store FUSE mou
 s3fs, ...) cannot replace a destination atomically: ``--overwrite`` is refused there
 (:func:`check_destination`).
 
+A directory rename carries the mounts below it: a destination with a filesystem mounted inside
+it is refused before any work, and again just before the publish (:func:`refuse_mounts_below`);
+the removal of the old version never crosses a mount point (``staging.MountInside``).
+
 Every file, the staging directory and the parent are fsynced (unless ``fsync=False``); an fsync
 error aborts the publish and is never retried (fsyncgate).
 """
@@ -67,8 +71,8 @@ class Stage:
         self.lock: staging.StagingLock | None = None
         self.published = False
         self.kept = False  # a failed publish left the staging directory for recovery (said so)
-        # The destination's entries (name -> inode) when the plan listed it (``known``), else when
-        # staging began: what appears after that is carried by the publish.
+        # The destination's entries at every depth (relative path -> inode) when the plan listed it
+        # (``known``), else when staging began: what appears after that is carried by the publish.
         self.known: dict[str, int] = known or {}
         self._known_given = known is not None
         self.late: list[str] = []  # entries that appeared in the destination while we wrote: carried
@@ -165,6 +169,8 @@ class Stage:
         dest, data = self.dest, self.data
         exists = replace and os.path.lexists(dest)
         _faults.point("publish")
+        if exists:
+            refuse_mounts_below(dest, after_plan=True)  # one mounted while we wrote: never moved, never emptied
         try:
             if not exists:
                 how = "rename"
@@ -275,15 +281,21 @@ class Stage:
         conflict, stays for the next run (or gc-tmp, or a human)."""
         if self.dir is None:
             return
+        mounted: staging.MountInside | None = None
         try:
             if not self.kept:
                 staging.remove_staging(self.dir, lock=self.lock)
+        except staging.MountInside as exc:
+            mounted = exc  # the removal stopped at a mount point: nothing of it was touched
         except OSError:
             pass  # leftovers are the next run's or gc-tmp's job
         finally:
             if self.lock:
                 self.lock.release()
-            self.dir = None
+            where, self.dir = self.dir, None
+        if mounted is not None and self.published:
+            self.kept = True
+            raise _mounted_in_old(self.dest, where, mounted)
 
     def abort(self) -> None:
         """Before publish: remove everything we staged. Never touches the destination, never
@@ -296,6 +308,13 @@ class Stage:
             except CkptctlError:
                 pass  # the staging directory stays (its removal is refused): recovery's job
         self.finish()
+
+
+def _mounted_in_old(dest: Path, where: Path, exc: OSError) -> OperationalError:
+    return OperationalError(f"{dest} holds the new version, but a filesystem is mounted inside the previous one "
+                            f"({exc.filename}): {where} was kept, nothing on that filesystem was removed",
+                            f"unmount {exc.filename} (or `mount --move` it where it belongs), then run "
+                            f"`ckptctl gc-tmp {dest.parent}`", phase="cleanup")
 
 
 def _appeared(dest: Path) -> LockHeldError:
@@ -349,11 +368,13 @@ def check_destination(dest: Path, *, overwrite: bool) -> bool:
             raise UsageError(f"destination {dest} exists and is not a directory",
                              "remove it or choose another destination")
         try:
-            if os.stat(dest).st_dev != os.stat(dest.parent).st_dev and not os.path.islink(dest):
+            mount_point = os.stat(dest).st_dev != os.stat(dest.parent).st_dev or staging.is_mount_point(dest)
+            if mount_point and not os.path.islink(dest):
                 raise OperationalError(f"destination {dest} is a mount point; it cannot be replaced atomically",
                                        "write to a directory inside it instead", phase="plan")
         except OSError as exc:
             raise from_oserror(exc, "cannot examine the destination", phase="plan") from None
+        refuse_mounts_below(dest, after_plan=False)
         fstype = filesystem_type(dest.parent)
         if fstype in NON_ATOMIC_RENAME:
             raise OperationalError(
@@ -363,6 +384,26 @@ def check_destination(dest: Path, *, overwrite: bool) -> bool:
                 "it on a POSIX filesystem and upload it (see docs/RELIABILITY.md)", phase="plan")
         return True
     return False
+
+
+def refuse_mounts_below(dest: Path, *, after_plan: bool) -> None:
+    """Refuse to replace ``dest`` while a filesystem is mounted below it (a volume, a tmpfs, a bind
+    mount, a file bind-mounted over a file): a directory rename carries its mounts, so the publish
+    would move the mount into the staging directory (to be removed) and the new version would
+    hold a copy of its files. Before any work (``after_plan`` False): a usage error, exit 2; just
+    before the publish (a mount made while we wrote): exit 3, nothing replaced."""
+    below = staging.mounts_below(dest)
+    if not below:
+        return
+    where = ", ".join(str(p) for p in below)
+    if not after_plan:
+        raise UsageError(f"{dest} has a filesystem mounted inside it ({where}); replacing {dest} would move the "
+                         "mount out of it and copy its files into the new version",
+                         "unmount it (or mount it beside the checkpoint, not inside), or write the new version to "
+                         "another directory; nothing was written", phase="plan")
+    raise OperationalError(f"a filesystem was mounted inside {dest} while the new version was written ({where}); "
+                           f"{dest} was not replaced", "unmount it (or mount it beside the checkpoint, not inside), "
+                           "then run the command again", phase="publish")
 
 
 def check_writable(parent: Path) -> None:

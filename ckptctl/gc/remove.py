@@ -1,6 +1,7 @@
 """gc-tmp's removal: re-check each would-remove candidate right before, then remove it on directory
 file descriptors reached from the root with O_NOFOLLOW (a staging directory under its own lock,
-after its half-done publish, if any, was rolled forward or back)."""
+after its half-done publish, if any, was rolled forward or back), never across a mount point
+(``staging.MountInside``: reported with a hint, the mounted filesystem untouched)."""
 
 from __future__ import annotations
 
@@ -100,6 +101,8 @@ def remove(res: GcResult, progress: Progress | None = None) -> GcResult:
             c.decide(Decision.DEFERRED, exc.strerror or str(exc))
         except staging.NotALock as exc:
             _fail(res, c, exc.strerror or str(exc), hint=NOT_A_LOCK_HINT)
+        except staging.MountInside as exc:  # never removed across: the mounted filesystem is left whole
+            _fail(res, c, f"cannot remove {exc.filename}: {exc.strerror}", hint=MOUNT_HINT.format(exc.filename))
         except FileNotFoundError as exc:
             # an overlapping gc run removed it while we looked (its re-check lists the directory
             # before any lock is taken): vanished, not a failure; anything else missing is one
@@ -119,6 +122,10 @@ def remove(res: GcResult, progress: Progress | None = None) -> GcResult:
 
 NOT_A_LOCK_HINT = ("its lock was replaced by a symbolic link or a non-file, so no writer can hold it and gc-tmp "
                    "will not remove it: look at the directory and remove it by hand")
+
+
+MOUNT_HINT = ("unmount {} (it is another filesystem, or a bind mount, inside the directory), then run gc-tmp again; "
+              "nothing on it was removed")
 
 
 def _fail(res: GcResult, c: Candidate, message: str, hint: str | None = None) -> None:

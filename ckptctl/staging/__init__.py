@@ -76,7 +76,9 @@ Removing a staging directory (:func:`remove_staging`) is refused while its state
 (half-published or CONFLICT: ``old/`` may hold the only copy of a version), whoever asks,
 including the writer's own cleanup after a failed publish. It removes everything else first,
 then the owner record and the lock (closed before it is unlinked, so no silly-renamed lock keeps
-the directory), so an interrupted removal stays recognisable.
+the directory), so an interrupted removal stays recognisable. No removal (the writer's cleanup,
+gc-tmp, resave) ever crosses a mount point (``staging.mounts``): an entry on another mount than
+its directory raises :class:`MountInside` and the mounted filesystem is left as it is.
 """
 
 from __future__ import annotations
@@ -88,6 +90,7 @@ from ckptctl.staging.fs import Deferred, fsync_path, listing, moved, open_beneat
 from ckptctl.staging.liveness import (Liveness, boot_id, judge_owner, on_this_host, open_elsewhere, process_start_time,
                                       process_state)
 from ckptctl.staging.lock import LOCK, NotALock, StagingLock, acquire, probe
+from ckptctl.staging.mounts import MountInside, is_mount_point, mounts_below
 from ckptctl.staging.record import (DATA, OLD, OWNER, READY, TOOL, journal_record, owner_record, read_journal,
                                     read_owner, siblings)
 from ckptctl.staging.state import State, StagingState, inspect, is_stub, phase
@@ -97,9 +100,9 @@ parse_name = parse_staging_name
 
 __all__ = [
     "DATA", "LOCK", "OLD", "OWNER", "READY", "TOOL",
-    "Deferred", "Liveness", "NotALock", "StagingLock", "StagingState", "State",
-    "acquire", "boot_id", "competitor_error", "conflict_message", "fsync_path", "inspect", "is_stub",
-    "journal_record", "judge_owner", "listing", "moved", "on_this_host", "open_elsewhere", "open_beneath", "owner_record",
+    "Deferred", "Liveness", "MountInside", "NotALock", "StagingLock", "StagingState", "State",
+    "acquire", "boot_id", "competitor_error", "conflict_message", "fsync_path", "inspect", "is_mount_point", "is_stub",
+    "journal_record", "judge_owner", "listing", "mounts_below", "moved", "on_this_host", "open_elsewhere", "open_beneath", "owner_record",
     "parse_name", "parse_staging_name", "phase", "probe", "process_start_time", "process_state", "read_journal",
     "read_owner", "recover", "recover_destination", "remove_at", "remove_staging", "remove_staging_at",
     "remove_tree", "rename", "roll", "siblings", "staging_name", "write_small",

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Callable
 
 from ckptctl.staging.lock import DIR_FLAGS
+from ckptctl.staging.mounts import MountInside, MountProbe
 
 _NFS_RETRIES = (0.2, 0.4, 0.8)
 # what a file unlinked while still open becomes: NFS clients' silly rename, libfuse's hiding
@@ -98,16 +99,27 @@ def open_beneath(root: Path, rel: tuple[str, ...]) -> int:
 def remove_at(parent_fd: int, name: str, *, where: str, keep_last: tuple[str, ...] = (),
               before_last: Callable[[], None] | None = None) -> int:
     """Remove ``name`` under ``parent_fd`` (a file, a link as a link, or a tree) without following
-    links; returns the bytes actually freed (a regular file's last link).
+    links and without crossing a mount point; returns the bytes actually freed (a regular file's
+    last link).
 
     ``keep_last`` names inside the directory are removed after everything else, in that order;
     ``before_last`` is called just before the last of them goes (the staging lock is closed there:
     a file unlinked while open is silly-renamed on NFS and hidden by libfuse, and would keep the
     directory from going). ENOENT anywhere is someone else having removed it first (an
     overlapping gc run): fine. Silly-renamed files still open elsewhere are retried, then
-    :class:`Deferred` is raised. Errors carry ``where`` (the full path) as their filename."""
+    :class:`Deferred` is raised. An entry on another mount than the directory holding it (a
+    volume, a tmpfs, a bind mount of the same filesystem, a file bind-mounted over a file) is
+    never descended into nor unlinked: :class:`~ckptctl.staging.mounts.MountInside` is raised,
+    naming it, and what was removed before stays removed. Errors carry ``where`` (the full path)
+    as their filename."""
+    probe = MountProbe()
+    return _remove_checked(parent_fd, name, where, keep_last, before_last, probe, probe.home(parent_fd))
+
+
+def _remove_checked(parent_fd: int, name: str, where: str, keep_last: tuple[str, ...],
+                    before_last: Callable[[], None] | None, probe: MountProbe, home: tuple[int, int | None]) -> int:
     try:
-        return _remove_at(parent_fd, name, where, keep_last, before_last)
+        return _remove_at(parent_fd, name, where, keep_last, before_last, probe, home)
     except OSError as exc:
         if exc.filename == name:
             exc.filename = where
@@ -123,8 +135,10 @@ def remove_tree(path: Path) -> int:
         os.close(pfd)
 
 
-def _remove_entries(dfd: int, where: str, skip: tuple[str, ...] = ()) -> int:
-    """Remove everything inside the directory ``dfd`` (``where``, for messages) except ``skip``."""
+def _remove_entries(dfd: int, where: str, skip: tuple[str, ...], probe: MountProbe,
+                    home: tuple[int, int | None]) -> int:
+    """Remove everything inside the directory ``dfd`` (``where``, for messages; ``home``: its
+    device and mount) except ``skip``."""
     freed = 0
     with os.scandir(dfd) as it:
         names = [e.name for e in it]
@@ -132,7 +146,9 @@ def _remove_entries(dfd: int, where: str, skip: tuple[str, ...] = ()) -> int:
         if name in skip:
             continue
         try:
-            freed += remove_at(dfd, name, where=f"{where}/{name}")
+            freed += _remove_checked(dfd, name, f"{where}/{name}", (), None, probe, home)
+        except MountInside:
+            raise
         except OSError as exc:
             # NFS refuses to unlink a silly-renamed file that is still open: retried by the caller
             if not (name.startswith(SILLY_PREFIXES) and exc.errno in (errno.EBUSY, errno.ENOTEMPTY)):
@@ -141,16 +157,23 @@ def _remove_entries(dfd: int, where: str, skip: tuple[str, ...] = ()) -> int:
 
 
 def _remove_at(parent_fd: int, name: str, where: str, keep_last: tuple[str, ...],
-               before_last: Callable[[], None] | None = None) -> int:
+               before_last: Callable[[], None] | None, probe: MountProbe, home: tuple[int, int | None]) -> int:
     try:
         st = os.stat(name, dir_fd=parent_fd, follow_symlinks=False)
     except FileNotFoundError:
         return 0
+    if st.st_dev != home[0]:
+        raise MountInside(where)  # another filesystem: never unlinked, never descended into
     if not stat.S_ISDIR(st.st_mode):
         try:
             os.unlink(name, dir_fd=parent_fd)
         except FileNotFoundError:
             return 0
+        except OSError as exc:
+            # the kernel refuses to unlink a mount point (a file bind-mounted over a file): say so
+            if exc.errno == errno.EBUSY and probe.is_other(parent_fd, name, home):
+                raise MountInside(where) from None
+            raise
         # the last link of a regular file frees its blocks
         return st.st_size if stat.S_ISREG(st.st_mode) and st.st_nlink == 1 else 0
     try:
@@ -159,15 +182,16 @@ def _remove_at(parent_fd: int, name: str, where: str, keep_last: tuple[str, ...]
         return 0
     freed = 0
     try:
+        inner = probe.check_dir(dfd, home, where)  # what was opened (a bind mount has the same st_dev)
         fst = os.fstat(dfd)
         if (fst.st_dev, fst.st_ino) != (st.st_dev, st.st_ino):
             raise OSError(errno.ESTALE, "changed while being removed", name)
         for attempt in range(len(_NFS_RETRIES) + 1):
-            freed += _remove_entries(dfd, where, skip=keep_last)
+            freed += _remove_entries(dfd, where, keep_last, probe, inner)
             for i, last in enumerate(keep_last):
                 if before_last is not None and i == len(keep_last) - 1:
                     before_last()
-                freed += remove_at(dfd, last, where=f"{where}/{last}")
+                freed += _remove_checked(dfd, last, f"{where}/{last}", (), None, probe, inner)
             try:
                 os.rmdir(name, dir_fd=parent_fd)
                 return freed
