@@ -4,6 +4,8 @@ Every rank contributes tensors; the ranks agree on one global shard plan (names 
 depend on the rank count) and run the single-process writer's steps (``ckptctl.write.job``),
 under the same phase names:
 
+0. ``join``     every rank marks its arrival in the process group's store and waits (at most
+                ``timeout`` seconds) for the others: a rank that never calls the writer is named.
 1. ``plan``     all_gather of every rank's tensor metadata; then every rank runs the job's plan
                 step on the same global tensor list (the leader also recovers a dead writer's
                 half-done publish of the destination).
@@ -19,11 +21,18 @@ under the same phase names:
                 while the other nodes keep their complete new version).
 
 Each phase is exception-robust in the way torch DCP's ``_DistWrapper`` is: a rank's exception is
-caught, every rank's outcome is all-gathered over a Gloo group (with a timeout), and if any rank
-failed every rank raises the same :class:`DistributedWriteError` naming each failed rank, its
-phase and its message. Nothing is published and the leader removes the staging directory once
-every rank has left the phase. A rank that dies makes the collective fail for the others within
-the group's timeout.
+caught, every rank's outcome is all-gathered over a Gloo group, and if any rank failed every rank
+raises the same :class:`DistributedWriteError` naming each failed rank, its phase and its message.
+Nothing is published and the leader removes the staging directory. An error after the leader's
+publish says so (the destination holds the new version). Every exchange waits at most
+``timeout`` seconds: a rank that died or hangs is named (the ranks that did not reach the end of
+the phase, read from the store) within it.
+
+A signal (Ctrl-C, or SIGTERM/SIGHUP where the program handles them like Ctrl-C, as the CLI does)
+is handled at once, even while this rank waits for the others: the rank leaves the protocol, the
+leader removes the staging directory, and :class:`DistributedInterrupted` (exit 130, or 128 + the
+signal) is raised. The transport (joining, the exchanges, the signals, the errors) is
+:mod:`ckptctl.dist_exchange`.
 """
 
 from __future__ import annotations
@@ -33,10 +42,13 @@ import re
 from dataclasses import dataclass, replace
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Mapping
 
 from ckptctl import _faults
-from ckptctl.errors import CkptctlError, InputError, OperationalError
+from ckptctl.dist_exchange import (COLLECTIVE_ERRORS, DEFAULT_TIMEOUT, LATE, Ctx, DistributedInterrupted,
+                                   DistributedWriteError, Exchange, Signals, cause_of, default_store, init_from_env,
+                                   join, run_prefix, signal_name)
+from ckptctl.errors import InputError, OperationalError
 from ckptctl.format.tensor import TensorSpec
 from ckptctl.plan import Plan
 from ckptctl.sources.base import Source, SourceTensor
@@ -45,23 +57,11 @@ from ckptctl.write.job import ExportJob, ExportResult
 from ckptctl.write.options import ExportOptions
 from ckptctl.write.shards import TensorWriter, create_shard, write_into
 
+__all__ = ["DEFAULT_TIMEOUT", "NODE_LOCAL", "SHARED", "DistributedInterrupted", "DistributedWriteError",
+           "export_distributed", "init_from_env", "save_state_dict_distributed", "write_distributed"]
+
 SHARED = "shared"
 NODE_LOCAL = "node-local"
-DEFAULT_TIMEOUT = 300.0
-# What a collective raises when a peer died, hung past the timeout or tore the group down.
-_COLLECTIVE_ERRORS = (RuntimeError, ConnectionError, ValueError)
-
-
-class DistributedWriteError(OperationalError):
-    """Raised on every rank when any rank failed a phase of a multi-rank write."""
-
-    code = "distributed"
-
-    def __init__(self, phase: str, failures: dict[int, str]) -> None:
-        parts = "; ".join(f"rank {r}: {m}" for r, m in sorted(failures.items()))
-        super().__init__(f"multi-rank write failed in phase {phase}: {parts}",
-                         "fix the failing rank's problem and run again; nothing was published", phase=phase)
-        self.failures = failures
 
 
 class _Remote(Source):
@@ -75,30 +75,7 @@ def _natural_key(name: str) -> list[Any]:
     return [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", name)]
 
 
-@dataclass
-class _Ctx:
-    dist: Any
-    group: Any
-    rank: int
-    world: int
-    node: int
-    node_ranks: list[int]  # global ranks of this rank's node (all ranks for shared storage)
-    leader: int  # global rank that stages and publishes for this rank
-    owns_group: bool = False  # we created the Gloo group: destroy it when done
-
-    def close(self) -> None:
-        if self.owns_group:
-            try:
-                self.dist.destroy_process_group(self.group)
-            except _COLLECTIVE_ERRORS:
-                pass  # a group broken by a dead peer cannot be torn down cleanly
-
-    @property
-    def is_leader(self) -> bool:
-        return self.rank == self.leader
-
-
-def _context(group: Any, storage: str, node_rank: int | None, timeout: float) -> _Ctx:
+def _context(group: Any, storage: str, node_rank: int | None, timeout: float, signals: Signals) -> Ctx:
     import torch.distributed as dist
 
     if not dist.is_available() or not dist.is_initialized():
@@ -106,50 +83,32 @@ def _context(group: Any, storage: str, node_rank: int | None, timeout: float) ->
                          "call torch.distributed.init_process_group first (or run under torchrun)")
     if storage not in (SHARED, NODE_LOCAL):
         raise InputError(f"unknown storage scope {storage!r}", "use 'shared' or 'node-local'")
+    if not timeout > 0:
+        raise InputError(f"timeout must be a positive number of seconds, not {timeout!r}", "e.g. timeout=300")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    store = default_store()
+    prefix = run_prefix(store, rank) if store is not None else ""
+    if store is not None:
+        join(store, f"{prefix}/join", rank, world, timeout)
     owned = group is None
     if owned:
-        group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout))
-    rank, world = dist.get_rank(), dist.get_world_size()
+        try:
+            group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout))
+        except COLLECTIVE_ERRORS as exc:
+            raise DistributedWriteError("join", {-1: f"the Gloo group could not be formed: {cause_of(exc)}"},
+                                        hint=LATE) from None
+    ctx = Ctx(dist, group, rank, world, 0, list(range(world)), 0, timeout, owned, store, prefix)
     if storage == SHARED:
-        return _Ctx(dist, group, rank, world, 0, list(range(world)), 0, owned)
+        return ctx
     if node_rank is None:
         if "GROUP_RANK" in os.environ:
             node_rank = int(os.environ["GROUP_RANK"])
         else:
             local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
             node_rank = rank // max(1, local_world)
-    nodes = [None] * world
-    dist.all_gather_object(nodes, node_rank, group=group)
+    nodes = Exchange(replace(ctx, prefix=f"{prefix}/nodes"), signals).gather("join", node_rank)
     mine = [r for r, n in enumerate(nodes) if n == node_rank]
-    return _Ctx(dist, group, rank, world, node_rank, mine, min(mine), owned)
-
-
-def _phase(ctx: _Ctx, name: str, fn: Callable[[], Any], on_failure: Callable[[], None] | None = None) -> list[Any]:
-    """Run ``fn`` on this rank; gather every rank's outcome; raise the same error everywhere."""
-    value: Any = None
-    error: str | None = None
-    try:
-        _faults.point(f"dist-{name}")
-        value = fn()
-    except CkptctlError as exc:
-        error = str(exc.message)
-    except BaseException as exc:  # noqa: BLE001 - every failure must reach the other ranks
-        error = "interrupted" if isinstance(exc, KeyboardInterrupt) else f"{type(exc).__name__}: {exc}"
-    outcomes: list[Any] = [None] * ctx.world
-    try:
-        ctx.dist.all_gather_object(outcomes, (error, value), group=ctx.group)
-    except _COLLECTIVE_ERRORS as exc:
-        if on_failure:
-            on_failure()
-        failures = {ctx.rank: error} if error else {}
-        failures.setdefault(-1, f"collective failed (a rank died or timed out): {str(exc).splitlines()[0][:200]}")
-        raise DistributedWriteError(name, failures) from None
-    failed = {r: o[0] for r, o in enumerate(outcomes) if o[0] is not None}
-    if failed:
-        if on_failure:
-            on_failure()
-        raise DistributedWriteError(name, failed)
-    return [o[1] for o in outcomes]
+    return replace(ctx, node=node_rank, node_ranks=mine, leader=min(mine))
 
 
 @dataclass
@@ -162,7 +121,7 @@ class _Merged:
     conflicts: list[str]
 
 
-def _merge(ctx: _Ctx, gathered: list[Any], local: list[Entry], storage: str, order: list[str] | None) -> _Merged:
+def _merge(ctx: Ctx, gathered: list[Any], local: list[Entry], storage: str, order: list[str] | None) -> _Merged:
     """Every rank's ``(source spec, stored spec)`` lists, merged into one tensor list."""
     metas: dict[str, tuple[TensorSpec, TensorSpec]] = {}
     owner: dict[str, int] = {}
@@ -200,24 +159,39 @@ def write_distributed(inputs: ExportInputs, dest: str | os.PathLike[str], *, gro
     every tensor and the shards are divided among the writers round-robin; otherwise a tensor is
     written by the lowest rank that holds it. ``order`` fixes the tensor order of the plan
     (default: natural sort of the names, so the plan does not depend on the rank count).
-    Extras and ``options.manifest`` are taken from the leader.
+    Extras and ``options.manifest`` are taken from the leader. ``timeout``: the seconds a rank
+    waits for the others when joining and at each phase's exchange; the ranks that did not come
+    are named in the :class:`DistributedWriteError`.
     """
-    ctx = _context(group, storage, node_rank, timeout)
-    try:
-        return _write(ctx, inputs, dest, storage=storage, order=order, split_shards=split_shards)
-    finally:
-        ctx.close()
+    with Signals() as signals:
+        try:
+            ctx = _context(group, storage, node_rank, timeout, signals)
+        except KeyboardInterrupt:
+            raise DistributedInterrupted(f"multi-rank write interrupted by {signal_name(signals.signum)} while "
+                                         "the ranks joined; nothing was staged", "run the command again to start over",
+                                         phase="join", signum=signals.signum) from None
+        ex = Exchange(ctx, signals)
+        try:
+            return _write(ex, inputs, dest, storage=storage, order=order, split_shards=split_shards)
+        except KeyboardInterrupt:
+            raise ex.interrupted() from None
+        except BaseException:
+            ex.abort()
+            raise
+        finally:
+            ctx.close()
 
 
-def _write(ctx: _Ctx, inputs: ExportInputs, dest: str | os.PathLike[str], *, storage: str,
+def _write(ex: Exchange, inputs: ExportInputs, dest: str | os.PathLike[str], *, storage: str,
            order: list[str] | None, split_shards: bool) -> ExportResult:
+    ctx = ex.ctx
     opts = replace(inputs.options, progress=inputs.options.progress if ctx.rank == 0 else None)
 
     # plan: the metadata exchange, then the job's plan step on the global tensor list
-    gathered = _phase(ctx, "plan", lambda: ([(e.tensor.spec, e.spec) for e in inputs.entries], inputs.aliases))
+    gathered = ex.phase("plan", lambda: ([(e.tensor.spec, e.spec) for e in inputs.entries], inputs.aliases))
     merged = _merge(ctx, gathered, inputs.entries, storage, order)
-    job = ExportJob(replace(inputs, entries=merged.entries, options=opts, aliases=merged.aliases,
-                            extras=inputs.extras if ctx.is_leader else {}), dest)
+    job = ex.job = ExportJob(replace(inputs, entries=merged.entries, options=opts, aliases=merged.aliases,
+                                     extras=inputs.extras if ctx.is_leader else {}), dest)
 
     def plan() -> None:
         if merged.conflicts:
@@ -225,7 +199,7 @@ def _write(ctx: _Ctx, inputs: ExportInputs, dest: str | os.PathLike[str], *, sto
                              "every tensor name must have one dtype and shape on all ranks")
         job.prepare(recover=ctx.is_leader)
 
-    _phase(ctx, "plan", plan, on_failure=job.abort)
+    ex.phase("plan", plan)
     if opts.dry_run:
         return job.result
     planned = job.plan
@@ -239,7 +213,7 @@ def _write(ctx: _Ctx, inputs: ExportInputs, dest: str | os.PathLike[str], *, sto
             os.close(create_shard(data / shard.name, shard))
         return str(data)
 
-    data = Path(_phase(ctx, "stage", stage, on_failure=job.abort)[ctx.leader])
+    data = Path(ex.phase("stage", stage)[ctx.leader])
     writers = ctx.node_ranks
 
     def writes_here(i: int, name: str) -> bool:
@@ -266,14 +240,14 @@ def _write(ctx: _Ctx, inputs: ExportInputs, dest: str | os.PathLike[str], *, sto
             tw.close()
         return written, tw.copied, tw.streamed
 
-    written = _phase(ctx, "write", write, on_failure=job.abort)
+    written = ex.phase("write", write)
 
     def finalize() -> None:
         if ctx.is_leader:
             _check_written(planned, data, [written[r][0] for r in ctx.node_ranks])
             job.finalize()
 
-    _phase(ctx, "finalize", finalize, on_failure=job.abort)
+    ex.phase("finalize", finalize)
 
     def publish() -> dict[str, Any] | None:
         if not ctx.is_leader:
@@ -281,11 +255,11 @@ def _write(ctx: _Ctx, inputs: ExportInputs, dest: str | os.PathLike[str], *, sto
         try:
             job.publish()
         except BaseException:
-            job.abort()
+            ex.abort()
             raise
         return job.result.to_dict()
 
-    results = _phase(ctx, "publish", publish, on_failure=job.abort)
+    results = ex.phase("publish", publish)
     result = ExportResult(**results[ctx.leader])
     result.bytes_copied_by_kernel = sum(written[r][1] for r in ctx.node_ranks)
     result.bytes_streamed = sum(written[r][2] for r in ctx.node_ranks)

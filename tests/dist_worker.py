@@ -30,7 +30,54 @@ def save_dcp_sharded(dest: str) -> None:
     dcp.save({"model": sd, "step": 3}, checkpoint_id=dest)
 
 
+def run_cli(argv: list[str]) -> None:
+    """``ckptctl ARGV`` in this process (as ``python -m ckptctl`` under torchrun), its exit code
+    written to ``$DIST_RC_DIR/<rank>`` (a rank killed by a signal writes none). ``DIST_SLOW`` =
+    ``<rank>:<point>:<seconds>`` makes that rank sleep at that fault point (an interleaving)."""
+    rank = os.environ["RANK"]
+    slow = os.environ.get("DIST_SLOW")
+    if slow:
+        who, where, seconds = slow.split(":")
+        if who == rank:
+            import time
+
+            from ckptctl import _faults
+
+            plain = _faults.point
+
+            def slowed(name: str) -> None:
+                if name == where:
+                    time.sleep(float(seconds))
+                plain(name)
+
+            _faults.point = slowed
+
+    def record(code: object) -> None:
+        if os.environ.get("DIST_RC_DIR"):
+            value = code if isinstance(code, int) else (0 if code is None else 1)
+            (Path(os.environ["DIST_RC_DIR"]) / rank).write_text(str(value))
+
+    real_exit = os._exit
+
+    def leave(code: int) -> None:
+        record(code)
+        real_exit(code)
+
+    os._exit = leave
+    sys.argv = ["ckptctl", *argv]
+    from ckptctl.cli import main as cli_main
+
+    try:
+        cli_main()
+    except SystemExit as exc:
+        record(exc.code)
+        raise
+
+
 def main() -> None:
+    if sys.argv[1] == "cli":
+        run_cli(sys.argv[2:])
+        return
     scenario, dest = sys.argv[1], sys.argv[2]
     opts = json.loads(sys.argv[3]) if len(sys.argv) > 3 else {}
     rank = int(os.environ["RANK"])
@@ -40,11 +87,18 @@ def main() -> None:
             f"{fail['at']}:{fail.get('errno', 'EIO')}" if fail.get("how") != "kill" else fail["at"])
     dist.init_process_group("gloo")
     world = dist.get_world_size()
+    absent = opts.pop("absent", None)  # {"rank": r, "for": seconds}: that rank never calls the writer
+    if absent and absent["rank"] == rank:
+        import time
+
+        time.sleep(absent["for"])
+        os._exit(0)
     if scenario == "dcp-save":
         save_dcp_sharded(dest)
         dist.destroy_process_group()
         return
     from ckptctl.distributed import DistributedWriteError, save_state_dict_distributed
+    from ckptctl.errors import CkptctlError
 
     sd = full_state()
     names = sorted(sd)
@@ -59,14 +113,19 @@ def main() -> None:
         local = {n: sd[n] for i, n in enumerate(names) if i % lw == int(os.environ["LOCAL_RANK"]) or
                  n == "model.norm.weight"}
     code = 0
+    import time
+
+    started = time.monotonic()
     try:
         res = save_state_dict_distributed(local, dest, storage=storage, timeout=opts.pop("timeout", 60),
                                           extras={"config.json": b'{"model_type": "test"}'}, **opts)
         print(json.dumps({"rank": rank, "ok": True, "publish": res.publish}), flush=True)
-    except DistributedWriteError as exc:
-        print(json.dumps({"rank": rank, "ok": False, "phase": exc.phase, "message": exc.message,
-                          "failures": {str(k): v for k, v in exc.failures.items()}}), flush=True)
-        code = 3
+    except (DistributedWriteError, CkptctlError) as exc:
+        print(json.dumps({"rank": rank, "ok": False, "phase": exc.phase, "message": exc.message, "hint": exc.hint,
+                          "type": type(exc).__name__, "exit_code": exc.exit_code,
+                          "seconds": time.monotonic() - started,
+                          "failures": {str(k): v for k, v in getattr(exc, "failures", {}).items()}}), flush=True)
+        code = exc.exit_code
     try:
         dist.destroy_process_group()
     except (RuntimeError, ValueError):  # a group broken by a peer that died

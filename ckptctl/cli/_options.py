@@ -20,3 +20,7 @@ DtypeOpt = Annotated[str, typer.Option("--dtype",
 ManifestOpt = Annotated[bool, typer.Option("--manifest", help="Write ckptctl.manifest.json (every file's size and sha256).")]
 LabelOpt = Annotated[Optional[str], typer.Option("--label", help="A label recorded in the manifest, e.g. the training step.")]
 NoFsyncOpt = Annotated[bool, typer.Option("--no-fsync", help="Skip fsync (scratch output only: not crash-safe).")]
+TimeoutOpt = Annotated[float, typer.Option(
+    "--timeout", metavar="SECONDS",
+    help="Under torchrun: how long a rank waits for the others (to join, and at each step) before failing "
+         "with the ranks that did not come.")]

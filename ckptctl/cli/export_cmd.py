@@ -4,12 +4,14 @@ No ``from __future__ import annotations`` (see ``verify_cmd``): Typer evaluates 
 annotations of the command on every run."""
 
 import os
-from typing import Annotated, Optional
+import sys
+from contextlib import contextmanager
+from typing import Annotated, Iterator, Optional
 
 import typer
 
 from ckptctl.cli._options import (DryRunOpt, DtypeOpt, JsonOpt, KeyOpt, LabelOpt, ManifestOpt, NoFsyncOpt,
-                                  QuietOpt, VerboseOpt)
+                                  QuietOpt, TimeoutOpt, VerboseOpt)
 from ckptctl.cli._output import Output, ProgressReporter, human_size
 
 def export(
@@ -23,6 +25,7 @@ def export(
     key: KeyOpt = None,
     only: Annotated[Optional[str], typer.Option("--only", help="Which weights in SRC: safetensors, pytorch, peft or dcp.")] = None,
     no_fsync: NoFsyncOpt = False,
+    timeout: TimeoutOpt = 300.0,
     dry_run: DryRunOpt = False,
     json_: JsonOpt = False,
     quiet: QuietOpt = 0,
@@ -30,11 +33,37 @@ def export(
 ) -> None:
     """Write a checkpoint as HF safetensors shards + index + config/tokenizer files, atomically."""
     out = Output("export", json_mode=json_, quiet=quiet + (1 if json_ else 0), verbose=verbose)
+    multi_rank = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    try:
+        _run(out, src, dst, max_shard_size, dtype, overwrite, manifest, label, key, only, no_fsync, timeout,
+             dry_run, json_, multi_rank)
+    except typer.Exit as done:
+        if multi_rank and done.exit_code:
+            _leave(done.exit_code)
+        raise
+
+
+def _leave(code: int) -> None:
+    """End a failed or interrupted rank now: an exchange it left unfinished is Gloo work that torch
+    would wait for at exit (up to the timeout). Its cleanup ran and its error was reported."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
+
+
+def _run(out, src, dst, max_shard_size, dtype, overwrite, manifest, label, key, only, no_fsync, timeout, dry_run,
+         json_, multi_rank) -> None:
     with out.guard():
         from ckptctl.api import export as run_export
+        from ckptctl.errors import UsageError
         from ckptctl.resolve import resolve
         from ckptctl.write.options import ExportOptions
 
+        if not timeout > 0:
+            raise UsageError(f"--timeout must be a positive number of seconds, not {timeout:g}", "e.g. --timeout 300")
         if label and not manifest:
             out.warn("--label is recorded only in the manifest; add --manifest")
         reporter = ProgressReporter(out)
@@ -45,37 +74,57 @@ def export(
         if where.note:
             out.info(f"exporting {where.note}")
         try:
-            if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-                result, rank = _export_under_torchrun(where.path, dst, opts, key, only)
+            if multi_rank:
+                result, rank, group = _export_under_torchrun(where.path, dst, opts, key, only, timeout)
+            else:
+                result, rank, group = run_export(where.path, dst, opts, key=key, only=only), 0, None
+            with _completed(result):  # a signal from here on comes after the publish
+                reporter.close()
+                if group is not None:
+                    group.destroy_process_group()
                 if rank != 0:
                     return  # rank 0 reports for everyone
-            else:
-                result = run_export(where.path, dst, opts, key=key, only=only)
+                if json_:
+                    out.emit_json(out.document(True, **result.to_dict()))
+                    return
+                render_result(out, result)
         finally:
             reporter.close()
-        if json_:
-            out.emit_json(out.document(True, **result.to_dict()))
-            return
-        render_result(out, result)
 
 
-def _export_under_torchrun(src, dst, opts, key, only):
-    """torchrun --nproc-per-node N -m ckptctl export SRC DST: ranks split the shards."""
+@contextmanager
+def _completed(result) -> Iterator[None]:
+    """Ctrl-C (or SIGTERM/SIGHUP) after the export returned: say what is true, it is published."""
+    from ckptctl.errors import Interrupted
+
+    try:
+        yield
+    except KeyboardInterrupt:
+        if result.dry_run:
+            raise Interrupted("interrupted after the dry run; nothing was changed", "nothing to undo") from None
+        raise Interrupted(f"interrupted after the export completed: {result.dest} holds the new version",
+                          "nothing to redo", phase="report") from None
+
+
+def _export_under_torchrun(src, dst, opts, key, only, timeout):
+    """torchrun --nproc-per-node N -m ckptctl export SRC DST: ranks split the shards. Joining and
+    every exchange wait at most ``timeout`` seconds for the other ranks. Returns the result, this
+    rank, and ``torch.distributed`` when this call created the process group (else None)."""
+    # one error line and its hint, not the socket warnings and errors torch logs on the way (CKPTCTL_DEBUG shows them)
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "WARNING" if os.environ.get("CKPTCTL_DEBUG") else "FATAL")
     import torch.distributed as dist
 
-    from ckptctl.distributed import export_distributed
+    from ckptctl.distributed import export_distributed, init_from_env
 
     owned = not dist.is_initialized()
     if owned:
-        dist.init_process_group(backend="gloo")
-    try:
-        rank = dist.get_rank()
-        if rank != 0:
-            opts.progress = None
-        return export_distributed(src, dst, opts, key=key, only=only), rank
-    finally:
-        if owned:
-            dist.destroy_process_group()
+        init_from_env(timeout)
+    rank = dist.get_rank()
+    if rank != 0:
+        opts.progress = None
+    result = export_distributed(src, dst, opts, key=key, only=only, timeout=timeout)
+    # the caller tears the group down; after a failure the process ends at once (_leave) instead
+    return result, rank, dist if owned else None
 
 
 def render_result(out: Output, result) -> None:
