@@ -60,6 +60,8 @@ def _render(out: Output, res, *, show_tensors: bool) -> None:
     summary.add_column()
     summary.add_row("path", res.path)
     summary.add_row("format", res.format)
+    for key, value in res.zero.items():  # a DeepSpeed ZeRO checkpoint
+        summary.add_row(key, str(value))
     summary.add_row("tensors", f"{len(res.tensors):,}")
     summary.add_row("parameters", f"{res.parameters:,}")
     summary.add_row("tensor bytes", f"{res.total_bytes:,} ({human_size(res.total_bytes)})")

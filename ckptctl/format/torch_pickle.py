@@ -9,7 +9,10 @@ in :attr:`ScanUnpickler.unsafe` and replaced by an inert stub, so a ``__reduce__
 neither import nor call its target. Before the C unpickler runs, one pass over the opcodes checks
 every length field against the bytes that are there, so a hostile length is never allocated, and
 models the objects they build, so none nests deep enough to crash CPython's recursive hash or
-costs hours to hash through memo references. torch is never imported here.
+costs hours to hash through memo references. torch is never imported here. A caller may name
+globals to read as data (the ZeRO source: :data:`DEEPSPEED_GLOBALS`, DeepSpeed's loss scaler,
+stage enum and fragment address): each becomes a :class:`DataObject` recording its arguments and
+state, and nothing of DeepSpeed is imported either.
 """
 
 from __future__ import annotations
@@ -42,6 +45,15 @@ _REBUILD_FUNCS = frozenset({
     "_rebuild_parameter_with_state", "_rebuild_meta_tensor_no_storage", "_rebuild_qtensor",
     "_rebuild_sparse_tensor", "_rebuild_nested_tensor", "_rebuild_device_tensor_from_numpy",
     "_rebuild_device_tensor_from_cpu_tensor", "_rebuild_wrapper_subclass",
+})
+# DeepSpeed's globals in a ZeRO checkpoint's pickles (loss scaler, stage enum, fragment address):
+# data, never imported. Only a caller that asks for them (``load_pickles(data_globals=...)``, the
+# ZeRO source) reads them, as :class:`DataObject` records; for everyone else they stay unsafe.
+DEEPSPEED_GLOBALS = frozenset({
+    "deepspeed.runtime.zero.config.ZeroStageEnum",
+    "deepspeed.runtime.fp16.loss_scaler.LossScaler",
+    "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler",
+    "deepspeed.utils.tensor_fragment.fragment_address",
 })
 # When tied names alias each other, drop these in favour of the embedding (transformers' choice).
 DISCARD_SUFFIXES = ("lm_head.weight", "embed_out.weight", "output.weight", "decoder.weight")
@@ -109,6 +121,31 @@ class Inert:
         pass
 
 
+class DataObject:
+    """An instance of a data-only class the caller allowed (:data:`DEEPSPEED_GLOBALS`), recorded
+    instead of built: the global it names (``global_name``), the arguments it was called or
+    created with (``args``) and the state it was given (``state``). Nothing of the class runs."""
+
+    global_name = ""
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> "DataObject":
+        obj = object.__new__(cls)
+        obj.args = args
+        obj.state = None
+        return obj
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def __setstate__(self, state: Any) -> None:
+        self.state = state
+
+    @property
+    def value(self) -> Any:
+        """The first argument (an enum's value: ``ZeroStageEnum(3)``), or None."""
+        return self.args[0] if self.args else None
+
+
 @dataclass(frozen=True)
 class _DtypeStub:
     name: str | None
@@ -172,9 +209,13 @@ def _bytearray(data: Any = b"", *rest: Any) -> Any:
 class ScanUnpickler(pickle.Unpickler):
     """Never imports: allow-listed globals map to recorders, everything else to inert stubs."""
 
-    def __init__(self, data: bytes) -> None:
+    def __init__(self, data: bytes, data_globals: frozenset[str] = frozenset()) -> None:
         super().__init__(io.BytesIO(data))
         self.unsafe: list[str] = []
+        self.data_globals = data_globals  # read as DataObject records (the caller's allow-list)
+        # torch.load keeps the first typed storage loaded under a key: a later persistent id of
+        # the same key (another storage type or size: a crafted or damaged pickle) gets it too
+        self._storages: dict[str, StorageRef] = {}
 
     def find_class(self, module: str, name: str) -> Any:  # noqa: C901 - one allow-list
         if module == "__builtin__":
@@ -221,6 +262,8 @@ class ScanUnpickler(pickle.Unpickler):
                                           "per_channel_symmetric", "per_channel_affine_float_qparams",
                                           "strided", "sparse_coo", "contiguous_format", "channels_last"):
             return _DtypeStub(None)
+        if full in self.data_globals:  # a class of its own per global, so the record names it
+            return type(name, (DataObject,), {"global_name": full, "__module__": __name__})
         self.unsafe.append(full)
         return Inert
 
@@ -231,8 +274,13 @@ class ScanUnpickler(pickle.Unpickler):
             numel = pid[4] if type(pid[4]) is int else 0
             exact = (len(pid) == 5 and isinstance(stype, _StorageType) and isinstance(pid[2], str)
                      and type(pid[4]) is int and pid[4] >= 0)
-            return StorageRef(str(pid[2]), dtype, numel, str(pid[3]),
-                              stype.type_name if isinstance(stype, _StorageType) else "", exact)
+            if exact and pid[2] in self._storages:
+                return self._storages[pid[2]]
+            ref = StorageRef(str(pid[2]), dtype, numel, str(pid[3]),
+                             stype.type_name if isinstance(stype, _StorageType) else "", exact)
+            if exact:
+                self._storages[pid[2]] = ref
+            return ref
         return Inert()
 
 
@@ -415,10 +463,12 @@ class _Shape:
         target[1] = max(target[1], grown[1])
 
 
-def load_pickles(data: bytes, max_pickles: int = 1) -> tuple[list[Any], list[str], str | None]:
+def load_pickles(data: bytes, max_pickles: int = 1, data_globals: frozenset[str] = frozenset()
+                 ) -> tuple[list[Any], list[str], str | None]:
     """Run the scanning unpickler over ``max_pickles`` consecutive pickles in ``data`` (a legacy
     ``torch.save`` stream is several): (the objects read, the unsafe globals named, the error
-    that stopped it or None). :meth:`_Shape.walk` first reads each pickle's opcodes, checking every
+    that stopped it or None). ``data_globals``: globals read as :class:`DataObject` records
+    instead of counted unsafe (the ZeRO source's :data:`DEEPSPEED_GLOBALS`). :meth:`_Shape.walk` first reads each pickle's opcodes, checking every
     length field against the bytes that are there and what the objects would cost to hash; only
     pickles that pass are unpickled."""
     stream, checked, err = io.BytesIO(data), 0, None
@@ -429,7 +479,7 @@ def load_pickles(data: bytes, max_pickles: int = 1) -> tuple[list[Any], list[str
             checked += 1
     except (ValueError, struct.error, OverflowError, RecursionError, UnicodeDecodeError) as exc:
         err = f"{type(exc).__name__}: {str(exc)[:160]}"
-    up = ScanUnpickler(data)
+    up = ScanUnpickler(data, data_globals)
     out: list[Any] = []
     try:
         for _ in range(checked):

@@ -1,17 +1,195 @@
-"""Source protocol and the dispatcher that opens the right source for a path."""
+"""Source protocol, and what every source reads its files through.
+
+A source pins each file it lists (:meth:`Source.pin`: its :class:`FileId` as the listing read
+it); its bytes are then read only from that version: :class:`OpenFiles` (the writer's bounded set
+of open source files) and :func:`file_chunks` check the identity when they open a file and after
+they read it, :func:`same_file` checks a file torch reads by its name, and a file that is not
+the version listed is refused as :func:`changed` (exit 3), never mixed into an export."""
 
 from __future__ import annotations
 
 import os
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator, NamedTuple, TypeVar
 
-from ckptctl.errors import InputError
+from ckptctl.errors import InputError, OperationalError
 from ckptctl.format import dtypes as dt
 from ckptctl.format.tensor import SpecFields, TensorSpec
 
 CHUNK_BYTES = 16 * 1024 * 1024  # what one read/convert step holds in memory at most
+MAX_OPEN_SOURCES = 64  # source files a writer keeps open at once (fewer under a low ``ulimit -n``)
+_T = TypeVar("_T")
+
+
+class FileId(NamedTuple):
+    """One version of a file: a file replaced by a rename is another inode, one rewritten in
+    place has another mtime and ctime (unless the rewrite falls within the filesystem's timestamp
+    granularity, the known limit of this check). Two are equal when the inode, size and mtime are
+    and the ctime is too, unless the link count changed: a hard link to the file (resave links
+    the shards it keeps) changes its ctime, not its bytes."""
+
+    dev: int
+    ino: int
+    size: int
+    mtime_ns: int
+    ctime_ns: int
+    nlink: int = 1
+
+    @classmethod
+    def of(cls, st: os.stat_result) -> "FileId":
+        return cls(st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_nlink)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, FileId):
+            return NotImplemented
+        return self[:4] == other[:4] and (self[4] == other[4] or self[5] != other[5])
+
+    def __ne__(self, other: object) -> bool:
+        same = self.__eq__(other)
+        return same if same is NotImplemented else not same
+
+    def __hash__(self) -> int:
+        return hash(self[:4])
+
+
+def changed(path: str | os.PathLike[str]) -> OperationalError:
+    """The error of a source file that is not the version the plan read (exit 3)."""
+    return OperationalError(
+        f"source {os.fspath(path)} changed while reading it (replaced or rewritten during the export)",
+        "another process wrote the source while it was exported (a trainer saving its next step?); nothing "
+        "was published: export a checkpoint that is no longer being written, or run the export again")
+
+
+def read_pinned(path: str | os.PathLike[str], read: Callable[[], _T]) -> tuple[_T, FileId | None]:
+    """``read()`` (which reads ``path`` by its name) and the identity of the file it read: the file
+    is held open across the read, and it must be the same before, after, and still the file the
+    name names afterwards; else :func:`changed`. The identity is None when ``path`` cannot be
+    opened (``read()`` then says why)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return read(), None
+    try:
+        before = FileId.of(os.fstat(fd))
+        try:
+            out = read()
+        except InputError:  # a file being written looks damaged: that it changed is the reason
+            if not _still(fd, path, before):
+                raise changed(path) from None
+            raise
+        if not _still(fd, path, before):
+            raise changed(path)
+    finally:
+        os.close(fd)
+    return out, before
+
+
+def _still(fd: int, path: str | os.PathLike[str], before: FileId) -> bool:
+    """The file open at ``fd`` is still ``before``, and ``path`` still names it."""
+    try:
+        return FileId.of(os.fstat(fd)) == before and FileId.of(os.stat(path)) == before
+    except FileNotFoundError:
+        return False
+
+
+def same_file(path: str | os.PathLike[str], expect: FileId | None) -> None:
+    """``path`` (by its name) is still the file ``expect`` identifies; else :func:`changed`."""
+    if expect is None:
+        return
+    try:
+        now = FileId.of(os.stat(path))
+    except FileNotFoundError:
+        raise changed(path) from None
+    if now != expect:
+        raise changed(path)
+
+
+def open_checked(path: str, expect: FileId | None, flags: int = 0) -> tuple[int, FileId]:
+    """A read descriptor of ``path`` and its identity, which must be ``expect`` (when given)."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | flags)
+    try:
+        ident = FileId.of(os.fstat(fd))
+        if expect is not None and ident != expect:
+            raise changed(path)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, ident
+
+
+def open_limit() -> int:
+    """How many source files to keep open at once: ``MAX_OPEN_SOURCES``, or a quarter of the
+    process's descriptor limit where that is lower (at least 4)."""
+    import resource
+
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    if soft == resource.RLIM_INFINITY or soft <= 0:
+        return MAX_OPEN_SOURCES
+    return max(4, min(MAX_OPEN_SOURCES, soft // 4))
+
+
+class OpenFiles:
+    """Source files open for reading, at most ``limit`` at once (the least recently used one is
+    closed first, and opened again when needed). Each is checked when it is opened to be the
+    version the plan read (``expect``; a path no source pinned keeps the identity it had when it
+    was first opened), and again by :meth:`check` (and before it is closed to make room) after
+    it was read: one ``fstat`` per file each time, none per chunk."""
+
+    def __init__(self, limit: int | None = None, flags: int = 0) -> None:
+        self.limit = limit or open_limit()
+        self._flags = flags
+        self._open: OrderedDict[str, tuple[int, FileId]] = OrderedDict()
+        self._seen: dict[str, FileId] = {}  # the identity each path was first opened with
+        self._blocks: dict[str, int] = {}
+        self._used: set[str] = set()  # read since the last check
+
+    def fd(self, path: str, expect: FileId | None = None) -> int:
+        """A descriptor of ``path``, open until this pool closes it (use it before the next call)."""
+        hit = self._open.get(path)
+        if hit is not None:
+            self._open.move_to_end(path)
+            self._used.add(path)
+            return hit[0]
+        while len(self._open) >= self.limit:
+            old, (ofd, ident) = self._open.popitem(last=False)
+            try:
+                if old in self._used:
+                    self._used.discard(old)
+                    if FileId.of(os.fstat(ofd)) != ident:
+                        raise changed(old)
+            finally:
+                os.close(ofd)
+        fd, ident = open_checked(path, expect or self._seen.get(path), self._flags)
+        self._seen.setdefault(path, ident)
+        self._open[path] = (fd, ident)
+        self._used.add(path)
+        return fd
+
+    def block(self, path: str) -> int:
+        """The block size of the filesystem holding ``path`` (open it first)."""
+        size = self._blocks.get(path)
+        if size is None:
+            size = self._blocks[path] = os.fstatvfs(self._open[path][0]).f_bsize
+        return size
+
+    def check(self) -> None:
+        """Every file read since the last check is still the version it was opened as, and every
+        file opened so far is still that version by its name."""
+        used, self._used = self._used, set()
+        for path in used:
+            hit = self._open.get(path)
+            if hit is not None and FileId.of(os.fstat(hit[0])) != hit[1]:
+                raise changed(path)
+        for path, ident in self._seen.items():
+            same_file(path, ident)
+
+    def close(self) -> None:
+        """Close every file (no check: :meth:`check` after the last read)."""
+        while self._open:
+            os.close(self._open.popitem()[1][0])
+        self._used.clear()
 
 
 @dataclass(frozen=True)
@@ -71,6 +249,29 @@ class Source:
     torch_loaded: list[str] = field(default_factory=list)
     # Where each listed tensor came from (a file name), for the one duplicate check: :meth:`claim`.
     _origins: dict[str, str] = field(default_factory=dict, repr=False)
+    # The version of each file the listing read (path -> identity): its bytes are read only from it.
+    pinned: dict[str, FileId] = field(default_factory=dict, repr=False)
+
+    def pin(self, path: str | os.PathLike[str], ident: FileId | None) -> None:
+        """Record that the listing read ``ident`` at ``path``; a second, different version of
+        the same path is :func:`changed`."""
+        if ident is None:
+            return
+        key = os.fspath(path)
+        first = self.pinned.setdefault(key, ident)
+        if first != ident:
+            raise changed(key)
+
+    def identity(self, path: str | os.PathLike[str]) -> FileId | None:
+        """The version of ``path`` the listing read, None when it pinned none."""
+        return self.pinned.get(os.fspath(path))
+
+    def unchanged(self) -> None:
+        """Every file the listing read is still, by its name, the version it read; else
+        :func:`changed` (a file replaced after its bytes were copied, beside one replaced before
+        it was listed, is a torn multi-file save)."""
+        for path, ident in self.pinned.items():
+            same_file(path, ident)
 
     def claim(self, name: str, origin: str) -> None:
         """Record that tensor ``name`` comes from ``origin``; a name listed twice is refused here,
@@ -127,17 +328,19 @@ def convert_bytes(raw: Any, src_dtype: str, dst_dtype: str) -> bytes:
 
 
 def file_chunks(file: str, offset: int, total: int, src_dtype: str, target_dtype: str | None,
-                chunk_bytes: int, short: str) -> Iterator[bytes]:
+                chunk_bytes: int, short: str, expect: FileId | None = None) -> Iterator[bytes]:
     """``total`` bytes of ``src_dtype`` elements at ``offset`` of ``file`` (converted to
     ``target_dtype`` when given), read with ``pread`` at most about ``chunk_bytes`` at a time.
-    ``short`` is the message when the file ends first. Raises InputError."""
+    ``short`` is the message when the file ends first. ``expect``: the version the plan read
+    (checked when the file is opened and after its last chunk). Raises InputError, and
+    OperationalError when the file changed (:func:`changed`)."""
     from ckptctl.errors import from_oserror
 
     src_bits = dt.BY_NAME[src_dtype].bits
     # Keep chunks on element boundaries so each one converts on its own.
     step = max(8, chunk_bytes - chunk_bytes % 8)
     try:
-        fd = os.open(file, os.O_RDONLY | os.O_CLOEXEC)
+        fd, ident = open_checked(file, expect)
     except OSError as exc:
         raise from_oserror(exc, "cannot read source shard") from None
     try:
@@ -146,11 +349,15 @@ def file_chunks(file: str, offset: int, total: int, src_dtype: str, target_dtype
             n = min(step, total - done)
             data = os.pread(fd, n, offset + done)
             if len(data) != n:
+                if FileId.of(os.fstat(fd)) != ident:
+                    raise changed(file)
                 raise InputError(short, "the source is truncated: restore it or export it again")
             done += n
             if target_dtype and target_dtype != src_dtype and src_bits >= 8:
                 yield convert_bytes(data, src_dtype, target_dtype)
             else:
                 yield data
+        if FileId.of(os.fstat(fd)) != ident:
+            raise changed(file)
     finally:
         os.close(fd)

@@ -21,7 +21,7 @@ from __future__ import annotations
 import io
 import math
 import os
-from typing import Any
+from typing import Any, Callable
 
 from ckptctl.errors import InputError
 from ckptctl.format import dtypes as dt
@@ -97,10 +97,12 @@ def run_start(offsets: tuple[int, ...], sizes: tuple[int, ...], full: tuple[int,
     return sum(o * s for o, s in zip(offsets, contiguous_strides(full)))
 
 
-def tensor_pieces(root: Any, fqn: str, item: Any, storage: Any, dtype: str, fds: dict[str, int]) -> tuple[Piece, ...]:
+def tensor_pieces(root: Any, fqn: str, item: Any, storage: Any, dtype: str,
+                  open_fd: Callable[[str], int]) -> tuple[Piece, ...]:
     """The pieces of the DCP tensor ``fqn`` (its ``TensorStorageMetadata`` ``item``), or ``()``
     when it must stream. ``storage`` is the metadata's storage map (already checked to lie inside
-    ``root``); ``fds`` caches open ``.distcp`` descriptors (the caller closes them)."""
+    ``root``); ``open_fd(path)`` gives a descriptor of a ``.distcp`` file, valid until its next
+    call (the caller's bounded set of open files, :class:`~ckptctl.sources.base.OpenFiles`)."""
     full = tuple(int(x) for x in item.size)
     numel = math.prod(full)
     itemsize = dt.BY_NAME[dtype].itemsize
@@ -117,10 +119,7 @@ def tensor_pieces(root: Any, fqn: str, item: Any, storage: Any, dtype: str, fds:
         if not count:
             continue
         path = str(root / info.relative_path)
-        fd = fds.get(path)
-        if fd is None:
-            fd = fds[path] = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
-        at = chunk_bytes_at(fd, int(info.offset), int(info.length), dtype, sizes)
+        at = chunk_bytes_at(open_fd(path), int(info.offset), int(info.length), dtype, sizes)
         if at is None:
             return ()
         pieces.append(Piece(path, at, first * itemsize, count * itemsize))

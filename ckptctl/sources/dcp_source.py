@@ -8,20 +8,25 @@ before anything is read. A tensor whose chunks are contiguous runs is copied by 
 conversion) is loaded with ``dcp.load`` when it is written (torch imported then, and the metadata
 read again into torch's own classes for torch's FileSystemReader), one at a time, so peak memory
 is bounded by the largest tensor.
+
+Each ``.distcp`` file and ``.metadata`` is pinned when the listing reads it (its identity:
+:class:`ckptctl.sources.base.FileId`): the writer copies pieces only from those versions, and a
+tensor that goes through ``dcp.load`` is read only while its files are still them (checked by
+name before and after), so a checkpoint rewritten while it is exported is refused, never mixed.
 """
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from ckptctl.errors import InputError, UsageError, from_oserror
 from ckptctl.format import dtypes as dt
 from ckptctl.format import names as N
 from ckptctl.format.dcp_metadata import read_dcp_metadata as read_allowed
 from ckptctl.format.dcp_metadata import DType, TensorStorageMetadata, storage_needs
-from ckptctl.sources.base import CHUNK_BYTES, Source, SourceTensor
+from ckptctl.sources.base import CHUNK_BYTES, FileId, OpenFiles, Source, SourceTensor, changed, read_pinned, same_file
 from ckptctl.sources.dcp_chunks import tensor_pieces
 
 
@@ -43,8 +48,9 @@ def read_dcp_metadata(root: Path, *, torch_classes: bool = False) -> Any:
     return meta
 
 
-def check_storage(root: Path, meta: Any) -> None:
-    """Every byte range the metadata names must exist inside ``root``."""
+def check_storage(root: Path, meta: Any, pin: Callable[[str, FileId], None] | None = None) -> None:
+    """Every byte range the metadata names must exist inside ``root``; ``pin`` gets each file's
+    identity."""
     for need in storage_needs(meta):
         rel = need.relative_path
         why = N.member_problem(rel)
@@ -52,7 +58,10 @@ def check_storage(root: Path, meta: Any) -> None:
             raise InputError(f"{root}: DCP storage entry for {need.fqn!r} names {rel!r} ({why})",
                              "the metadata is corrupt or points outside the checkpoint")
         try:
-            size = (root / rel).stat().st_size
+            st = (root / rel).stat()
+            size = st.st_size
+            if pin is not None:
+                pin(str(root / rel), FileId.of(st))
         except FileNotFoundError:
             raise InputError(f"{root}: {rel} is missing (needed by {need.fqn!r})",
                              "copy the missing .distcp file or save the checkpoint again") from None
@@ -104,32 +113,34 @@ class DcpSource(Source):
         self._torch_meta: Any = None  # torch's own Metadata, read when a tensor must go through dcp.load
         self._fqn: dict[str, str] = {}
         self._torch_dtype: dict[str, str] = {}
+        self._files_of: dict[str, set[str]] | None = None  # fqn -> the .distcp files dcp.load reads for it
 
     @classmethod
     def open(cls, root: Path, *, key: str | None = None) -> "DcpSource":
-        meta = read_dcp_metadata(root)
-        check_storage(root, meta)
         src = cls(path=root, kind="dcp")
+        meta, ident = read_pinned(root / N.DCP_METADATA, lambda: read_dcp_metadata(root))
+        src.pin(root / N.DCP_METADATA, ident)
+        check_storage(root, meta, src.pin)
         src._meta = meta
         if not key:
             _refuse_mixed(root, meta, TensorStorageMetadata)
         prefix = f"{key}." if key else ""
-        fds: dict[str, int] = {}
+        files = OpenFiles(flags=os.O_NOFOLLOW)  # a bounded number open at once, each the version pinned
         try:
-            src._list(meta, prefix, fds)
+            src._list(meta, prefix, lambda path: files.fd(path, src.identity(path)))
+            files.check()
         except OSError as exc:
             raise from_oserror(exc, "cannot read DCP storage") from None
         finally:
-            for fd in fds.values():
-                os.close(fd)
+            files.close()
         if not src.tensors:
             hint = f"pass --key to select the state dict (top-level keys: {', '.join(_top_keys(meta)[:8])})"
             raise InputError(f"{root}: no tensors in the DCP checkpoint" + (f" under {key!r}" if key else ""), hint)
         return src
 
-    def _list(self, meta: Any, prefix: str, fds: dict[str, int]) -> None:
+    def _list(self, meta: Any, prefix: str, open_fd: Callable[[str], int]) -> None:
         """List the tensors under ``prefix``, each with its pieces where its chunks are
-        contiguous runs (:mod:`ckptctl.sources.dcp_chunks`)."""
+        contiguous runs (:mod:`ckptctl.sources.dcp_chunks`; ``open_fd`` opens a ``.distcp``)."""
         root = self.path
         for fqn, item in meta.state_dict_metadata.items():
             if not isinstance(item, TensorStorageMetadata) or not fqn.startswith(prefix):
@@ -146,7 +157,7 @@ class DcpSource(Source):
             except (TypeError, ValueError):
                 raise InputError(f"{root}: tensor {fqn!r} has no size", "the metadata is corrupt") from None
             name = fqn[len(prefix):]
-            pieces = () if d.name == "F4" else tensor_pieces(root, fqn, item, meta.storage_data, d.name, fds)
+            pieces = () if d.name == "F4" else tensor_pieces(root, fqn, item, meta.storage_data, d.name, open_fd)
             self.tensors.append(SourceTensor(name, d.name, shape, pieces=pieces))
             self._fqn[name] = fqn
             self._torch_dtype[name] = tdtype.torch_name
@@ -157,19 +168,40 @@ class DcpSource(Source):
 
         fqn = self._fqn[t.name]
         if self._torch_meta is None:
-            self._torch_meta = read_dcp_metadata(self.path, torch_classes=True)
-            self.torch_loaded.append(str(self.path / N.DCP_METADATA))
+            path = self.path / N.DCP_METADATA
+            self._torch_meta, ident = read_pinned(path, lambda: read_dcp_metadata(self.path, torch_classes=True))
+            if self.identity(path) not in (None, ident):
+                raise changed(path)
+            self.torch_loaded.append(str(path))
         buf = torch.empty(t.shape, dtype=getattr(torch, self._torch_dtype[t.name]))
+        files = self._files(fqn)
+        self._unchanged(files)  # torch reads them by name: the versions listed, before and after
         try:
             dcp.load({fqn: buf}, storage_reader=_reader_class()(self.path, self._torch_meta), no_dist=True)
         except Exception as exc:  # noqa: BLE001 - torch wraps read errors in CheckpointException
+            self._unchanged(files)  # a file replaced while torch read it is the cause
             cause = exc.__cause__ or exc.__context__
             if isinstance(exc, OSError) or isinstance(cause, OSError):
                 raise from_oserror(exc if isinstance(exc, OSError) else cause, f"cannot read tensor {t.name!r}",
                                    phase="write") from None
             raise InputError(f"{self.path}: cannot read tensor {t.name!r} ({type(exc).__name__}: {str(exc)[:200]})",
                              "the DCP files are damaged: save the checkpoint again") from None
+        self._unchanged(files)
         return buf
+
+    def _unchanged(self, files: list[str]) -> None:
+        for path in files:
+            same_file(path, self.identity(path))
+
+    def _files(self, fqn: str) -> list[str]:
+        """The ``.distcp`` files that hold ``fqn``'s chunks (the storage map read once)."""
+        if self._files_of is None:
+            self._files_of = {}
+            for idx, info in self._meta.storage_data.items():
+                rel = getattr(info, "relative_path", None)
+                if isinstance(rel, str):
+                    self._files_of.setdefault(str(getattr(idx, "fqn", idx)), set()).add(str(self.path / rel))
+        return sorted(self._files_of.get(fqn, ()))
 
     def chunks(self, t: SourceTensor, target_dtype: str | None = None,
                chunk_bytes: int = CHUNK_BYTES) -> Iterator[Any]:

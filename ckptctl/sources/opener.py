@@ -23,6 +23,17 @@ def open_source(path: str | os.PathLike[str], *, key: str | None = None, only: s
     from ckptctl import layout as L
 
     p = Path(path)
+    if only in (None, "zero"):  # a DeepSpeed ZeRO root (``latest``) or step folder: its fp32 master weights
+        from ckptctl.sources.zero_source import open_zero
+
+        zero = open_zero(p, key)
+        if zero is not None:
+            return zero
+    from ckptctl.sources.dcp_hf import open_dcp_hf  # torch's HuggingFaceStorageWriter sharded/ output
+
+    hf = open_dcp_hf(p, only=only, key=key, reading=reading)
+    if hf is not None:
+        return hf
     lay = L.scan(p, reading=reading)
     fam = L.choose(lay, prefer=only)
     errors = [f for f in lay.findings if f.severity == "error"

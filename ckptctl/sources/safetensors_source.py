@@ -1,7 +1,10 @@
 """A safetensors file or sharded directory as a source: metadata from headers, bytes by range.
 
 Also the source of byte ranges fed one by one (``CheckpointWriter.add_range``): any tensor whose
-``file`` and ``offset`` are known is read with ``pread`` (and converted chunk by chunk)."""
+``file`` and ``offset`` are known is read with ``pread`` (and converted chunk by chunk).
+
+Each file's header is read with the file held open and pinned (:meth:`Source.pin`): its bytes
+are copied only from that version (a file replaced or rewritten since is refused, exit 3)."""
 
 from __future__ import annotations
 
@@ -10,7 +13,7 @@ from pathlib import Path
 from typing import Iterator
 
 from ckptctl.format.header import load_header
-from ckptctl.sources.base import CHUNK_BYTES, Source, SourceTensor, file_chunks
+from ckptctl.sources.base import CHUNK_BYTES, Source, SourceTensor, file_chunks, read_pinned
 
 
 class SafetensorsSource(Source):
@@ -21,7 +24,9 @@ class SafetensorsSource(Source):
         for name in files:
             fpath = root / name
             file = str(fpath)
-            hdr = load_header(fpath, display=file, fast=fast)
+            # the version of the file whose header this is: its bytes are copied from it only
+            hdr, ident = read_pinned(file, lambda: load_header(fpath, display=file, fast=fast))
+            src.pin(file, ident)
             table = hdr.tensors  # by column: a spec and an offset per tensor, no TensorInfo
             src.add_all(list(map(SourceTensor, table.spec_list(), repeat(None), repeat(None), repeat(file),
                                  map(hdr.data_start.__add__, table.begins))), list(table), name)
@@ -33,4 +38,4 @@ class SafetensorsSource(Source):
                chunk_bytes: int = CHUNK_BYTES) -> Iterator[bytes]:
         assert t.file is not None and t.offset is not None
         return file_chunks(t.file, t.offset, t.nbytes, t.dtype, target_dtype, chunk_bytes,
-                           f"{t.file} is shorter than its header says (tensor {t.name!r})")
+                           f"{t.file} is shorter than its header says (tensor {t.name!r})", self.identity(t.file))

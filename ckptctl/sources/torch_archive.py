@@ -11,9 +11,8 @@ exactly what torch loads when:
 - ``data.pkl`` is read by :mod:`ckptctl.format.torch_pickle` (allow-list, nothing imported or
   run; a global outside it refuses the file) and every tensor's rebuild arguments are exactly
   typed (no coercion was needed);
-- the archive has a ``version`` record (torch's reader requires one) and is little-endian (its
-  ``byteorder`` record, when there is one); ``data.pkl`` and every storage record are stored
-  uncompressed and lie inside the file;
+- the archive has a ``version`` record (torch's reader requires one); ``data.pkl`` and every
+  storage record are stored uncompressed and lie inside the file;
 - each storage record holds at least the storage's bytes (torch maps only that many; a shorter
   record would make torch read the next record's bytes: refused here), and each view lies
   inside its storage (torch refuses that too).
@@ -24,6 +23,13 @@ for every export): the checks above are the conditions under which the two agree
 saved by torch. What the records cannot describe exactly (a legacy non-zip file, a compressed
 record, a dtype safetensors lacks, a quantized or sparse tensor, a state dict that needs
 ``--key``) gives None: the caller loads the file with torch as before.
+
+Refused whoever reads the file (InputError, exit 2): an archive whose ``byteorder`` record says
+anything but ``little`` (``big``: its bytes are big-endian; anything else torch refuses itself,
+"Unknown endianness type"), and a state dict with two keys of one name (``1`` and ``"1"``: both
+would be tensor ``"1"``, and one would be lost). A storage named again by a later tensor with
+another storage type is the first one's, as ``torch.load`` builds it
+(:class:`ckptctl.format.torch_pickle.ScanUnpickler`).
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ from typing import Any, Mapping
 from ckptctl.errors import InputError, from_oserror
 from ckptctl.format import dtypes as dt
 from ckptctl.format.torch_pickle import Inert, TensorRef, load_pickles
+from ckptctl.sources.base import FileId, changed
 
 MAX_PICKLE_BYTES = 1 << 30  # a larger data.pkl is not a state dict: torch reads it
 _COMPLETE = "check that the file is a complete torch.save output"
@@ -90,8 +97,8 @@ def archive_members(f: Any) -> tuple[dict[str, Member], bool]:
                 if info.filename in out:
                     raise _Damaged(f"member {info.filename} is stored twice")
                 out[info.filename] = Member(start, info.file_size, stored)
-                if info.filename.split("/")[1:] == ["byteorder"]:
-                    little = stored and info.file_size < 64 and z.read(info).strip() == b"little"
+                if info.filename.split("/")[1:] == ["byteorder"]:  # exactly "little" (torch's test)
+                    little = info.file_size < 64 and z.read(info) == b"little"
     except (zipfile.BadZipFile, zipfile.LargeZipFile, EOFError, ValueError, struct.error) as exc:
         raise _Damaged(str(exc) or type(exc).__name__) from None
     return out, little
@@ -114,10 +121,15 @@ def select(obj: Any, path: Path, key: str | None, is_tensor: Any) -> dict[str, A
     if not isinstance(obj, Mapping):
         raise InputError(f"{path}: holds a {_kind(obj)}, not a state dict", "pass --key to select one")
     flat: dict[str, Any] = {}
+    keys: dict[str, Any] = {}
     nested = []
     for k, v in obj.items():
         if is_tensor(v):
-            flat[str(k)] = v
+            name = str(k)
+            if keys.setdefault(name, k) is not k:
+                raise InputError(f"{path}: keys {keys[name]!r} and {k!r} both name tensor {name!r}; one would be lost",
+                                 "save the state dict again with distinct string keys")
+            flat[name] = v
         else:
             nested.append(str(k))
     if not flat:
@@ -154,8 +166,10 @@ def _load(f: Any, path: Any, max_pickle: int) -> tuple[dict[str, Member], str, A
     except _Damaged as exc:
         raise InputError(f"{path}: not a readable torch checkpoint (damaged zip archive: {str(exc)[:160]})",
                          _COMPLETE) from None
+    if not little:
+        _refuse_byte_order(f, path, members)
     pkls = [n for n in members if n.split("/")[1:] == ["data.pkl"]]
-    if not little or len(pkls) != 1 or not members[pkls[0]].stored or members[pkls[0]].size > max_pickle:
+    if len(pkls) != 1 or not members[pkls[0]].stored or members[pkls[0]].size > max_pickle:
         return None
     prefix = pkls[0][:-len("data.pkl")]
     version = members.get(f"{prefix}version") or members.get(f"{prefix}.data/version")
@@ -182,11 +196,15 @@ def read_archive(path: Path, key: str | None) -> dict[str, ArchiveTensor] | None
     """The state dict (under ``key``) of the ``torch.save`` archive ``path`` as records, or None
     when torch must load it (see the module docstring). Raises InputError for a file that is
     refused whoever reads it: a pickle naming a global outside the allow-list (nothing is run),
-    a damaged archive, a storage record shorter than its storage, a view outside its storage."""
+    a damaged archive, a storage record shorter than its storage, a view outside its storage,
+    another byte order, two keys of one name; OperationalError when it changed while read."""
     fd = open_regular(path)
     try:
+        before = FileId.of(os.fstat(fd))
         with os.fdopen(fd, "rb", closefd=False) as f:
             loaded = _load(f, path, MAX_PICKLE_BYTES)
+        if FileId.of(os.fstat(fd)) != before:
+            raise changed(path)
     except OSError as exc:
         raise from_oserror(exc, "cannot read pickle checkpoint") from None
     finally:
@@ -203,6 +221,20 @@ def read_archive(path: Path, key: str | None) -> dict[str, ArchiveTensor] | None
             return None
         out[name] = t
     return out
+
+
+def _refuse_byte_order(f: Any, path: Any, members: dict[str, Member]) -> None:
+    """Refuse the archive in ``f``, whose ``byteorder`` record is not ``little``."""
+    name = next(n for n in members if n.split("/")[1:] == ["byteorder"])
+    f.seek(0)
+    with zipfile.ZipFile(f) as z:
+        order = z.read(name)[:32].decode("latin-1")
+    if order == "big":
+        raise InputError(f"{path}: its byte order is {order!r} (byteorder record): its tensors' bytes are big-endian",
+                         "load it with torch.load (which swaps the bytes) and torch.save it again on a little-endian "
+                         "machine, then export that file")
+    raise InputError(f"{path}: unknown byte order {order!r} (byteorder record); torch.load refuses it too",
+                     "the file is damaged or was not written by torch.save: save the checkpoint again")
 
 
 def tensor_record(f: Any, where: str, max_pickle: int) -> ArchiveTensor | None:

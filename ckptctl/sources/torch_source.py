@@ -21,8 +21,9 @@ from ckptctl.errors import InputError, from_oserror
 from ckptctl.format import dtypes as dt
 from ckptctl.format.tensor import TensorSpec
 from ckptctl.format.torch_pickle import DISCARD_SUFFIXES, keep_name
-from ckptctl.sources.base import CHUNK_BYTES, Source, SourceTensor, file_chunks
+from ckptctl.sources.base import CHUNK_BYTES, Source, SourceTensor, changed, file_chunks, read_pinned, same_file
 from ckptctl.sources.torch_archive import ArchiveTensor, open_regular, read_archive, select
+from ckptctl.sources.zero_files import ZERO_HINT, is_states_file, refuse_placeholders
 
 # What torch.load raises on a corrupt zip or pickle besides the cases handled one by one: the
 # weights-only unpickler's stack and memo errors, truncated structs, bad rebuild arguments.
@@ -114,6 +115,16 @@ def _tie(idents: Mapping[str, tuple[Any, ...]], tie_heads: bool) -> tuple[set[st
     return keep, aliases
 
 
+def _read_records(path: Path, key: str | None) -> dict[str, ArchiveTensor] | None:
+    """:func:`read_archive`; a DeepSpeed rank file it refuses is refused with the ZeRO source's hint."""
+    try:
+        return read_archive(path, key)
+    except InputError as exc:
+        if is_states_file(path.name):
+            raise InputError(exc.message, ZERO_HINT.format(folder=path.parent)) from None
+        raise
+
+
 class TorchSource(Source):
     """Tensors of ``torch.save`` files, listed from the archives' records without torch
     (:mod:`ckptctl.sources.torch_archive`; contiguous tensors are copied by the kernel from the
@@ -135,9 +146,12 @@ class TorchSource(Source):
         tie_heads = heads_tied(read_config(root))
         per_file = []
         for name in files:
-            records = read_archive(root / name, key)
+            # the version whose records these are: the tensors' bytes come from it only
+            records, ident = read_pinned(root / name, lambda: _read_records(root / name, key))
+            src.pin(root / name, ident)
             if records is None:  # torch must load the files: every tensor streams from its mapping
                 return cls._loaded(root, files, kind, key, tie_heads)
+            refuse_placeholders(root / name, [k for k, r in records.items() if 0 in r.shape])
             per_file.append((name, records))
         idents: dict[str, tuple[Any, ...]] = {}
         for name, records in per_file:
@@ -157,7 +171,9 @@ class TorchSource(Source):
         state: dict[str, Any] = {}
         origin: dict[str, str] = {}
         for name in files:
-            loaded = load_pickle(root / name, key)
+            loaded, ident = read_pinned(root / name, lambda: load_pickle(root / name, key))
+            src.pin(root / name, ident)  # torch maps this version: it must still be there when read
+            refuse_placeholders(root / name, [k for k, v in loaded.items() if v.numel() == 0])
             src.torch_loaded.append(str(root / name))
             for k, v in loaded.items():
                 src.claim(k, name)
@@ -216,7 +232,9 @@ class TorchSource(Source):
     def _load_file(self, path: Path) -> None:
         """Load ``path`` with torch (mmap) for the tensors of it that must be gathered; each must
         be what its record says."""
-        loaded = load_pickle(path, self._key)
+        loaded, ident = read_pinned(path, lambda: load_pickle(path, self._key))
+        if self.identity(path) not in (None, ident):
+            raise changed(path)
         self.torch_loaded.append(str(path))
         self._file_backed = True
         for name, t in loaded.items():
@@ -239,7 +257,8 @@ class TorchSource(Source):
                 return
             if t.file is not None and t.offset is not None:  # contiguous in the archive: no torch
                 yield from file_chunks(t.file, t.offset, t.nbytes, t.dtype, target_dtype, chunk_bytes,
-                                       f"{t.file} is shorter than its zip directory says (tensor {t.name!r})")
+                                       f"{t.file} is shorter than its zip directory says (tensor {t.name!r})",
+                                       self.identity(t.file))
                 return
             self._load_file(rec[0])  # a view to gather (or a caller that wants torch's bytes)
         import torch
@@ -261,6 +280,8 @@ class TorchSource(Source):
                 part = part.to(getattr(torch, dt.BY_NAME[target_dtype].torch_name))
             yield memoryview(part.view(torch.uint8).numpy())
         if self._file_backed:
+            if t.file is not None:  # the mapped file was not rewritten or replaced while it was read
+                same_file(t.file, self.identity(t.file))
             _drop_pages(self._tensors[t.name])
 
     def close(self) -> None:

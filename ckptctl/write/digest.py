@@ -74,11 +74,25 @@ class ShardDigest:
             if pos > self._final:
                 self._broken = True  # a gap: the writer did not go in file order
             self._final = max(self._final, pos + nbytes)
-            if (self.early and self._reader is None and not self._broken and not self._closing
-                    and self._final - self._hashed >= self.early_bytes
-                    and (self.gate is None or self.gate.acquire(blocking=False))):
-                self._reader = threading.Thread(target=self._follow, name="ckptctl-digest", daemon=True)
-                self._reader.start()
+            self._maybe_follow()
+
+    def progress(self, pos: int, nbytes: int) -> None:
+        """Bytes ``[pos, pos + nbytes)`` are final (a step of a kernel copy). Unlike :meth:`final`
+        a range that does not join the final bytes is not a gap, only too early to count (the
+        pieces of one tensor may be copied in any order): :meth:`final` of the whole run or tensor
+        follows and decides."""
+        with self._cv:
+            if pos <= self._final < pos + nbytes:
+                self._final = pos + nbytes
+                self._maybe_follow()
+
+    def _maybe_follow(self) -> None:
+        """Start the early reader when enough final bytes wait (under ``_cv``)."""
+        if (self.early and self._reader is None and not self._broken and not self._closing
+                and self._final - self._hashed >= self.early_bytes
+                and (self.gate is None or self.gate.acquire(blocking=False))):
+            self._reader = threading.Thread(target=self._follow, name="ckptctl-digest", daemon=True)
+            self._reader.start()
 
     def finish(self, size: int, stop: threading.Event | None = None) -> str | None:
         """The file's sha256 once its ``size`` bytes are final (reading back what the kernel

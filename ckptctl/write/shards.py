@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import errno
 import os
+import threading
 from pathlib import Path
 from typing import Any, Callable, Container, Iterable, Mapping
 
@@ -23,13 +24,15 @@ from ckptctl import _faults, _libc
 from ckptctl.errors import InputError
 from ckptctl.format.header import TensorInfo
 from ckptctl.plan import Locate, Run, ShardPlan, runs
-from ckptctl.sources.base import Piece
+from ckptctl.sources.base import OpenFiles, Piece
 from ckptctl.write.digest import ShardDigest
 from ckptctl.write.files import clone, copy_range, pwrite_all
 from ckptctl.write.inputs import Entry
 
 # With fsync, writeback of copied or streamed bytes is started every this many bytes.
 WRITEBACK_STEP = 16 << 20
+# With --manifest, shards whose digests read back behind the copy at once (see write/digest.py).
+EARLY_READERS = 2
 _PAGE = 4096  # a hint ends on a page boundary: a page under writeback is never written again
 # fallocate failed for want of space or of a working device: that is the write's error. Any other
 # (EOPNOTSUPP on NFSv3 and FUSE, ENOSYS, EINVAL, EPERM from a seccomp filter, EINTR): ftruncate.
@@ -73,11 +76,11 @@ def write_shard(path: Path, shard: ShardPlan, entries: Mapping[str, Entry], tw: 
     tw.digest = None
     src = whole_file_source(shard, parts)
     if src is not None:
-        fd = tw.clone_file(src, path, shard.file_size)
+        fd = tw.clone_file(src, path, shard.file_size, entries[parts[0].infos[0].spec.name].source)
         if fd is not None:
             if tw.hashing:
                 try:
-                    tw.digest = ShardDigest(fd)
+                    tw.digest = ShardDigest(fd, gate=tw.gate)
                 except BaseException:
                     os.close(fd)
                     raise
@@ -88,7 +91,7 @@ def write_shard(path: Path, shard: ShardPlan, entries: Mapping[str, Entry], tw: 
     fd = create_shard(path, shard, allocate=tw.allocate)
     try:
         if tw.hashing:
-            tw.digest = ShardDigest(fd)
+            tw.digest = ShardDigest(fd, gate=tw.gate)
             tw.digest.written(0, shard.header)
         write_into(fd, shard, entries, tw, on_tensor=on_tensor, parts=parts)
     except BaseException:
@@ -167,22 +170,40 @@ def write_into(fd: int, shard: ShardPlan, entries: Mapping[str, Entry], tw: "Ten
     tw.start_file()
     digest = tw.digest if only is None else None
     for part in parts:
-        if isinstance(part, Run):
-            tw.copy_run(fd, shard.data_start + part.begin, entries, part)
-        else:
-            tw.write(fd, shard.data_start + part.begin, entries[part.name], part.nbytes)
+        try:
+            if isinstance(part, Run):
+                tw.copy_run(fd, shard.data_start + part.begin, entries, part)
+            else:
+                tw.write(fd, shard.data_start + part.begin, entries[part.name], part.nbytes)
+        except InputError:
+            tw.check_sources()  # a source that ended early because it was rewritten: changed while reading
+            raise
         if digest is not None:
             digest.final(shard.data_start + part.begin, part.nbytes)
         written += part.nbytes
         if on_tensor is not None:
             on_tensor(part.nbytes)
+    # after the last byte: none of the files read was replaced or rewritten, nor any other file
+    # of the sources (a multi-file save replaces them one by one)
+    tw.check_sources(_sources_of(parts, entries))
     return written
+
+
+def _sources_of(parts: Iterable[Run | TensorInfo], entries: Mapping[str, Entry]) -> list[Any]:
+    """The distinct sources of ``parts``' tensors."""
+    found: dict[int, Any] = {}
+    for part in parts:
+        src = entries[(part.infos[0] if isinstance(part, Run) else part).spec.name].source
+        found.setdefault(id(src), src)
+    return list(found.values())
 
 
 class TensorWriter:
     """Writes tensors' bytes at given file positions and counts how: ``cloned`` by the
     filesystem (blocks shared with the source), ``copied`` by the kernel, ``streamed`` through
-    Python. Keeps the source files it copies from open until :meth:`close`. With ``hashing``
+    Python. Keeps up to ``MAX_OPEN_SOURCES`` of the source files it copies from open until
+    :meth:`close`, each checked to be the version its source listed when it is opened and after
+    each shard (:class:`~ckptctl.sources.base.OpenFiles`). With ``hashing``
     (``--manifest``), :func:`write_shard` hashes each shard as it writes it (``digest``)."""
 
     def __init__(self, chunk_bytes: int, *, hashing: bool = False, allocate: bool = True,
@@ -194,30 +215,29 @@ class TensorWriter:
         self.writeback = writeback
         self._unflushed: tuple[int, int, int] | None = None  # (fd, lowest, highest) written since the last hint
         self.digest: ShardDigest | None = None  # the shard being written, when hashing
+        # the early readers of every shard's digest, at most this many at once (they follow the
+        # copy on the other core; a shard that cannot take one is hashed at its finish)
+        self.gate = threading.Semaphore(EARLY_READERS) if hashing else None
         self.cloned = 0
         self.copied = 0
         self.streamed = 0
-        self._src_fds: dict[str, int] = {}
-        self._src_blocks: dict[str, int] = {}  # each open source's block size
+        # the source files: a bounded number open at once, each the version the source listed
+        self._sources = OpenFiles()
 
     def close(self) -> None:
-        for fd in self._src_fds.values():
-            os.close(fd)
-        self._src_fds.clear()
-        self._src_blocks.clear()
+        self._sources.close()
 
-    def _src_fd(self, path: str) -> int:
-        fd = self._src_fds.get(path)
-        if fd is None:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-            self._src_fds[path] = fd
-            try:
-                self._src_blocks[path] = os.fstatvfs(fd).f_bsize
-            except BaseException:
-                del self._src_fds[path]
-                os.close(fd)
-                raise
-        return fd
+    def _src_fd(self, path: str, source: Any = None) -> int:
+        """A descriptor of the source file ``path``: the version ``source`` listed (else changed
+        while reading, exit 3); valid until the next call."""
+        return self._sources.fd(path, source.identity(path) if source is not None else None)
+
+    def check_sources(self, sources: Iterable[Any] = ()) -> None:
+        """The source files read since the last check are still the versions listed, and every
+        file ``sources`` listed still is, by its name (one fstat or stat each; after every shard)."""
+        self._sources.check()
+        for source in sources:
+            source.unchanged()
 
     def count(self, how: str, nbytes: int) -> None:
         """Count a whole file that came over as ``how`` (see :func:`link_or_copy`)."""
@@ -228,12 +248,14 @@ class TensorWriter:
         elif how == "streamed":
             self.streamed += nbytes
 
-    def clone_file(self, src: str, path: Path, size: int) -> int | None:
-        """Create ``path`` as a clone of ``src`` (``size`` bytes); returns its descriptor, or
-        None (and no file) when the filesystem cannot clone it."""
+    def clone_file(self, src: str, path: Path, size: int, source: Any = None) -> int | None:
+        """Create ``path`` as a clone of ``src`` (``size`` bytes; the version ``source`` listed);
+        returns its descriptor, or None (and no file) when the filesystem cannot clone it."""
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
         try:
-            cloned = clone(self._src_fd(src), fd)
+            cloned = clone(self._src_fd(src, source), fd)
+            if cloned:
+                self.check_sources(() if source is None else (source,))
         except BaseException:
             os.close(fd)
             os.unlink(path)
@@ -251,10 +273,10 @@ class TensorWriter:
         destination are congruent modulo the block size, the unaligned head by the kernel, the
         aligned middle (to both files' end, or whole blocks) cloned, the tail by the kernel;
         otherwise all by the kernel; whatever the kernel cannot copy streams."""
-        src_fd = self._src_fd(run.file)
+        src_fd = self._src_fd(run.file, entries[run.infos[0].spec.name].source)
         length, src_pos = run.nbytes, run.src_offset
         done, kernel = 0, True
-        block = self._src_blocks[run.file]  # a run shorter than the source's block is never cloned
+        block = self._sources.block(run.file)  # a run shorter than the source's block is never cloned
         if length >= block:
             block = max(os.fstatvfs(fd).f_bsize, block)
         if length >= block and (src_pos - pos) % block == 0:
@@ -286,18 +308,18 @@ class TensorWriter:
         """One tensor that has no single source range to copy: its pieces copied by the kernel
         (a DCP tensor sharded by rows), or streamed (converted on the way), also when the
         kernel cannot copy a piece whole."""
-        if not e.converted and e.tensor.pieces and self._copy_pieces(fd, pos, e.tensor.pieces):
+        if not e.converted and e.tensor.pieces and self._copy_pieces(fd, pos, e.tensor.pieces, e.source):
             _faults.point("write-data")
             return
         self._stream(fd, pos, e, length, 0)
         _faults.point("write-data")
 
-    def _copy_pieces(self, fd: int, pos: int, pieces: Iterable[Piece]) -> bool:
+    def _copy_pieces(self, fd: int, pos: int, pieces: Iterable[Piece], source: Any = None) -> bool:
         """Copy every piece by the kernel; False when it cannot copy one whole (the caller then
         streams the tensor, and what was copied counts as streamed)."""
         total = 0
         for p in pieces:
-            n = self._copy(self._src_fd(p.file), fd, p.src_offset, pos + p.dst_offset, p.nbytes)
+            n = self._copy(self._src_fd(p.file, source), fd, p.src_offset, pos + p.dst_offset, p.nbytes)
             if n < p.nbytes:
                 return False
             total += n
@@ -309,13 +331,16 @@ class TensorWriter:
         each one's writeback started as soon as it is copied, so the disk writes while the kernel
         copies and the fsync at the end waits for the last steps only (2 GB exported with fsync:
         1.12 -> 1.01 s, at ``cp -r`` + ``sync``; see bench/README.md)."""
-        if not self.writeback:
+        digest = self.digest
+        if not self.writeback and digest is None:
             return copy_range(src_fd, fd, src_pos, pos, length)
         done = 0
         while done < length:
             step = min(WRITEBACK_STEP, length - done)
             n = copy_range(src_fd, fd, src_pos + done, pos + done, step)
             self._start_writeback(fd, pos + done, n)
+            if digest is not None:  # the early reader hashes this step while the next is copied
+                digest.progress(pos + done, n)
             done += n
             if n < step:  # the kernel cannot copy the rest: the caller streams it
                 break
