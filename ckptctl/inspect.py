@@ -29,6 +29,7 @@ from ckptctl.format import small
 from ckptctl.format.header import TensorTable, load_header
 from ckptctl.format.tensor import SpecFields, TensorSpec
 from ckptctl.gcpause import paused
+from ckptctl.layout.version import one_version
 
 CONFIG_FIELDS = (
     "model_type", "architectures", "hidden_size", "num_hidden_layers", "num_attention_heads",
@@ -222,6 +223,7 @@ class Inspection:
     findings: list[Finding] = field(default_factory=list)
     aliases: dict[str, str] = field(default_factory=dict)
     components: list[ComponentRow] = field(default_factory=list)
+    zero: dict[str, Any] = field(default_factory=dict)  # a DeepSpeed ZeRO checkpoint: stage, world_size, tag
 
     @property
     def parameters(self) -> int:
@@ -275,6 +277,8 @@ class Inspection:
             doc["aliases"] = self.aliases
         if self.components:
             doc["components"] = [vars(c) for c in self.components]
+        if self.zero:
+            doc["zero"] = self.zero
         if with_tensors:
             doc["tensors"] = list(self.tensors.json_rows())
         return doc
@@ -322,14 +326,26 @@ def inspect_path(path: str | os.PathLike[str], *, only: str | None = None,
     state dict of a pickle or DCP source that holds several (a training state is refused
     without it, with the keys to choose from)."""
     # the index and every header: acyclic objects, freed by reference counting
+    # one version of a directory a publish replaces (layout.version): read again if it was replaced
     with paused():
-        return _inspect(Path(path), only=only, name_filter=name_filter, key=key)
+        return one_version(path, lambda _: _inspect(Path(path), only=only, name_filter=name_filter, key=key))
 
 
 def _inspect(p: Path, *, only: str | None, name_filter: str | None, key: str | None) -> Inspection:
     """:func:`inspect_path`'s steps."""
+    if (zero := _zero(p, name_filter)) is not None:
+        return zero
     lay = L.scan(p)
-    if not lay.components:
+    from ckptctl.sources.dcp_hf import open_dcp_hf
+
+    hf = None if lay.components else open_dcp_hf(p, only=only, key=key, reading=lay.reading)
+    if hf is not None:  # torch's DCP-HF sharded save: the global tensors its shards make up
+        res = Inspection(path=str(p), format=hf.kind)
+        with hf:
+            res.files.extend(hf.file_rows(p))
+            for t in hf.tensors:
+                res.tensors.add(t.spec, hf.place(t, p), None)
+    elif not lay.components:
         fam = L.choose(lay, prefer=only) if lay.families else None
         if fam is None:
             raise InputError(f"{p} holds no checkpoint weights", "pass a checkpoint directory or a weights file")
@@ -354,6 +370,31 @@ def _inspect(p: Path, *, only: str | None, name_filter: str | None, key: str | N
     res.tensors.arrange(by_component=bool(res.components), name_filter=name_filter)
     cfg = read_config(lay.root) if lay.single_file is None else None
     if cfg is not None and isinstance(cfg, dict):
+        res.config = config_summary(cfg)
+    return res
+
+
+def _zero(p: Path, name_filter: str | None) -> Inspection | None:
+    """A DeepSpeed ZeRO root or step folder: its fp32 master weights (the ZeRO source's), stage,
+    world size and rank files; None for anything else."""
+    from ckptctl.sources.zero_source import open_zero
+
+    src = open_zero(p) if p.is_dir() else None
+    if src is None or src.checkpoint is None:
+        return None
+    with src:
+        ck = src.checkpoint
+        info = ck.describe()
+        res = Inspection(path=str(p), format=f"deepspeed-zero{ck.stage}", aliases=dict(src.aliases),
+                         zero={k: info[k] for k in ("stage", "world_size", "tag", "ds_version")})
+        for f in [*ck.files, *src.extras]:
+            role = "optimizer-states" if f in ck.files[:ck.world] else "model-states" if f in ck.files else "extra"
+            res.files.append({"name": os.path.relpath(f, p), "size": f.stat().st_size, "role": role})
+        for t in src.tensors:  # a tensor split over the ranks' files is in "<tag>/*"
+            res.tensors.add(t.spec, f"{ck.loc.tag}/{Path(t.file).name if t.file else '*'}", None)
+    res.tensors.arrange(by_component=False, name_filter=name_filter)
+    cfg = read_config(ck.loc.root)
+    if cfg is not None:
         res.config = config_summary(cfg)
     return res
 

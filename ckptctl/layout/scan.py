@@ -6,6 +6,7 @@ import os
 import stat
 from pathlib import Path
 
+from ckptctl import _faults
 from ckptctl.errors import InputError
 from ckptctl.findings import ERROR, INFO, WARNING, Finding
 from ckptctl.format import names as N
@@ -43,6 +44,7 @@ def scan(path: str | os.PathLike[str], *, names: list[str] | None = None,
             names = os.listdir(p)
         except OSError as exc:
             raise InputError(f"cannot list {p}: {exc.strerror}", "check the directory's permissions") from None
+    _faults.point("read-listed")  # a reader between its listing and its reads (tests hold a publish here)
     return _Scanner(p, sorted(names), reading).run()
 
 

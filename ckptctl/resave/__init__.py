@@ -41,8 +41,9 @@ from ckptctl.gcpause import paused
 from ckptctl.format import names as N
 from ckptctl.layout.reading import MetadataReading
 from ckptctl.resave.analyze import Chosen, Repair, analyze
-from ckptctl.resave.keep import (already_so, keep_layout_plan, keep_layout_source, kept_files, link_matching,
-                                 note_index_changes, own_metadata)
+from ckptctl.layout.version import Held, one_version
+from ckptctl.resave.keep import (KeptFiles, already_so, keep_layout_plan, keep_layout_source, kept_files,
+                                 link_matching, note_index_changes, own_metadata)
 from ckptctl.write.result import ExportResult
 from ckptctl.write.options import ExportOptions, ExportSettings, validate
 
@@ -105,31 +106,48 @@ def _resave(root: Path, opts: ExportOptions, *, output: str | os.PathLike[str] |
     """:func:`resave`'s steps."""
     # Every option is checked before anything touches the filesystem (a recovery renames).
     _check_prefer(prefer)
+    if output:  # the destinations export refuses: the source itself, inside it, or a folder that holds it
+        from ckptctl.write.inputs import check_paths
+
+        check_paths(root, Path(output))
     reading = MetadataReading()  # what this command reads of the directory's metadata, read once
-    first = L.scan(root, reading=reading) if root.is_dir() else None  # reused below unless a recovery changed it
-    if whole_root and first is not None and first.kind in L.ROOTS:  # a pipeline or sentence-transformers root
-        from ckptctl.resave.root import resave_root  # the tree writer, imported only for a root
+    held = Held.open(root)  # the version the first scan reads (layout.version); closed by one_version
+    try:
+        first = L.scan(root, reading=reading) if root.is_dir() else None  # reused below unless a recovery changed it
+        if whole_root and first is not None and first.kind in L.ROOTS:  # a pipeline or sentence-transformers root
+            from ckptctl.resave.root import resave_root  # the tree writer, imported only for a root
 
-        return resave_root(root, opts, resave_one=resave, output=output, repair=repair, prefer=prefer, link=link,
-                           lay=first)
-    # In place, unchanged shards are hard-linked (one name survives the publish); into --output
-    # they are cloned or copied (an independent copy) unless the caller asked for links.
-    opts = replace(opts, overwrite=True if not output else opts.overwrite, link_unchanged=not output or link)
-    settings = validate(opts)
-    if not output and os.path.islink(root):  # rewrite the target; publishing onto the link would replace it
-        root = Path(os.path.realpath(root))
-        first = None
-    if not opts.dry_run:  # a dead writer's half-done publish of this very directory comes first
-        from ckptctl.staging import recover_destination
+            if held is not None:
+                held.close()
+            return resave_root(root, opts, resave_one=resave, output=output, repair=repair, prefer=prefer,
+                               link=link, lay=first)
+        # In place, unchanged shards are hard-linked (one name survives the publish); into --output
+        # they are cloned or copied (an independent copy) unless the caller asked for links.
+        opts = replace(opts, overwrite=True if not output else opts.overwrite, link_unchanged=not output or link)
+        settings = validate(opts)
+        if not output and os.path.islink(root):  # rewrite the target; publishing onto the link would replace it
+            root = Path(os.path.realpath(root))
+            first = None
+        if not opts.dry_run:  # a dead writer's half-done publish of this very directory comes first
+            from ckptctl.staging import recover_destination
 
-        if recover_destination(Path(os.path.abspath(root))):
-            first = None  # rolled forward or back: scanned again
-    if not root.is_dir():
-        raise InputError(f"{root} is not a checkpoint directory", "resave works on a directory")
-    chosen, rep = analyze(root, prefer=prefer, repair=repair, lay=first, reading=reading)
+            if recover_destination(Path(os.path.abspath(root))):
+                first = None  # rolled forward or back: scanned again
+        if not root.is_dir():
+            raise InputError(f"{root} is not a checkpoint directory", "resave works on a directory")
+    except BaseException:
+        if held is not None:
+            held.close()
+        raise
+    replan = opts.dtype not in (None, "keep") or (opts.max_shard_size is not None and not settings.keep_layout)
+    # The analysis reads one version of the directory (another writer's publish may replace it
+    # meanwhile): made again on the version now published when it was replaced while it was read.
+    ana = one_version(root, lambda attempt: _analysis(root, prefer=prefer, repair=repair, lay=first if attempt == 0
+                                                      and held is not None else None, reading=reading, keep=not replan,
+                                                      unchanged_ok=repair and not output), held=held)
+    chosen, rep = ana.chosen, ana.rep
     dest = Path(output) if output else root
     check = _verified(dest, rep) if repair else None
-    replan = opts.dtype not in (None, "keep") or (opts.max_shard_size is not None and not settings.keep_layout)
     extras: dict[str, Path | bytes] = {}
     if opts.dtype not in (None, "keep") and (root / "config.json").is_file():
         extras["config.json"] = root / "config.json"  # rewritten with the new dtype
@@ -161,27 +179,52 @@ def _resave(root: Path, opts: ExportOptions, *, output: str | os.PathLike[str] |
         link_matching(plan, root, entries)
         inputs = build_inputs(entries, opts, settings, extras=extras)
     else:
-        kf = kept_files(root, chosen, rep)  # the plan decided, no record per tensor made yet
-        metadata = None
-        same_map = None  # the old index's map against the plan's, said once for both checks
-        if kf.index_name and chosen.index is not None:
-            metadata = own_metadata(chosen.index)
-            same_map = kf.same_map_as(chosen.index)
-            note_index_changes(chosen.index, kf, rep, same_map=same_map)
-        # before the plan's records and any input (a tensor lost is a fix: never "already so")
-        if repair and not output and already_so(root, chosen, kf, rep, same_map=same_map):
+        assert ana.kept is not None
+        if ana.unchanged:
             return _unchanged(dest, opts, rep, chosen.errors)
-        plan, kept = keep_layout_plan(kf)
+        plan, kept = keep_layout_plan(ana.kept)
         if rep.lost:  # DESIGN.md I9: no tensor lost
             raise UnrepairableError(
                 f"{root}: {len(rep.lost)} tensor(s) the index names are in no file: {', '.join(rep.lost[:8])}"
                 + (" ..." if len(rep.lost) > 8 else "") + "; rebuilding the index around them would lose them",
                 "restore the files that hold them from a copy; nothing was changed")
         src, entries = keep_layout_source(root, kept)
-        inputs = build_inputs(entries, opts, settings, extras=extras, metadata=metadata)
+        inputs = build_inputs(entries, opts, settings, extras=extras, metadata=ana.metadata)
     from ckptctl.write.job import write_inputs
 
     return ResaveResult(write_inputs(inputs, dest, plan=plan, check=check), rep)
+
+
+@dataclass
+class _Analysis:
+    """What a resave read of the directory before it writes (one version of it): the save kept,
+    the repair, and for keep-layout the plan decided file by file and whether it is the
+    directory as it already is."""
+
+    chosen: Chosen
+    rep: Repair
+    kept: KeptFiles | None = None
+    metadata: dict[str, str] | None = None
+    unchanged: bool = False
+
+
+def _analysis(root: Path, *, prefer: str | None, repair: bool, lay: L.Layout | None, reading: MetadataReading,
+              keep: bool, unchanged_ok: bool) -> _Analysis:
+    """:func:`analyze`, then (``keep``: keep-layout) the files kept and the fixes they imply;
+    ``unchanged_ok``: a repair in place may find the plan is the directory as it is."""
+    chosen, rep = analyze(root, prefer=prefer, repair=repair, lay=lay, reading=reading)
+    ana = _Analysis(chosen, rep)
+    if not chosen.files or not keep:
+        return ana
+    kf = ana.kept = kept_files(root, chosen, rep)  # the plan decided, no record per tensor made yet
+    same_map = None  # the old index's map against the plan's, said once for both checks
+    if kf.index_name and chosen.index is not None:
+        ana.metadata = own_metadata(chosen.index)
+        same_map = kf.same_map_as(chosen.index)
+        note_index_changes(chosen.index, kf, rep, same_map=same_map)
+    # before the plan's records and any input (a tensor lost is a fix: never "already so")
+    ana.unchanged = unchanged_ok and already_so(root, chosen, kf, rep, same_map=same_map)
+    return ana
 
 
 def _verified(dest: Path, rep: Repair) -> Callable[[Path], None]:

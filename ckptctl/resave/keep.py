@@ -5,6 +5,8 @@ the plan is the directory as it already is (a repair with nothing to do)."""
 
 from __future__ import annotations
 
+import os
+import stat
 from dataclasses import dataclass
 from functools import cached_property
 from itertools import repeat
@@ -13,8 +15,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ckptctl import layout as L
-from ckptctl.errors import UnrepairableError
+from ckptctl.errors import UnrepairableError, from_oserror
 from ckptctl.format import names as N
+from ckptctl.format import small
 from ckptctl.format.names import MANIFEST_NAME
 from ckptctl.format.header import Header, TensorInfo, TensorTable, encode_header
 from ckptctl.format.index import Index
@@ -27,19 +30,52 @@ if TYPE_CHECKING:
     from ckptctl.write.inputs import Entry
 
 
+def _open(path: Path) -> int:
+    """A shard opened for reading: ``O_NONBLOCK``, a regular file (checked before the open and on
+    the descriptor), links followed as the header reader follows them (a cache snapshot's shards
+    are links into ``blobs/``). A file that is gone or unreadable is an error of one line (exit 3),
+    never a traceback."""
+    try:
+        return small.open_small(path, follow=True)
+    except OSError as exc:
+        raise from_oserror(exc, f"cannot read {path}", phase="read-source") from None
+
+
+def _pread(path: Path, offset: int, length: int) -> bytes:
+    """``length`` bytes of ``path`` at ``offset`` (fewer at its end)."""
+    fd = _open(path)
+    try:
+        parts, got = [], 0
+        while got < length:
+            chunk = os.pread(fd, min(length - got, 8 << 20), offset + got)
+            if not chunk:
+                break
+            parts.append(chunk)
+            got += len(chunk)
+        return b"".join(parts)
+    except OSError as exc:
+        raise from_oserror(exc, f"cannot read {path}", phase="read-source") from None
+    finally:
+        os.close(fd)
+
+
 def _hash_range(path: Path, offset: int, length: int) -> str:
     import hashlib
 
     h = hashlib.sha256()
-    with open(path, "rb") as f:
-        f.seek(offset)
-        left = length
-        while left:
-            chunk = f.read(min(left, 8 << 20))
+    fd = _open(path)
+    try:
+        done = 0
+        while done < length:
+            chunk = os.pread(fd, min(length - done, 8 << 20), offset + done)
             if not chunk:
                 break
             h.update(chunk)
-            left -= len(chunk)
+            done += len(chunk)
+    except OSError as exc:
+        raise from_oserror(exc, f"cannot read {path}", phase="read-source") from None
+    finally:
+        os.close(fd)
     return h.hexdigest()
 
 
@@ -134,8 +170,7 @@ def keep_layout_plan(kf: KeptFiles) -> tuple[Plan, Kept]:
         infos = _records(keep)
         specs = [t.spec for t in infos]
         if same:
-            with open(kf.root / n, "rb") as f:
-                raw_header = f.read(h.data_start)
+            raw_header = _pread(kf.root / n, 0, h.data_start)
             shards.append(ShardPlan(new_name, specs, h.metadata, raw_header, list(infos), link_from=str(kf.root / n)))
         else:
             md = h.metadata if h.metadata is not None else {"format": "pt"}
@@ -192,15 +227,18 @@ def link_matching(plan: Plan, root: Path, entries: list[Entry]) -> None:
     by_name = {e.tensor.name: e for e in entries}
     for sp in plan.shards:
         existing = root / sp.name
-        if not existing.is_file() or existing.stat().st_size != sp.file_size:
+        try:
+            st = os.stat(existing)
+        except OSError:
+            continue
+        if not stat.S_ISREG(st.st_mode) or st.st_size != sp.file_size:
             continue
         base = len(sp.header)
         if not all(by_name[t.name].tensor.file == str(existing) and by_name[t.name].tensor.offset == base + t.begin
                    and by_name[t.name].dtype == by_name[t.name].tensor.dtype for t in sp.layout):
             continue
-        with open(existing, "rb") as f:
-            if f.read(base) != sp.header:
-                continue
+        if _pread(existing, 0, base) != sp.header:
+            continue
         sp.link_from = str(existing)
 
 

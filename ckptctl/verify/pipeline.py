@@ -24,6 +24,7 @@ from ckptctl.errors import InputError, UsageError
 from ckptctl.findings import ERROR, SEVERITY_RANK, Finding
 from ckptctl.format import names as N
 from ckptctl.gcpause import paused
+from ckptctl.layout.version import one_version
 from ckptctl.verify.context import DEEP_NOT_ASKED, Context, ProgressFn, VerifyOptions
 from ckptctl.verify.dcp import check_dcp
 from ckptctl.verify.index import family_tensors
@@ -98,6 +99,10 @@ def _kind(families: list[L.Family]) -> str:
 def weights_step(ctx: Context) -> str | None:
     """Every family layout found: its tensors (and index), or its DCP files."""
     assert ctx.layout is not None
+    if ctx.layout.single_file is None and not ctx.prefix:  # a DeepSpeed ZeRO root or step folder
+        from ckptctl.verify.zero import check_zero
+
+        check_zero(ctx)
     for fam in ctx.layout.families:
         if fam.container == L.DCP:
             check_dcp(ctx, fam)
@@ -290,8 +295,8 @@ def verify_path(path: str | os.PathLike[str], *, display: str | None = None, opt
     # A checkpoint of 92k tensors makes about a million objects, none in a cycle, that live until
     # its result is made: the cyclic collector would traverse them again and again (a tenth of
     # the run). It resumes once _checked has returned and reference counting has freed them.
-    with paused():
-        return _checked(PathResult(path=shown, root=str(p)), p, opts, progress, base_root)
+    with paused():  # one version of a directory a publish replaces (layout.version): read again if it was
+        return one_version(p, lambda _: _checked(PathResult(path=shown, root=str(p)), p, opts, progress, base_root))
 
 
 def _checked(res: PathResult, p: Path, opts: VerifyOptions, progress: ProgressFn | None,
