@@ -113,6 +113,18 @@ def from_oserror(exc: OSError, what: str, *, phase: str | None = None) -> Ckptct
     reason = exc.strerror or str(exc)
     if getattr(exc, "input_problem", False):  # format.small: a FIFO, a device, a huge file
         return InputError(f"{what}: {reason}{at}", "replace it with the regular file it should be", phase=phase)
+    if err == errno.ENOSPC and _out_of_inodes(exc.filename):
+        return DiskFullError(
+            f"{what}: no free inodes left on the device (there may be free space){at}",
+            "remove files from that filesystem (or write to one with more inodes) and run the command again",
+            phase=phase,
+        )
+    if err in (errno.EMFILE, errno.ENFILE):
+        return OperationalError(
+            f"{what}: too many open files{at}",
+            "raise the limit of open files (ulimit -n) or close other programs' files, and run the command again",
+            phase=phase,
+        )
     if err in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
         return DiskFullError(
             f"{what}: {_FULL[errno.errorcode[err]]}{at}",
@@ -149,3 +161,29 @@ def from_oserror(exc: OSError, what: str, *, phase: str | None = None) -> Ckptct
             phase=phase,
         )
     return OperationalError(f"{what}: {reason}{at}", "check the path and the storage", phase=phase)
+
+
+_FEW_INODES = 64
+_SOME_BYTES = 1 << 20
+
+
+def _out_of_inodes(filename: object) -> bool:
+    """Whether the filesystem that holds ``filename`` (its nearest existing ancestor) counts inodes
+    and has none left for us, or next to none while it has bytes free (the few a failed command
+    freed when it cleaned up): then ENOSPC meant inodes, not bytes."""
+    import os
+
+    if not isinstance(filename, (str, bytes, os.PathLike)):
+        return False
+    path = os.path.abspath(os.fsdecode(filename))
+    while True:
+        try:
+            st = os.statvfs(path)
+        except OSError:
+            parent = os.path.dirname(path)
+            if parent == path:
+                return False
+            path = parent
+            continue
+        few = st.f_favail < _FEW_INODES and st.f_bavail * st.f_frsize >= _SOME_BYTES
+        return st.f_files > 0 and (st.f_favail == 0 or few)

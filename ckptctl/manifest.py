@@ -15,6 +15,8 @@ The manifest does not list itself.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import hashlib
 import json
 import os
@@ -32,26 +34,46 @@ from ckptctl.threads import check, ordered_map
 
 SCHEMA_VERSION = 1
 HASH_CHUNK = 8 * 1024 * 1024
+# What opening a link's target says when the target is no regular file (a link to a link, a
+# directory, a FIFO, or nothing): such a link is left out of the manifest.
+_NOT_A_FILE = (errno.ELOOP, errno.EINVAL, errno.EISDIR, errno.ENOENT, errno.ENOTDIR)
 
 
 def sha256_file(path: str | os.PathLike[str], chunk: int = HASH_CHUNK, *, stop: threading.Event | None = None) -> str:
-    """The file's sha256; with ``stop``, raises :class:`~ckptctl.threads.Stopped` between chunks
-    once it is set."""
-    h = hashlib.sha256()
-    with open(path, "rb", buffering=0) as f:
-        buf = bytearray(chunk)
+    """The sha256 of the regular file at ``path`` (never through a link at its last component,
+    never blocking on a FIFO: anything else raises OSError); with ``stop``, raises
+    :class:`~ckptctl.threads.Stopped` between chunks once it is set."""
+    return _hash_regular(path, chunk, stop)[1]
+
+
+def _hash_regular(path: str | os.PathLike[str], chunk: int, stop: threading.Event | None) -> tuple[int, str]:
+    """(size, sha256) of the regular file at ``path``, read once and no further than the size it
+    had when opened: a FIFO, a device or a link is refused (OSError), and a file that shrinks
+    while it is read is an OSError, never a digest of what is not there."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise OSError(errno.EINVAL, "not a regular file", str(path))
+        h = hashlib.sha256()
+        buf = bytearray(min(chunk, max(st.st_size, 1)))
         view = memoryview(buf)
-        while True:
+        pos = 0
+        while pos < st.st_size:
             check(stop)
-            n = f.readinto(buf)
-            if not n:
-                break
+            n = os.preadv(fd, [view[:min(len(buf), st.st_size - pos)]], pos)
+            if n <= 0:
+                raise OSError(errno.EIO, "the file shrank while it was read", str(path))
             h.update(view[:n])
-    return h.hexdigest()
+            pos += n
+        return st.st_size, h.hexdigest()
+    finally:
+        os.close(fd)
 
 
 def list_files(root: Path) -> list[str]:
-    """Every file below ``root``, as sorted paths relative to it (what a manifest lists)."""
+    """Every file below ``root`` (not following links to directories), as sorted paths relative to
+    it: what a manifest may list."""
     out = []
     for dirpath, _dirs, files in os.walk(root):
         for f in files:
@@ -59,15 +81,33 @@ def list_files(root: Path) -> list[str]:
     return sorted(out)
 
 
-def _as_published(root: Path, name: str, final: Path | None) -> Path:
-    """Where ``root/name`` reads from once ``root`` is published at ``final``: a relative
-    symbolic link (a Hugging Face cache snapshot's ``config.json -> ../../blobs/...``, carried
-    as the link itself) resolves from the published directory, not from the staging one."""
+def _as_published(root: Path, name: str, final: Path | None) -> Path | None:
+    """Where ``root/name`` reads from once ``root`` is published at ``final``, or None when it is
+    not a file the manifest may read. A relative symbolic link (a Hugging Face cache snapshot's
+    ``config.json -> ../../blobs/...``, carried as the link itself) resolves from the published
+    directory, not from the staging one, and is followed only when it stays inside the published
+    tree, or, for a cache snapshot (``.../snapshots/REV``), inside the cache's repository folder:
+    a link out of the tree (an absolute one, ``../../../etc``, ``/dev/zero``) is never read."""
     p = root / name
-    if final is None or not p.is_symlink():
+    if not p.is_symlink():
         return p
     target = os.readlink(p)
-    return p if os.path.isabs(target) else final / os.path.dirname(name) / target
+    if os.path.isabs(target):
+        return None
+    home = os.path.normpath(final if final is not None else root)
+    there = os.path.normpath(os.path.join(home, os.path.dirname(name), target))
+    if _within(home, there):  # a file of the new version itself: read from where it is staged
+        base, there = os.path.normpath(root), os.path.join(root, os.path.relpath(there, home))
+    elif os.path.basename(os.path.dirname(home)) == "snapshots":  # a cache snapshot: its blobs
+        base = os.path.dirname(os.path.dirname(home))
+    else:
+        return None
+    real = os.path.realpath(there)
+    return Path(real) if _within(base, there) and _within(os.path.realpath(base), real) else None
+
+
+def _within(tree: str, path: str) -> bool:
+    return os.path.commonpath([tree, path]) == tree
 
 
 def build_manifest(root: Path, files: list[str], *, label: str | None = None,
@@ -78,23 +118,30 @@ def build_manifest(root: Path, files: list[str], *, label: str | None = None,
     other file is read from disk. ``final`` is where ``root`` will be published, for relative
     links. Files are read two at a time (hashlib and the reads release the GIL), so a
     multi-shard checkpoint keeps both cores busy."""
-    names = sorted(n for n in files if n != MANIFEST_NAME)
     known = known or {}
     entries: dict[str, dict[str, Any]] = {}
-    todo: list[str] = []
-    for n in names:
+    todo: list[tuple[str, Path]] = []
+    for n in sorted(n for n in files if n != MANIFEST_NAME):
         st = os.lstat(root / n)
         if n in known and stat.S_ISREG(st.st_mode) and st.st_size == known[n][0]:
             entries[n] = {"size": st.st_size, "sha256": known[n][1]}
-        else:
-            todo.append(n)
+            continue
+        where = _as_published(root, n, final) if stat.S_ISREG(st.st_mode) or stat.S_ISLNK(st.st_mode) else None
+        if where is not None:  # a FIFO, socket or device, or a link out of the tree, is not listed
+            todo.append((n, where))
 
-    def entry(p: Path, stop: threading.Event) -> dict[str, Any]:
-        return {"size": p.stat().st_size, "sha256": sha256_file(p, stop=stop)}
+    def entry(item: tuple[str, Path], stop: threading.Event) -> dict[str, Any] | None:
+        try:
+            size, digest = _hash_regular(item[1], HASH_CHUNK, stop)
+        except OSError as exc:
+            if stat.S_ISLNK(os.lstat(root / item[0]).st_mode) and exc.errno in _NOT_A_FILE:
+                return None  # a link to something that is not a regular file: not listed
+            raise
+        return {"size": size, "sha256": digest}
 
-    with ordered_map(entry, [_as_published(root, n, final) for n in todo]) as results:
-        entries.update(zip(todo, results))
-    entries = {n: entries[n] for n in names}
+    with ordered_map(entry, todo) as results:
+        entries.update((n, e) for (n, _), e in zip(todo, results) if e is not None)
+    entries = dict(sorted(entries.items()))
     return {
         "schema_version": SCHEMA_VERSION,
         "tool": "ckptctl",
@@ -103,6 +150,51 @@ def build_manifest(root: Path, files: list[str], *, label: str | None = None,
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "files": entries,
     }
+
+
+def add_late_files(root: Path, names: list[str], *, fsync: bool = True) -> list[str]:
+    """Add to the published manifest of ``root`` the files carried into it after the manifest
+    was written (what the user added to the destination while the new version was written:
+    ``names``, files or folders relative to ``root``), each hashed as :func:`build_manifest`
+    does; the manifest is replaced whole (a temporary file renamed over it), so a reader sees it
+    with or without them, never half. Returns the files added."""
+    doc, found = read_manifest(root / MANIFEST_NAME)
+    if doc is None or found:
+        return []
+    files = []
+    for name in names:
+        p = root / name
+        if p.is_dir() and not p.is_symlink():
+            files += [os.path.join(name, f) for f in list_files(p)]
+        else:
+            files.append(name)
+    added = build_manifest(root, files)["files"]
+    if not added:
+        return []
+    doc["files"] = dict(sorted({**doc["files"], **added}.items()))
+    tmp = root / f".{MANIFEST_NAME}.ckptctl-{os.getpid()}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    try:
+        try:
+            view = memoryview(encode_manifest(doc))
+            while view:
+                view = view[os.write(fd, view):]
+            if fsync:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, root / MANIFEST_NAME)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    if fsync:
+        dfd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+    return sorted(added)
 
 
 def encode_manifest(doc: dict[str, Any]) -> bytes:

@@ -17,8 +17,8 @@ import pytest
 
 from ckptctl.format.header import read_header
 from ckptctl.threads import Buffers, HelpingPool, Stopped
-from ckptctl.verify.deep import (FLOAT_BITS, DeepResult, TensorStats, _SharedScan, check_bits, check_bits_fast,
-                                 scan_file, scan_files)
+from ckptctl.verify.deep import DeepResult, _SharedScan, scan_file, scan_files
+from ckptctl.verify.floatbits import FLOAT_BITS, TensorStats, check_bits, check_bits_fast
 
 SPECIALS = {  # (NaN pattern, +Inf pattern or None) as little-endian unsigned integers
     "F32": (0x7FC00001, 0x7F800000), "F16": (0x7E01, 0x7C00), "BF16": (0x7FC1, 0x7F80),

@@ -241,3 +241,53 @@ def test_a_shared_gate_bounds_the_early_readers(tmp_path):
         assert gate.acquire(blocking=False)  # given back when the reader ended
     finally:
         os.close(fd)
+
+
+@pytest.mark.parametrize("kw", MODES.values(), ids=MODES)
+def test_steps_of_a_copy_count_only_where_they_join_the_final_bytes(tmp_path, kw):
+    """``progress`` (a step of a kernel copy) moves the final bytes on only where the step joins
+    them: pieces of one tensor copied out of order are no gap (``final`` of the tensor decides
+    after), and a step past a range not yet written is not counted."""
+    data = os.urandom(20_000)
+    fd = _file(tmp_path, data)
+    try:
+        d = ShardDigest(fd, **kw)
+        d.written(0, data[:100])
+        d.progress(5100, 4900)  # the second piece first: too early, not a gap
+        d.progress(100, 5000)  # the first piece: joins
+        d.final(100, 9900)  # the tensor is done
+        d.progress(12_000, 3000)  # past [10_000, 12_000), which is not written yet: not counted
+        d.final(10_000, 10_000)
+        assert d.finish(20_000) == hashlib.sha256(data).hexdigest()
+        half = ShardDigest(fd, **kw)
+        half.progress(0, 20_000)
+        assert half._final == 20_000 and half.finish(20_000) == hashlib.sha256(data).hexdigest()
+        never = ShardDigest(fd, **kw)
+        never.progress(50, 100)  # [0, 50) never final: nothing counts, and no gap is guessed
+        assert never._final == 0 and not never._broken and never.finish(20_000) is None
+    finally:
+        os.close(fd)
+
+
+def test_a_long_kernel_copy_is_hashed_step_by_step_behind_it(tmp_path, monkeypatch):
+    """One run longer than the copy step, no fsync: the copy goes in steps and the early reader
+    starts during the run, not after it; the digest is still the published file's."""
+    monkeypatch.setattr(shards_module, "WRITEBACK_STEP", 64 << 10)
+    started_at: list[int] = []
+    real = ShardDigest._maybe_follow
+
+    def watch(self):
+        before = self._reader
+        real(self)
+        if before is None and self._reader is not None:
+            started_at.append(self._final)
+
+    monkeypatch.setattr(ShardDigest, "_maybe_follow", watch)
+    monkeypatch.setattr(shards_module, "ShardDigest", functools.partial(ShardDigest, early_bytes=128 << 10))
+    src = tmp_path / "src"
+    g = torch.Generator().manual_seed(3)
+    write_sharded(src, {f"w{i}": torch.randn(256, 256, generator=g) for i in range(4)}, per_shard=4)  # 1 MiB, one run
+    taken, doc = _staged_digests(src, tmp_path / "out", fsync=False)
+    _check(tmp_path / "out", taken, doc)
+    assert "model.safetensors" in taken
+    assert started_at and started_at[0] < 1 << 20  # the reader followed the copy before the run ended

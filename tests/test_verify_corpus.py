@@ -90,7 +90,7 @@ def test_clean_corpus_checkpoints_pass(name: str, tmp_path: Path) -> None:
 
 
 def test_every_code_the_code_can_emit_is_documented() -> None:
-    pat = re.compile(r'"((?:header|index|layout|dir|config|adapter|manifest|pickle|dcp|deep|metadata|io)'
+    pat = re.compile(r'"((?:header|index|layout|dir|config|adapter|manifest|pickle|dcp|deep|metadata|io|zero)'
                      r'\.[a-z_0-9]+)"')
     sources = sorted((REPO / "ckptctl" / "verify").glob("*.py"))
     sources += sorted((REPO / "ckptctl" / "layout").glob("*.py")) + [REPO / "ckptctl" / "manifest.py"]
@@ -110,6 +110,9 @@ def _returned_code(fn: object) -> str:
 
 # Codes verify cannot be made to report on a checkpoint, each asserted by the test named here:
 ASSERTED_ELSEWHERE = {
+    "zero.checkpoint": ("test_zero_inspect.py", "test_verify_reports_the_zero_checkpoint_and_passes"),
+    "zero.damaged": ("test_zero_hostile.py", "test_broken_zero_checkpoint_is_refused_and_nothing_is_published"),
+    "deep.zip_crc_mismatch": ("test_harden3_misc.py", "test_deep_checks_the_crc32_of_every_record_of_a_bin"),
     # root reads every file it can stat, so the one real read error is /proc/self/mem given as a
     # file (inside a directory it is a link that leaves the checkpoint); exit 3, not 1
     "io.error": ("test_verify_cli.py", "test_io_error_exits_three_even_with_other_findings"),

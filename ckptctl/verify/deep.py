@@ -1,15 +1,16 @@
-"""``verify --deep``: read every byte once, hash it, and decode floats for NaN/Inf/all-zero; the
-sha256 of each file is compared with the manifest's. Nothing here imports torch; memory stays at a
-few windows per file whatever its size.
+"""``verify --deep``: read every byte once, hash it, and decode floats for NaN/Inf/all-zero; the sha256
+of each file is compared with the manifest's, and a torch zip archive's records with their CRC-32
+(:func:`~ckptctl.verify.pickles.zip_crc_findings`). Nothing here imports torch; memory stays at a few
+windows per file whatever its size.
 
-The fast path (:func:`scan_files`, the default): two workers; each file is read and hashed in
-order by one (hashlib releases the GIL), in windows of at most 1 MiB, and each window's floats are
-checked right after its hash, while it is in cache, by that worker, or by the other one once it has
-no file left: one large file keeps both cores busy, and so does the last of many. The reference
-(``fast=False``): :func:`scan_file` of two files at a time, each by a reader thread and a decoder
-thread. Floats are classified from their bits, the same for every format numpy lacks (bfloat16, the
-fp8 family): an exponent of all ones is Inf (mantissa zero) or NaN; a value is zero when every bit
-but the sign is zero (:func:`check_bits`, and :func:`check_bits_fast` beside it).
+The fast path (:func:`scan_files`, the default): two workers; each file is read and hashed in order by
+one (hashlib releases the GIL), in windows of at most 1 MiB, and each window's floats are checked right
+after its hash, while it is in cache, by that worker, or by the other one once it has no file left: one
+large file keeps both cores busy, and so does the last of many. The reference (``fast=False``):
+:func:`scan_file` of two files at a time, each by a reader thread and a decoder thread. Floats are
+classified from their bits, the same for every format numpy lacks (bfloat16, the fp8 family): an
+exponent of all ones is Inf (mantissa zero) or NaN; a value is zero when every bit but the sign is zero
+(:func:`check_bits`, and :func:`check_bits_fast` beside it).
 """
 from __future__ import annotations
 
@@ -27,43 +28,11 @@ from ckptctl.findings import ERROR, INFO, WARNING, Finding
 from ckptctl.format.header import Header, TensorInfo
 from ckptctl.threads import WORKERS, Buffers, HelpingPool, check, ordered_map
 from ckptctl.verify.context import DEEP_NOT_ASKED, Context
+from ckptctl.verify.floatbits import NOT_DECODED, FloatBits, TensorScanner, TensorStats, check_bits_fast
 
 CHUNK_BYTES = 8 * 1024 * 1024
 BUFFERS = 3
 MIN_CHUNK_BYTES = 64
-
-
-@dataclass(frozen=True)
-class _FloatBits:
-    bits: int
-    exp: int  # exponent mask (all ones = Inf/NaN); 0 when the format has no Inf/NaN by exponent
-    man: int  # mantissa mask
-    absmask: int  # every bit but the sign
-    nan_only: int | None = None  # formats whose only special value is one NaN pattern (after absmask)
-    nan_is_signbit: bool = False  # FNUZ: 0x80 is the NaN
-
-
-# The widths and masks of each float format, little-endian integer views.
-FLOAT_BITS: dict[str, _FloatBits] = {
-    "F64": _FloatBits(64, 0x7FF0000000000000, 0x000FFFFFFFFFFFFF, 0x7FFFFFFFFFFFFFFF),
-    "F32": _FloatBits(32, 0x7F800000, 0x007FFFFF, 0x7FFFFFFF),
-    "C64": _FloatBits(32, 0x7F800000, 0x007FFFFF, 0x7FFFFFFF),  # two F32 per element
-    "F16": _FloatBits(16, 0x7C00, 0x03FF, 0x7FFF),
-    "BF16": _FloatBits(16, 0x7F80, 0x007F, 0x7FFF),
-    "F8_E5M2": _FloatBits(8, 0x7C, 0x03, 0x7F),
-    "F8_E4M3": _FloatBits(8, 0, 0, 0x7F, nan_only=0x7F),  # e4m3fn: no Inf, NaN = S.1111.111
-    "F8_E4M3FNUZ": _FloatBits(8, 0, 0, 0xFF, nan_is_signbit=True),
-    "F8_E5M2FNUZ": _FloatBits(8, 0, 0, 0xFF, nan_is_signbit=True),
-    "F4": _FloatBits(8, 0, 0, 0x77),  # two e2m1 values per byte, no Inf/NaN
-}
-NOT_DECODED = frozenset({"F8_E8M0", "F6_E2M3", "F6_E3M2"})  # no zero / not byte-addressable
-
-
-@dataclass
-class TensorStats:
-    nan: int = 0
-    inf: int = 0
-    nonzero: bool = False
 
 
 @dataclass
@@ -71,85 +40,6 @@ class DeepResult:
     sha256: str
     bytes_read: int
     findings: list[Finding] = field(default_factory=list)
-
-
-def _np_dtype(bits: int, kind: str = "u") -> Any:
-    import numpy as np
-
-    return np.dtype(f"<{kind}{bits // 8}")
-
-
-class _TensorScanner:
-    """Consumes one tensor's bytes in order, in pieces of any size (element splits are carried)."""
-
-    def __init__(self, info: TensorInfo) -> None:
-        self.info = info
-        self.fb = FLOAT_BITS.get(info.dtype)
-        self.itemsize = self.fb.bits // 8 if self.fb else 1
-        self.carry = b""
-        self.stats = TensorStats()
-
-    def feed(self, mv: memoryview) -> None:
-        if self.fb is None:
-            return
-        if self.carry:
-            need = self.itemsize - len(self.carry)
-            self.carry += bytes(mv[:need])
-            mv = mv[need:]
-            if len(self.carry) < self.itemsize:
-                return
-            check_bits(self.fb, self.carry, self.stats)
-            self.carry = b""
-        n = len(mv) - len(mv) % self.itemsize
-        if n:
-            check_bits(self.fb, mv[:n], self.stats)
-        if n < len(mv):
-            self.carry = bytes(mv[n:])
-
-
-def check_bits(fb: _FloatBits, buf: Any, st: TensorStats) -> None:
-    """Add the NaN/Inf counts and whether any value is nonzero of ``buf`` (whole elements of
-    format ``fb``) to ``st``: the reference, by bit masks over the whole buffer."""
-    import numpy as np
-
-    a = np.frombuffer(buf, dtype=_np_dtype(fb.bits))
-    if fb.exp:
-        # the exponent bits sit just below the sign: all ones exactly when |x| >= the mask
-        mag = a & fb.absmask
-        if mag.max() >= fb.exp:
-            special = (a & fb.exp) == fb.exp
-            nan = int(np.count_nonzero(special & ((a & fb.man) != 0)))
-            st.nan += nan
-            st.inf += int(np.count_nonzero(special)) - nan
-    elif fb.nan_only is not None:
-        st.nan += int(np.count_nonzero((a & fb.absmask) == fb.nan_only))
-    elif fb.nan_is_signbit:
-        st.nan += int(np.count_nonzero(a == 0x80))
-    if not st.nonzero:
-        if fb.exp:
-            st.nonzero = bool(mag.any())
-        else:
-            st.nonzero = bool(np.any(a & fb.absmask)) if not fb.nan_is_signbit else bool(np.any(a))
-
-
-def check_bits_fast(fb: _FloatBits, buf: Any, st: TensorStats) -> None:
-    """:func:`check_bits`, which it must equal, from two reductions that write nothing: the largest
-    magnitude is the larger of the unsigned maximum less its sign bit and the signed maximum. Below
-    the special pattern there is no NaN/Inf, above zero a nonzero; a buffer with a special value,
-    and the formats whose magnitude is not all-but-sign (FNUZ, F4), are counted by check_bits."""
-    if not fb.exp and fb.nan_only is None:
-        check_bits(fb, buf, st)
-        return
-    import numpy as np
-
-    a = np.frombuffer(buf, dtype=_np_dtype(fb.bits))
-    if not a.size:
-        return
-    top = max(int(a.max()) & fb.absmask, int(a.view(_np_dtype(fb.bits, "i")).max()))
-    if top >= (fb.exp or fb.nan_only):
-        check_bits(fb, buf, st)
-    elif top:
-        st.nonzero = True
 
 
 def window_bytes(chunk_bytes: int) -> int:
@@ -200,7 +90,7 @@ def scan_file(path: str, display: str, header: Header | None = None, *, chunk_by
     :class:`~ckptctl.threads.Stopped` between two chunks once ``stop`` is set.
     """
     plan = _plan(header)
-    scanners = {t.name: _TensorScanner(t) for _, _, t in plan}
+    scanners = {t.name: TensorScanner(t) for _, _, t in plan}
     h = hashlib.sha256()
     free: queue.Queue[bytearray] = queue.Queue()
     work: queue.Queue[tuple[bytearray, int, int] | None] = queue.Queue(maxsize=BUFFERS)
@@ -282,12 +172,12 @@ class _SharedScan:
     and the counts are sums: which worker scans which window, in what order, cannot change them."""
 
     def __init__(self, job: tuple[str, str, Header | None, int], window: int,
-                 check: Callable[[_FloatBits, Any, TensorStats], None]) -> None:
+                 check: Callable[[FloatBits, Any, TensorStats], None]) -> None:
         self.job, self.window, self.check = job, window, check
         self.path, self.display, self.header, _ = job
         self.plan = _plan(self.header)  # in offset order (Header.tensors is)
         self.begins = [b for b, _, _ in self.plan]
-        self.scanners = {t.name: _TensorScanner(t) for _, _, t in self.plan}
+        self.scanners = {t.name: TensorScanner(t) for _, _, t in self.plan}
         self.lock = threading.Lock()
         self.buffers: Buffers | None = None
         self.outcome: DeepResult | OSError | None = None
@@ -394,7 +284,7 @@ def scan_files(files: Sequence[tuple[str, str, Header | None, int]], *, chunk_by
         s.outcome.sha256, s.outcome.bytes_read, _findings(s.display, s.plan, s.scanners, s.header)) for s in scans]
 
 
-def _findings(display: str, plan: list[tuple[int, int, TensorInfo]], scanners: dict[str, _TensorScanner],
+def _findings(display: str, plan: list[tuple[int, int, TensorInfo]], scanners: dict[str, TensorScanner],
               header: Header | None) -> list[Finding]:
     out: list[Finding] = []
     skipped: set[str] = set()
@@ -473,7 +363,15 @@ def deep_step(ctx: Context, *, fast: bool | None = None) -> str | None:
         ctx.extend(dr.findings)
         _compare(ctx, name, dr.sha256, manifest)
         _compare_blob(ctx, name, dr.sha256)
+        if queue[name] is None and name.endswith((".bin", ".pt", ".pth")):  # torch.load never checks CRCs
+            ctx.extend(_zip_crcs(ctx, name))
     return None
+
+
+def _zip_crcs(ctx: Context, name: str) -> list[Finding]:
+    from ckptctl.verify.pickles import zip_crc_findings  # here: zipfile is not verify's startup
+
+    return zip_crc_findings(str(ctx.root / name), ctx.disp(name))
 
 
 def _compare_blob(ctx: Context, name: str, sha256: str) -> None:

@@ -182,3 +182,36 @@ def _check_storage(name: str, t: TensorRef, display: str, add: Callable[..., Non
                 f"{display}: tensor {name!r} (shape {list(t.shape)}, offset {t.offset}) reaches past the end "
                 f"of its {records[rec]}-byte storage", "the file is damaged: export or download it again",
                 tensor=name)
+
+
+_CRC_READ = 1 << 20
+
+
+def zip_crc_findings(path: str, display: str) -> list[Finding]:
+    """``--deep``: every record of a torch zip archive against the CRC-32 its archive records.
+    ``torch.load`` never checks it (a flipped byte in a storage loads as a changed weight), so a
+    mismatch is an error. A record whose CRC-32 is 0 was written without one (torch's
+    ``set_crc32_options(False)``) and is not checked; a file that is not a zip archive, or one the
+    static scan already found damaged, gives nothing here."""
+    out: list[Finding] = []
+    try:
+        zf = zipfile.ZipFile(path)
+    except (zipfile.BadZipFile, OSError, ValueError):
+        return out
+    with zf:
+        for info in zf.infolist():
+            if info.CRC == 0:
+                continue
+            try:
+                with zf.open(info) as f:  # checks the CRC-32 once the record is read to its end
+                    while f.read(_CRC_READ):
+                        pass
+            except zipfile.BadZipFile as exc:
+                out.append(Finding("deep.zip_crc_mismatch", ERROR, display,
+                                   f"{display}: record {info.filename} does not match its CRC-32 ({exc}); "
+                                   "torch.load would load the changed bytes without a word",
+                                   "the file is corrupt: export or download it again", None,
+                                   {"record": info.filename}))
+            except (OSError, EOFError, ValueError, NotImplementedError):
+                continue  # unreadable records are the static scan's and the hash's to report
+    return out

@@ -23,9 +23,10 @@ from typing import Any, Callable
 
 from ckptctl import _faults
 from ckptctl import layout as L
-from ckptctl.errors import CkptctlError, DiskFullError, InputError, Interrupted, UsageError, from_oserror
+from ckptctl.errors import (CkptctlError, DiskFullError, InputError, Interrupted, OperationalError, UsageError,
+                            from_oserror)
 from ckptctl.format.index import encode_index
-from ckptctl.manifest import MANIFEST_NAME, build_manifest, encode_manifest, list_files
+from ckptctl.manifest import MANIFEST_NAME, add_late_files, build_manifest, encode_manifest, list_files
 from ckptctl.plan import Locate, Plan, make_plan, place_for_clone, with_alias_records
 from ckptctl.publish import Stage, check_destination, check_writable, free_space
 from ckptctl.staging import recover_destination
@@ -83,7 +84,7 @@ class ExportJob:
         self.extra_blobs: dict[str, bytes] = {}
         self.stage_: Stage | None = None
         self.dest_existed = False
-        self.known: dict[str, int] = {}  # dest's entries (name -> inode) as the plan saw them
+        self.known: dict[str, int] = {}  # dest's entries at every depth (relative path -> inode) as the plan saw them
         # --manifest: the files hashed as they were written, name -> (size, sha256 or its future)
         self.digests: dict[str, tuple[int, Any]] = {}
         self._locate: Locate | None = None
@@ -150,7 +151,7 @@ class ExportJob:
         """Pad each planned header so its largest run of source bytes can be cloned (only where
         the destination's filesystem can clone from that source)."""
         assert self.plan is not None
-        block, ok = clone_block((e.tensor.file for e in self.entries if e.tensor.file and not e.converted), self.dest)
+        block, ok = _probe_clones(self.entries, self.dest)
         if not ok:
             return
         self.clones = True
@@ -305,6 +306,8 @@ class ExportJob:
         self.result.carried += self.stage_.late + self.stage_.kept_aside  # added to dest while we wrote
         _faults.point("after-publish")
         self.stage_.finish()
+        if self.opts.manifest and (self.stage_.late or self.stage_.kept_aside):
+            list_late_files(self.dest, self.stage_.late + self.stage_.kept_aside, fsync=self.opts.fsync)
         self.result.seconds = time.monotonic() - self.started
         if self.opts.progress:
             self.opts.progress(ProgressEvent("done", done=self.plan.total_size, total=self.plan.total_size))
@@ -334,6 +337,28 @@ def create_stage(stage: Stage, bytes_to_write: int, *, files: int) -> Path:
     data = stage.create()
     stage.check_competitors()
     return data
+
+
+def list_late_files(dest: Path, names: list[str], *, fsync: bool) -> None:
+    """After the publish: the manifest lists ``names``, the files carried into the new version
+    after it was written (:func:`~ckptctl.manifest.add_late_files`)."""
+    try:
+        add_late_files(dest, names, fsync=fsync)
+    except OSError as exc:
+        cause = from_oserror(exc, "cannot add them to the manifest")
+        raise OperationalError(
+            f"{dest} holds the new version, but the files added to it while we wrote are not in its manifest: "
+            f"{cause.message}", f"run `ckptctl resave {dest} --manifest` to write it again", phase="publish") from None
+
+
+def _probe_clones(entries: list[Entry], dest: Path) -> tuple[int, set[str]]:
+    """:func:`~ckptctl.write.files.clone_block` of the source files ``entries`` copy unconverted;
+    nothing clones when the probe itself fails (no inode left, too many open files): it only
+    asks, and the writes then report what is wrong with the filesystem."""
+    try:
+        return clone_block((e.tensor.file for e in entries if e.tensor.file and not e.converted), dest)
+    except OSError:
+        return 0, set()
 
 
 def write_inputs(inputs: ExportInputs, dest: str | os.PathLike[str], *, plan: Plan | None = None,
