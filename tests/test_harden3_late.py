@@ -22,14 +22,12 @@ import pytest
 from safetensors.torch import load_file
 
 from tests.support import (clean_env, load_glob, load_hub, load_single_first, popen_ckptctl, run_ckptctl, same,
-                           staging_dirs, state, wait_stopped, write_config, write_single)
+                          staging_dirs, state, wait_stopped, write_new_version, write_single)
 
 
 @pytest.fixture
 def src(tmp_path: Path) -> Path:
-    write_single(tmp_path / "src", state(7, n=4))
-    write_config(tmp_path / "src")
-    return tmp_path / "src"
+    return write_new_version(tmp_path / "src")
 
 
 @pytest.fixture

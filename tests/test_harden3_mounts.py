@@ -22,8 +22,8 @@ from pathlib import Path
 import pytest
 
 from ckptctl import staging
-from tests.support import (load_glob, popen_ckptctl, run_ckptctl, same, snapshot, staging_dirs, state,
-                           wait_stopped, write_config, write_single)
+from tests.support import (exported_old_version, load_glob, popen_ckptctl, run_ckptctl, same, snapshot,
+                          staging_dirs, state, wait_stopped, write_new_version)
 
 def _mountpoints_below(root: Path) -> list[str]:
     real = os.path.realpath(root) + "/"
@@ -69,17 +69,12 @@ def mounts(tmp_path: Path):
 
 @pytest.fixture
 def src(tmp_path: Path) -> Path:
-    write_single(tmp_path / "src", state(7, n=4))
-    write_config(tmp_path / "src")
-    return tmp_path / "src"
+    return write_new_version(tmp_path / "src")
 
 
 @pytest.fixture
 def dest(tmp_path: Path) -> Path:
-    write_single(tmp_path / "v1", state(1, n=4))
-    run_ckptctl("export", tmp_path / "v1", tmp_path / "ckpt", check=True)
-    (tmp_path / "ckpt" / "README.md").write_text("v1 notes")
-    return tmp_path / "ckpt"
+    return exported_old_version(tmp_path / "v1", tmp_path / "ckpt")
 
 
 def _mount_below(kind: str, dest: Path, tmp_path: Path, mounts) -> tuple[Path, Path]:

@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from tests.support import (clean_env, load_glob, popen_ckptctl, run_ckptctl, same, state, wait_stopped,
-                           write_config, write_single)
+from tests.support import (clean_env, exported_old_version, load_glob, popen_ckptctl, run_ckptctl, same, state,
+                          wait_stopped, write_new_version)
 
 ACL = "system.posix_acl_access"
 DEFAULT_ACL = "system.posix_acl_default"
@@ -28,18 +28,13 @@ DEFAULT_ACL = "system.posix_acl_default"
 
 @pytest.fixture
 def src(tmp_path: Path) -> Path:
-    write_single(tmp_path / "src", state(7, n=4))
-    write_config(tmp_path / "src")
-    return tmp_path / "src"
+    return write_new_version(tmp_path / "src")
 
 
 @pytest.fixture
 def old(tmp_path: Path) -> Path:
     """The destination's previous version, with a teammate's README."""
-    write_single(tmp_path / "old", state(1, n=4))
-    run_ckptctl("export", tmp_path / "old", tmp_path / "out", check=True)
-    (tmp_path / "out" / "README.md").write_text("v1 notes")
-    return tmp_path / "out"
+    return exported_old_version(tmp_path / "old", tmp_path / "out")
 
 
 # the concurrent writer: a separate process that writes into the destination, as an eval job does

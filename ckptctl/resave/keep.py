@@ -12,7 +12,7 @@ from functools import cached_property
 from itertools import repeat
 from math import prod
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Iterator
 
 from ckptctl import layout as L
 from ckptctl.errors import UnrepairableError, from_oserror
@@ -41,41 +41,35 @@ def _open(path: Path) -> int:
         raise from_oserror(exc, f"cannot read {path}", phase="read-source") from None
 
 
-def _pread(path: Path, offset: int, length: int) -> bytes:
-    """``length`` bytes of ``path`` at ``offset`` (fewer at its end)."""
-    fd = _open(path)
-    try:
-        parts, got = [], 0
-        while got < length:
-            chunk = os.pread(fd, min(length - got, 8 << 20), offset + got)
-            if not chunk:
-                break
-            parts.append(chunk)
-            got += len(chunk)
-        return b"".join(parts)
-    except OSError as exc:
-        raise from_oserror(exc, f"cannot read {path}", phase="read-source") from None
-    finally:
-        os.close(fd)
-
-
-def _hash_range(path: Path, offset: int, length: int) -> str:
-    import hashlib
-
-    h = hashlib.sha256()
+def _chunks(path: Path, offset: int, length: int) -> Iterator[bytes]:
+    """``length`` bytes of ``path`` at ``offset`` (fewer at its end), in pieces of at most 8 MiB;
+    an error reading is one line (exit 3)."""
     fd = _open(path)
     try:
         done = 0
         while done < length:
             chunk = os.pread(fd, min(length - done, 8 << 20), offset + done)
             if not chunk:
-                break
-            h.update(chunk)
+                return
+            yield chunk
             done += len(chunk)
     except OSError as exc:
         raise from_oserror(exc, f"cannot read {path}", phase="read-source") from None
     finally:
         os.close(fd)
+
+
+def _pread(path: Path, offset: int, length: int) -> bytes:
+    """``length`` bytes of ``path`` at ``offset`` (fewer at its end)."""
+    return b"".join(_chunks(path, offset, length))
+
+
+def _hash_range(path: Path, offset: int, length: int) -> str:
+    import hashlib
+
+    h = hashlib.sha256()
+    for chunk in _chunks(path, offset, length):
+        h.update(chunk)
     return h.hexdigest()
 
 

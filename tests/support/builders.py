@@ -83,3 +83,22 @@ def tiny_llama(tie: bool = False, seed: int = 0, **overrides: Any) -> Any:
     cfg = transformers.LlamaConfig(**{**TINY_LLAMA, "tie_word_embeddings": tie, **overrides})
     torch.manual_seed(seed)
     return transformers.LlamaForCausalLM(cfg).eval()
+
+
+def write_new_version(d: Path) -> Path:
+    """The new version an overwrite test exports over an old one: four float32 tensors in one
+    ``model.safetensors`` and a ``config.json``."""
+    write_single(d, state(7, n=4))
+    write_config(d)
+    return d
+
+
+def exported_old_version(src: Path, dest: Path) -> Path:
+    """The destination's previous version: four other tensors exported to ``dest`` (built in
+    ``src``), with a teammate's ``README.md`` beside them."""
+    from tests.support.cli import run_ckptctl
+
+    write_single(src, state(1, n=4))
+    run_ckptctl("export", src, dest, check=True)
+    (dest / "README.md").write_text("v1 notes")
+    return dest
