@@ -7,8 +7,6 @@ only to an idle worker and stops on the first error. No torch here."""
 from __future__ import annotations
 
 import hashlib
-import json
-import struct
 import threading
 from pathlib import Path
 
@@ -19,21 +17,12 @@ from ckptctl.format.header import read_header
 from ckptctl.threads import Buffers, HelpingPool, Stopped
 from ckptctl.verify.deep import DeepResult, _SharedScan, scan_file, scan_files
 from ckptctl.verify.floatbits import FLOAT_BITS, TensorStats, check_bits, check_bits_fast
+from tests.support import write_raw_safetensors as _write
 
 SPECIALS = {  # (NaN pattern, +Inf pattern or None) as little-endian unsigned integers
     "F32": (0x7FC00001, 0x7F800000), "F16": (0x7E01, 0x7C00), "BF16": (0x7FC1, 0x7F80),
     "F64": (0x7FF8000000000001, 0x7FF0000000000000), "F8_E5M2": (0x7E, 0x7C), "F8_E4M3": (0x7F, None),
 }
-
-
-def _write(path: Path, tensors: list[tuple[str, str, tuple[int, ...], bytes]]) -> None:
-    obj, off = {"__metadata__": {"format": "pt"}}, 0
-    for name, dtype, shape, data in tensors:
-        obj[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [off, off + len(data)]}
-        off += len(data)
-    text = json.dumps(obj).encode()
-    text += b" " * ((-len(text)) % 8)
-    path.write_bytes(struct.pack("<Q", len(text)) + text + b"".join(t[3] for t in tensors))
 
 
 def _uint(dtype: str) -> np.dtype:

@@ -14,22 +14,9 @@ import pytest
 
 from ckptctl.format.header import read_header
 from ckptctl.verify.deep import DeepResult, scan_file, scan_files
+from tests.support import write_raw_safetensors as _write
 
 torch = pytest.importorskip("torch")
-
-
-def _write(path: Path, tensors: list[tuple[str, str, tuple[int, ...], bytes]]) -> None:
-    """Tensors in the given order (not the official writer's), so offsets can be unaligned."""
-    import json
-    import struct
-
-    obj, off = {"__metadata__": {"format": "pt"}}, 0
-    for name, dtype, shape, data in tensors:
-        obj[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [off, off + len(data)]}
-        off += len(data)
-    text = json.dumps(obj).encode()
-    text += b" " * ((-len(text)) % 8)
-    path.write_bytes(struct.pack("<Q", len(text)) + text + b"".join(t[3] for t in tensors))
 
 
 def _torch_bytes(t) -> bytes:

@@ -8,8 +8,8 @@ namespace package, so pytest keeps putting ``tests/`` on ``sys.path`` for ``impo
 """
 
 from tests.support.builders import (INDEX, SINGLE, TINY_LLAMA, exported_old_version, nbytes, state, tiny_llama,
-                                    write_config, write_new_version, write_pickle, write_sharded, write_single,
-                                    write_tiny_checkpoint)
+                                    write_config, write_new_version, write_pickle, write_raw_safetensors, write_sharded,
+                                    write_single, write_tiny_checkpoint)
 from tests.support.cli import (CKPTCTL, REPO, RUN_TIMEOUT, ExecRunner, Result, clean_env, communicate,
                                drop_dac_caps, invoke, popen_ckptctl, process_state, run_ckptctl,
                                run_cli_subprocess, wait_stopped)
@@ -24,6 +24,6 @@ __all__ = [
     "fill_filesystem", "invoke",
     "load_glob", "load_hub", "load_single_first", "load_with_transformers", "nbytes", "popen_ckptctl",
     "process_state", "run_ckptctl", "run_cli_subprocess", "same", "sha256", "snapshot", "staging_dirs", "state",
-    "tiny_llama", "wait_stopped", "write_config", "write_new_version", "write_pickle", "write_sharded", "write_single",
+    "tiny_llama", "wait_stopped", "write_config", "write_new_version", "write_pickle", "write_raw_safetensors", "write_sharded", "write_single",
     "write_tiny_checkpoint",
 ]

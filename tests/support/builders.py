@@ -102,3 +102,17 @@ def exported_old_version(src: Path, dest: Path) -> Path:
     run_ckptctl("export", src, dest, check=True)
     (dest / "README.md").write_text("v1 notes")
     return dest
+
+
+def write_raw_safetensors(path: Path, tensors: list[tuple[str, str, tuple[int, ...], bytes]]) -> None:
+    """A safetensors file with ``(name, dtype, shape, bytes)`` tensors in the given order (not the
+    official writer's, so offsets can be unaligned and dtypes anything the format names)."""
+    import struct
+
+    obj, off = {"__metadata__": {"format": "pt"}}, 0
+    for name, dtype, shape, data in tensors:
+        obj[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [off, off + len(data)]}
+        off += len(data)
+    text = json.dumps(obj).encode()
+    text += b" " * ((-len(text)) % 8)
+    path.write_bytes(struct.pack("<Q", len(text)) + text + b"".join(t[3] for t in tensors))
