@@ -22,7 +22,7 @@ from typing import Any, overload
 
 from ckptctl import layout as L
 from ckptctl.config_fields import ConfigFields
-from ckptctl.errors import InputError
+from ckptctl.errors import InputError, UsageError
 from ckptctl.findings import Finding
 from ckptctl.format import dtypes as dt
 from ckptctl.format import small
@@ -224,6 +224,8 @@ class Inspection:
     aliases: dict[str, str] = field(default_factory=dict)
     components: list[ComponentRow] = field(default_factory=list)
     zero: dict[str, Any] = field(default_factory=dict)  # a DeepSpeed ZeRO checkpoint: stage, world_size, tag
+    megatron: dict[str, Any] = field(default_factory=dict)  # a Megatron checkpoint: iteration, args, mapping
+    state_keys: list[dict[str, Any]] = field(default_factory=list)  # a DCP training state's top-level keys
 
     @property
     def parameters(self) -> int:
@@ -277,8 +279,9 @@ class Inspection:
             doc["aliases"] = self.aliases
         if self.components:
             doc["components"] = [vars(c) for c in self.components]
-        if self.zero:
-            doc["zero"] = self.zero
+        for name in ("zero", "megatron", "state_keys"):
+            if getattr(self, name):
+                doc[name] = getattr(self, name)
         if with_tensors:
             doc["tensors"] = list(self.tensors.json_rows())
         return doc
@@ -335,6 +338,8 @@ def _inspect(p: Path, *, only: str | None, name_filter: str | None, key: str | N
     """:func:`inspect_path`'s steps."""
     if (zero := _zero(p, name_filter)) is not None:
         return zero
+    if (mega := _megatron(p, name_filter, key)) is not None:
+        return mega
     lay = L.scan(p)
     from ckptctl.sources.dcp_hf import open_dcp_hf
 
@@ -399,6 +404,30 @@ def _zero(p: Path, name_filter: str | None) -> Inspection | None:
     return res
 
 
+def _megatron(p: Path, name_filter: str | None, key: str | None) -> Inspection | None:
+    """A Megatron torch_dist checkpoint: the tensors the export would write (the mapping's HF
+    names, or Megatron's when no mapping applies, saying why), the arguments and the config."""
+    from ckptctl.sources.megatron_files import find_megatron
+    from ckptctl.sources.megatron_source import MegatronSource
+
+    loc = find_megatron(p)
+    if loc is None:
+        return None
+    if key:
+        raise UsageError(f"{p} is a Megatron-core checkpoint: --key {key} selects nothing in it", "drop --key")
+    with MegatronSource.open_location(loc, fallback=True) as src:
+        res = Inspection(path=str(p), format="megatron-torch_dist", megatron=src.describe())
+        for f in sorted(os.listdir(loc.folder)):
+            role = "weights" if f.endswith(".distcp") else "metadata" if f.startswith((".", "metadata")) else "extra"
+            res.files.append({"name": os.path.relpath(loc.folder / f, p), "size": (loc.folder / f).stat().st_size,
+                              "role": role})
+        for t in src.tensors:
+            res.tensors.add(t.spec, src.place(t, p), None)
+    res.tensors.arrange(by_component=False, name_filter=name_filter)
+    res.config = config_summary(src.config) if src.config else {}
+    return res
+
+
 def _format(fam: L.Family) -> str:
     if fam.kind == L.SAFETENSORS:
         return "safetensors-sharded" if fam.index else "safetensors"
@@ -431,6 +460,14 @@ def _add_family(res: Inspection, p: Path, lay: L.Layout, fam: L.Family, *, only:
         for n in lay.leftovers:
             res.files.append(file_row(n, "leftover"))
 
+    if fam.container == L.DCP and not key:
+        from ckptctl.format.dcp_metadata import is_training_state, state_summary
+        from ckptctl.sources.dcp_source import read_dcp_metadata
+
+        meta = read_dcp_metadata(lay.root)
+        if is_training_state(meta):  # {"model": ..., "optimizer": ..., "step": n}: its keys, --key picks one
+            res.state_keys = state_summary(meta)
+            return
     if fam.container == L.SAFETENSORS:
         for n in fam.files:
             hdr = load_header(lay.root / n, display=str(lay.root / n), fast=lay.reading.fast)

@@ -15,7 +15,7 @@ from ckptctl.cli._options import (DryRunOpt, DtypeOpt, JsonOpt, KeyOpt, LabelOpt
 from ckptctl.cli._output import Output, ProgressReporter, human_size
 
 def export(
-    src: Annotated[str, typer.Argument(metavar="SRC", help="Source: safetensors file/dir, .bin/.pt, PEFT adapter dir, DCP dir, or a cached repo id.")],
+    src: Annotated[str, typer.Argument(metavar="SRC", help="Source: safetensors file/dir, .bin/.pt, PEFT adapter dir, DCP dir, DeepSpeed ZeRO or Megatron torch_dist checkpoint, or a cached repo id.")],
     dst: Annotated[str, typer.Argument(metavar="DST", help="Destination directory (published atomically).")],
     max_shard_size: Annotated[str, typer.Option("--max-shard-size", help="Shard size limit: 5GB (decimal, as huggingface_hub) or 2GiB.")] = "5GB",
     dtype: DtypeOpt = "keep",
@@ -23,7 +23,8 @@ def export(
     manifest: ManifestOpt = False,
     label: LabelOpt = None,
     key: KeyOpt = None,
-    only: Annotated[Optional[str], typer.Option("--only", help="Which weights in SRC: safetensors, pytorch, peft or dcp.")] = None,
+    only: Annotated[Optional[str], typer.Option("--only", help="Which weights in SRC: safetensors, pytorch, peft, dcp, dcp-hf, zero or megatron.")] = None,
+    names: Annotated[Optional[str], typer.Option("--names", help="Tensor names to write: hf (default; a Megatron checkpoint is mapped to its HF family) or megatron (Megatron's own, unmapped).")] = None,
     no_fsync: NoFsyncOpt = False,
     timeout: TimeoutOpt = 300.0,
     dry_run: DryRunOpt = False,
@@ -36,7 +37,7 @@ def export(
     multi_rank = int(os.environ.get("WORLD_SIZE", "1")) > 1
     try:
         _run(out, src, dst, max_shard_size, dtype, overwrite, manifest, label, key, only, no_fsync, timeout,
-             dry_run, json_, multi_rank)
+             dry_run, json_, multi_rank, names)
     except typer.Exit as done:
         if multi_rank and done.exit_code:
             _leave(done.exit_code)
@@ -55,7 +56,7 @@ def _leave(code: int) -> None:
 
 
 def _run(out, src, dst, max_shard_size, dtype, overwrite, manifest, label, key, only, no_fsync, timeout, dry_run,
-         json_, multi_rank) -> None:
+         json_, multi_rank, names=None) -> None:
     with out.guard():
         from ckptctl.api import export as run_export
         from ckptctl.errors import UsageError
@@ -68,7 +69,7 @@ def _run(out, src, dst, max_shard_size, dtype, overwrite, manifest, label, key, 
             out.warn("--label is recorded only in the manifest; add --manifest")
         reporter = ProgressReporter(out)
         opts = ExportOptions(max_shard_size=max_shard_size, dtype=dtype, overwrite=overwrite, fsync=not no_fsync,
-                             manifest=manifest, label=label, dry_run=dry_run, progress=reporter,
+                             manifest=manifest, label=label, dry_run=dry_run, progress=reporter, names=names,
                              command=" ".join(["ckptctl", "export", src, dst]))
         where = resolve(src)
         if where.note:

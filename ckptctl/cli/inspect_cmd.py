@@ -62,6 +62,11 @@ def _render(out: Output, res, *, show_tensors: bool) -> None:
     summary.add_row("format", res.format)
     for key, value in res.zero.items():  # a DeepSpeed ZeRO checkpoint
         summary.add_row(key, str(value))
+    if res.megatron:  # a Megatron checkpoint: the iteration and the mapping the export applies
+        mega = res.megatron
+        summary.add_row("iteration", str(mega.get("iteration")))
+        summary.add_row("mapping", f"{mega['mapping']} (Hugging Face names)" if mega.get("mapping")
+                        else f"none, Megatron names: {mega.get('mapping_error')}")
     summary.add_row("tensors", f"{len(res.tensors):,}")
     summary.add_row("parameters", f"{res.parameters:,}")
     summary.add_row("tensor bytes", f"{res.total_bytes:,} ({human_size(res.total_bytes)})")
@@ -69,6 +74,7 @@ def _render(out: Output, res, *, show_tensors: bool) -> None:
         summary.add_row(key, str(value))
     out.print(summary)
 
+    _render_state(out, res)
     dtypes = Table(title="dtypes", title_justify="left")
     for col in ("dtype", "tensors", "parameters", "bytes"):
         dtypes.add_column(col, justify="left" if col == "dtype" else "right")
@@ -103,3 +109,25 @@ def _render(out: Output, res, *, show_tensors: bool) -> None:
         out.print(t)
     for f in res.findings:
         out.warn(f"{f.message} [{f.code}]")
+
+
+def _render_state(out: Output, res) -> None:
+    """The Megatron arguments, or a DCP training state's top-level keys (``--key`` picks one)."""
+    from rich.table import Table
+
+    args = (res.megatron or {}).get("args") or {}
+    if args:
+        t = Table(title="megatron arguments", title_justify="left")
+        t.add_column("argument")
+        t.add_column("value")
+        for k, v in args.items():
+            t.add_row(k, str(v))
+        out.print(t)
+    if res.state_keys:
+        t = Table(title="training state (pass --key KEY to list a key's tensors)", title_justify="left")
+        for col in ("key", "tensors", "parameters", "size", "dtypes", "other entries"):
+            t.add_column(col, justify="left" if col in ("key", "dtypes") else "right")
+        for row in res.state_keys:
+            t.add_row(row["key"], f"{row['tensors']:,}", f"{row['parameters']:,}", human_size(row["bytes"]),
+                      ", ".join(f"{d} x{n}" for d, n in row["dtypes"].items()), f"{row['objects']:,}")
+        out.print(t)

@@ -12,6 +12,9 @@ the same field names as torch's: ``md.state_dict_metadata[fqn].chunks[i].offsets
 knows its safetensors name), so neither torch nor ``torch.distributed.checkpoint`` is imported.
 ``torch_classes=True`` resolves the same allow-list to torch's own classes instead, for the one
 caller that hands the object to torch (``dcp.load`` of a tensor that must be gathered).
+Megatron-core's ``torch_dist`` saves add ``Metadata.all_local_plans``, every rank's save plan
+(torch's planner dataclasses and the ``WriteItemType`` enum): those are read as data too
+(:class:`PlanRecord`, the enum as its value), never used.
 """
 
 from __future__ import annotations
@@ -38,6 +41,10 @@ _DCP_CLASSES = {
         "TensorProperties", "StorageMeta", "_MEM_FORMAT_ENCODING",
     },
     "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    # Megatron-core's torch_dist saves add ``Metadata.all_local_plans``: every rank's save plan
+    # (plain torch dataclasses and an enum), read as data like the rest.
+    "torch.distributed.checkpoint.planner": {"SavePlan", "WriteItem", "WriteItemType", "TensorWriteData",
+                                             "BytesIOWriteData"},
     "torch.distributed.checkpoint._extension": {"ExtensionTransform"},
     "pathlib": {"PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath", "Path"},
     "collections": {"OrderedDict"},
@@ -96,6 +103,18 @@ class ExtensionTransform(Record):
     pass
 
 
+class PlanRecord(Record):
+    """One of the planning records Megatron-core adds (``SavePlan``, ``WriteItem``,
+    ``TensorWriteData``, ``BytesIOWriteData``): kept as data, never used to read a tensor."""
+
+
+def _enum_value(value: Any = None) -> Any:
+    """``WriteItemType(n)``: its value (an int), nothing of the enum is built."""
+    if type(value) is not int:
+        raise pickle.UnpicklingError(f"WriteItemType of a {type(value).__name__}")
+    return value
+
+
 class TensorProperties(Record):
     """torch pickles it as a tuple: (dtype, layout, requires_grad, memory_format, pin_memory)."""
 
@@ -143,6 +162,8 @@ _RECORDS: dict[str, Any] = {
     "BytesStorageMetadata": BytesStorageMetadata, "ChunkStorageMetadata": ChunkStorageMetadata,
     "TensorProperties": TensorProperties, "StorageMeta": StorageMeta, "_StorageInfo": StorageInfo,
     "ExtensionTransform": ExtensionTransform, "_MEM_FORMAT_ENCODING": int,
+    "SavePlan": PlanRecord, "WriteItem": PlanRecord, "TensorWriteData": PlanRecord, "BytesIOWriteData": PlanRecord,
+    "WriteItemType": _enum_value,
 }
 # torch dtypes safetensors has no name for: read (the export then says it cannot store them).
 _OTHER_DTYPES = frozenset({"complex128", "cdouble", "complex32", "chalf", "qint8", "quint8", "qint32", "quint4x2",
@@ -285,3 +306,39 @@ def missing_chunks(md: Any) -> tuple[int, list[str]]:
         elif MetadataIndex(fqn) not in storage:
             missing.append(fqn)
     return tensors, missing
+
+
+def state_summary(md: Any) -> list[dict[str, Any]]:
+    """A DCP training state (``dcp.save({"model": ..., "optimizer": ..., "step": n})``) by its
+    top-level keys, in the order saved: per key its tensor count, elements, bytes (of the dtypes
+    safetensors can name; others are counted as tensors only), tensors per dtype, and its
+    non-tensor entries (``objects``: the step, param groups, byte objects)."""
+    import math
+
+    out: dict[str, dict[str, Any]] = {}
+    for fqn, item in md.state_dict_metadata.items():
+        top = str(fqn).split(".")[0]
+        row = out.setdefault(top, {"key": top, "tensors": 0, "parameters": 0, "bytes": 0, "dtypes": {}, "objects": 0})
+        if not isinstance(item, TensorStorageMetadata):
+            row["objects"] += 1
+            continue
+        dtype = getattr(getattr(item, "properties", None), "dtype", None)
+        name = dtype.name if isinstance(dtype, DType) else None
+        try:
+            numel = math.prod(int(x) for x in item.size)
+        except (TypeError, ValueError):
+            numel = 0
+        row["tensors"] += 1
+        row["parameters"] += numel
+        if name is not None:
+            from ckptctl.format import dtypes as dt
+
+            row["bytes"] += numel * dt.BY_NAME[name].bits // 8
+        label = name or (f"torch.{dtype.torch_name}" if isinstance(dtype, DType) else "?")
+        row["dtypes"][label] = row["dtypes"].get(label, 0) + 1
+    return list(out.values())
+
+
+def is_training_state(md: Any) -> bool:
+    """Whether the checkpoint holds entries besides tensors (a training state, not one model)."""
+    return any(not isinstance(item, TensorStorageMetadata) for item in md.state_dict_metadata.values())

@@ -120,7 +120,7 @@ def open_inputs(src: str | os.PathLike[str], dst: str | os.PathLike[str], opts: 
     if not root_module and layout is not None:
         _refuse_multi_component(src_p, layout)
     try:
-        source = open_source(src_p, key=settings.key, only=settings.only,
+        source = open_source(src_p, key=settings.key, only=settings.only, names=settings.names,
                              reading=layout.reading if layout is not None else None)
     except CkptctlError as exc:
         if exc.phase is None and exc.exit_code != 2:

@@ -23,7 +23,12 @@ DEFAULT_MAX_SHARD_SIZE = "5GB"
 KEEP = "keep"  # --max-shard-size keep: one output shard per source file, same tensors
 # What --only may name: a kind of weights, or (between a single file and a sharded family of one
 # kind) index or single; layout.choose applies it.
-ONLY_CHOICES = (L.SAFETENSORS, L.PYTORCH, L.PEFT, L.DCP, "index", "single")
+# Besides them, the sources the opener asks before the layout: a DeepSpeed ZeRO checkpoint, torch's
+# DCP-HF sharded output, a Megatron-core torch_dist checkpoint (sources/opener.py).
+ONLY_CHOICES = (L.SAFETENSORS, L.PYTORCH, L.PEFT, L.DCP, "index", "single", "zero", "dcp-hf", "megatron")
+# --names: the names an export writes. hf (the default): the library's own, mapped where the
+# source is a training framework's (Megatron); megatron: a Megatron checkpoint's names as they are.
+NAMES_CHOICES = ("hf", "megatron")
 
 
 @dataclass
@@ -58,6 +63,7 @@ class ExportOptions:
     command: str | None = None
     progress: ProgressFn | None = None
     chunk_bytes: int = CHUNK_BYTES
+    names: str | None = None  # hf (None) | megatron: see NAMES_CHOICES
     # A planned shard whose bytes already exist (``ShardPlan.link_from``): hard-linked, or with
     # False an independent copy (cloned where the filesystem can, else copied by the kernel).
     link_unchanged: bool = True
@@ -72,6 +78,7 @@ class ExportSettings:
     only: str | None = None
     key: str | None = None
     keep_layout: bool = False  # --max-shard-size keep: the source's own shards
+    names: str | None = None  # --names megatron: a Megatron checkpoint's own names (the opener's ``names``)
 
 
 def target_dtype(option: str | None) -> str | None:
@@ -100,10 +107,16 @@ def validate(opts: ExportOptions, *, only: str | None = None, key: str | None = 
     target = target_dtype(opts.dtype)
     if only is not None and only not in ONLY_CHOICES:
         raise UsageError(f"unknown --only {only!r}", f"use one of {', '.join(ONLY_CHOICES)}")
+    if opts.names not in (None, "", *NAMES_CHOICES):
+        raise UsageError(f"unknown --names {opts.names!r}", f"use one of {', '.join(NAMES_CHOICES)}")
+    if opts.names == "megatron":
+        if only not in (None, "megatron"):
+            raise UsageError(f"--names megatron reads a Megatron checkpoint, not --only {only}",
+                             "drop --only, or use --only megatron")
     check_key(key)
     if opts.prefix in ("", ".", "..") or "/" in opts.prefix or "\0" in opts.prefix:
         raise UsageError(f"file name prefix {opts.prefix!r} is not a plain name", "use a name such as model")
     parsed = N.parse_weights_name(f"model.{opts.variant}.safetensors") if opts.variant is not None else None
     if opts.variant is not None and (parsed is None or parsed.variant != opts.variant):
         raise UsageError(f"variant {opts.variant!r} is not a plain variant name", "use a name such as fp16")
-    return ExportSettings(size, target, only, key or None, keep_layout=keep)
+    return ExportSettings(size, target, only, key or None, keep_layout=keep, names=opts.names or None)

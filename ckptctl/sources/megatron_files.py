@@ -1,0 +1,188 @@
+"""Where a Megatron-core ``torch_dist`` checkpoint is, and its ``common.pt``, read without torch.
+
+Megatron-LM's ``save_checkpoint`` (``--ckpt-format torch_dist``) writes, under its ``--save``
+directory, ``latest_checkpointed_iteration.txt`` (the last iteration, or ``release``) and one
+``iter_NNNNNNN/`` (or ``release/``) per save holding torch DCP's ``.metadata`` and
+``__R_I.distcp`` files, Megatron's ``metadata.json`` (``{"sharded_backend": "torch_dist", ...}``)
+and ``common.pt``: a ``torch.save`` archive of what is not sharded, among it ``args`` (the
+``argparse.Namespace`` of the run) and ``checkpoint_version``. :func:`find_megatron` accepts the
+``--save`` directory (the tracker names the iteration) or one iteration folder.
+
+``common.pt``'s pickle is read by the allow-list unpickler of :mod:`ckptctl.format.torch_pickle`:
+``argparse.Namespace`` and Megatron's enums (:data:`MEGATRON_GLOBALS`) become data records
+(nothing of Megatron is imported or run), any other global an inert stub that is listed (its
+value is then unknown; ``args`` must be a namespace of plain values).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ckptctl.errors import InputError, from_oserror
+from ckptctl.format import names as N
+from ckptctl.format.small import TooLarge, read_small
+from ckptctl.format.torch_pickle import DataObject, load_pickles
+from ckptctl.sources.torch_archive import _Damaged, archive_members, open_regular
+
+TRACKER = "latest_checkpointed_iteration.txt"
+COMMON = "common.pt"
+META_JSON = "metadata.json"
+_ITER = re.compile(r"^iter_(\d{7,})$")
+MAX_COMMON_PICKLE = 64 << 20  # args, scheduler and param groups: a few hundred KiB in real runs
+# Read as data records from common.pt (never imported): the run's argument namespace and
+# Megatron's enums that it holds.
+MEGATRON_GLOBALS = frozenset({
+    "argparse.Namespace",
+    "megatron.core.transformer.enums.AttnBackend",
+    "megatron.core.transformer.enums.AttnMaskType",
+    "megatron.core.transformer.enums.AttnType",
+    "megatron.core.transformer.enums.LayerType",
+    "megatron.core.enums.ModelType",
+    "megatron.core.model_parallel_config.ModelParallelConfig",
+})
+_AGAIN = "save the checkpoint again, or copy the missing files from the training run"
+
+
+@dataclass(frozen=True)
+class MegatronLocation:
+    """A Megatron checkpoint: the iteration folder read, and the ``--save`` root (or None)."""
+
+    folder: Path
+    root: Path | None
+    iteration: str  # as the tracker or the folder name says it (``7``, ``release``)
+
+
+@dataclass
+class Common:
+    """What ``common.pt`` says: the run's arguments (plain values only), the checkpoint version,
+    the iteration, and the globals it names that were read as inert stubs."""
+
+    args: dict[str, Any] | None
+    version: Any = None
+    iteration: Any = None
+    stubs: list[str] = field(default_factory=list)
+
+
+def _tracker(path: Path) -> str | None:
+    """The iteration in a tracker file (one short line), or None when it is not one."""
+    try:
+        raw = read_small(path, limit=4096)
+    except (OSError, TooLarge):
+        return None
+    try:
+        text = raw.decode().strip()
+    except UnicodeDecodeError:
+        return None
+    return text if text and "\n" not in text else None
+
+
+def is_iteration_folder(names: list[str]) -> bool:
+    """Whether a folder listing is one of a Megatron ``torch_dist`` save."""
+    return N.DCP_METADATA in names and (COMMON in names or META_JSON in names)
+
+
+def find_megatron(p: Path) -> MegatronLocation | None:
+    """The Megatron checkpoint at ``p`` (a ``--save`` root with the tracker, or an iteration
+    folder), or None when ``p`` is none. Raises InputError when the tracker names an iteration
+    that is not there."""
+    try:
+        if not p.is_dir():
+            return None
+        names = os.listdir(p)
+    except OSError:
+        return None
+    if is_iteration_folder(names) and (_ITER.match(p.name) or p.name == "release" or COMMON in names):
+        if COMMON not in names and not _is_megatron_json(p / META_JSON):
+            return None
+        m = _ITER.match(p.name)
+        return MegatronLocation(p, None, str(int(m.group(1))) if m else p.name)
+    if TRACKER not in names:
+        return None
+    it = _tracker(p / TRACKER)
+    iters = sorted(n for n in names if _ITER.match(n) or n == "release")
+    if it is None:
+        raise InputError(f"{p / TRACKER} does not name an iteration",
+                         f"pass an iteration folder instead (present: {', '.join(iters[:5]) or 'none'})")
+    folder_name = "release" if it == "release" else (f"iter_{int(it):07d}" if it.isdigit() else None)
+    if folder_name is None or folder_name not in names or not (p / folder_name).is_dir():
+        raise InputError(f"{p / TRACKER} names iteration {it!r}, whose folder is not in {p}",
+                         f"pass an iteration folder instead (present: {', '.join(iters[:5]) or 'none'}), "
+                         "or copy the missing iteration")
+    return MegatronLocation(p / folder_name, p, it)
+
+
+def _is_megatron_json(path: Path) -> bool:
+    try:
+        return b'"sharded_backend"' in read_small(path, limit=1 << 16)
+    except (OSError, TooLarge):
+        return False
+
+
+def backend(folder: Path) -> str | None:
+    """The ``sharded_backend`` Megatron's ``metadata.json`` names (None when absent)."""
+    import json
+
+    try:
+        doc = json.loads(read_small(folder / META_JSON, limit=1 << 16))
+    except (OSError, TooLarge, ValueError):
+        return None
+    value = doc.get("sharded_backend") if isinstance(doc, dict) else None
+    return value if isinstance(value, str) else None
+
+
+def _plain(value: Any) -> Any:
+    """A namespace value as data: plain values as they are, an enum record as its value's name
+    (``AttnBackend(5)`` -> 5), a torch dtype stub as its name; anything else None."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, (list, tuple)) and all(v is None or isinstance(v, (bool, int, float, str)) for v in value):
+        return list(value)
+    if isinstance(value, DataObject):
+        return value.value if isinstance(value.value, (int, str)) else None
+    name = getattr(value, "name", None)
+    return f"torch.{name}" if type(value).__name__ == "_DtypeStub" and isinstance(name, str) else None
+
+
+def read_common(folder: Path) -> tuple[Common, Any]:
+    """``common.pt`` of ``folder`` (and the identity of the file read, for pinning); an absent
+    file gives ``Common(None)``. Raises InputError for a damaged one."""
+    from ckptctl.sources.base import read_pinned
+
+    path = folder / COMMON
+    if not path.exists():
+        return Common(None), None
+    return read_pinned(path, lambda: _read_common(path))
+
+
+def _read_common(path: Path) -> Common:
+    fd = open_regular(path)
+    try:
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            if f.read(4) != b"PK\x03\x04":
+                raise InputError(f"{path} is not a torch.save zip archive (truncated or damaged)", _AGAIN)
+            try:
+                members, _little = archive_members(f)
+            except _Damaged as exc:
+                raise InputError(f"{path} is truncated or damaged ({str(exc)[:120]})", _AGAIN) from None
+            pkls = [n for n in members if n.split("/")[1:] == ["data.pkl"]]
+            if len(pkls) != 1 or not members[pkls[0]].stored or members[pkls[0]].size > MAX_COMMON_PICKLE:
+                raise InputError(f"{path} has no readable data.pkl", _AGAIN)
+            f.seek(members[pkls[0]].offset)
+            raw = f.read(members[pkls[0]].size)
+    except OSError as exc:
+        raise from_oserror(exc, "cannot read common.pt") from None
+    finally:
+        os.close(fd)
+    objs, stubs, err = load_pickles(raw, data_globals=MEGATRON_GLOBALS)
+    if err or not objs or not isinstance(objs[0], dict):
+        raise InputError(f"{path} is not a readable Megatron common state ({err or 'not a dict'})", _AGAIN)
+    obj = objs[0]
+    ns = obj.get("args")
+    args = None
+    if isinstance(ns, DataObject) and isinstance(ns.state, dict):
+        args = {str(k): _plain(v) for k, v in ns.state.items()}
+    return Common(args, obj.get("checkpoint_version"), obj.get("iteration"), sorted(set(stubs)))

@@ -1,0 +1,302 @@
+"""A Megatron-core ``torch_dist`` checkpoint as a source: its model weights under Hugging Face
+names (Llama-, Qwen2- and Mixtral-style GPT models), or under Megatron's own (``--names megatron``).
+
+The checkpoint is torch DCP with Megatron's extra planning records in ``.metadata`` (read as
+data by :mod:`ckptctl.format.dcp_metadata`); :mod:`.megatron_files` finds it and reads the run's
+arguments from ``common.pt``. The model's tensors are the DCP tensors outside ``optimizer.``
+(Megatron's ``_extra_state`` and RNG entries are byte objects, not tensors). Every chunk of them
+is located in its ``.distcp`` file (:func:`ckptctl.sources.dcp_chunks.chunk_bytes_at`: the
+chunk's ``torch.save`` archive read from its records, nothing imported) and the chunks of each
+tensor must tile its global shape (:func:`ckptctl.sources.dcp_hf.check_tiling`), so tensor- and
+pipeline-parallel degrees do not matter.
+
+Each exported tensor is a set of :class:`~ckptctl.sources.dcp_hf.Block` s, sub-blocks of those
+chunks cut by the mapping (:mod:`.megatron_mapping`: a layer of a stacked tensor, the vocabulary
+without its padding, a query group's q/k/v rows, the gate or up half of ``linear_fc1``, one
+expert): this is the DCP-HF source's own representation, so the same code places them. Blocks
+that are few long runs of the output become :class:`~ckptctl.sources.base.Piece` s copied by the
+kernel; others (the column shards of a tensor-parallel ``linear_proj``/``linear_fc2``) stream
+through :meth:`DcpHfSource.chunks` in bounded windows. ``config.json`` is built from the
+arguments (:mod:`.megatron_config`). Nothing is guessed: a tensor no rule consumes, a shape the
+arguments do not explain, an argument no mapping covers, each refuses the export.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import json
+import os
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from ckptctl.errors import InputError, UsageError, from_oserror
+from ckptctl.format import dtypes as dt
+from ckptctl.format import names as N
+from ckptctl.format.dcp_metadata import DType, MetadataIndex, TensorStorageMetadata
+from ckptctl.sources.base import OpenFiles, Piece, SourceTensor, read_pinned
+from ckptctl.sources.dcp_chunks import chunk_bytes_at
+from ckptctl.sources.dcp_hf import MAX_PIECES, Block, DcpHfSource, block_pieces, check_tiling, run_count, strides
+from ckptctl.sources.dcp_source import check_storage, read_dcp_metadata
+from ckptctl.sources.megatron_files import Common, MegatronLocation, backend, find_megatron, read_common
+
+KIND = "megatron"
+OPTIMIZER = "optimizer."
+# A tensor whose blocks are runs of at least this many bytes is copied by the kernel run by run
+# (the column shards of a tensor-parallel linear_proj/linear_fc2 too: 2 GB export 5.8 -> 3.1 s
+# against streaming them, bench/cases/megatron.py); shorter runs stream in windows.
+MIN_RUN_BYTES = 1024
+_AGAIN = "save the checkpoint again, or copy the missing files from the training run"
+
+
+class GeneratedFile(bytes):
+    """An extra file made by the source (config.json): its bytes, and the ``name`` it is written as."""
+
+    name: str
+
+    def __new__(cls, name: str, data: bytes) -> "GeneratedFile":
+        obj = super().__new__(cls, data)
+        obj.name = name
+        return obj
+
+
+class RunPieces(Sequence[Piece]):
+    """The pieces of an output tensor, made on demand from its blocks (each block's contiguous
+    runs of the output, :func:`~ckptctl.sources.dcp_hf.block_pieces`): a column-sharded layer is
+    thousands of runs, and only its few blocks are kept. Iterated in destination order."""
+
+    def __init__(self, blocks: list[Block], shape: tuple[int, ...], itemsize: int) -> None:
+        self._blocks = [b for b in blocks if b.numel]
+        self._shape, self._itemsize = shape, itemsize
+        self._len = sum(run_count(b, shape)[0] for b in self._blocks)
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __iter__(self) -> Iterator[Piece]:
+        """In the order of the output's bytes (the blocks' runs interleave in a column-sharded
+        tensor): each page of the output is written once, before its writeback starts."""
+        runs = [block_pieces(b, self._shape, self._itemsize) for b in self._blocks]
+        return iter(runs[0]) if len(runs) == 1 else heapq.merge(*runs, key=lambda p: p.dst_offset)
+
+    def __getitem__(self, i: Any) -> Any:  # the writer asks only for [0] of a one-piece tensor
+        if isinstance(i, slice):
+            return list(self)[i]
+        if i < 0:
+            i += len(self)
+        if not 0 <= i < len(self):
+            raise IndexError(i)
+        return next(itertools.islice(iter(self), i, None))
+
+
+def pieces_of(blocks: list[Block], shape: tuple[int, ...], dtype: str, max_pieces: int,
+              min_run: int = MIN_RUN_BYTES) -> Sequence[Piece]:
+    """The tensor's pieces (:class:`RunPieces`), or ``()`` when it streams: ``max_pieces=0``
+    (the reference), a sub-byte dtype, or blocks cut into runs shorter than ``min_run`` bytes
+    (a block that is one run is a piece whatever its size)."""
+    d = dt.BY_NAME[dtype]
+    live = [b for b in blocks if b.numel]
+    if not max_pieces or not live or d.bits % 8:
+        return ()
+    counts = [run_count(b, shape) for b in live]
+    if sum(c for c, _ in counts) > len(live) and min(n for _, n in counts) * d.itemsize < min_run:
+        return ()  # short runs, several to a block (a small model's column shards): streamed
+    return RunPieces(live, shape, d.itemsize)
+
+
+def model_tensors(meta: Any) -> dict[str, Any]:
+    """The model's tensors (fqn -> TensorStorageMetadata): every DCP tensor outside ``optimizer.``."""
+    return {fqn: item for fqn, item in meta.state_dict_metadata.items()
+            if isinstance(item, TensorStorageMetadata) and not fqn.startswith(OPTIMIZER)}
+
+
+def _dtype(root: Path, fqn: str, item: Any) -> str:
+    tdtype = getattr(item.properties, "dtype", None)
+    d = dt.get(tdtype.name) if isinstance(tdtype, DType) and tdtype.name else None
+    if d is None or d.bits % 8:
+        shown = tdtype.torch_name if isinstance(tdtype, DType) else "unknown"
+        raise InputError(f"{root}: tensor {fqn!r} has dtype {shown}, which cannot be exported",
+                         "the metadata is corrupt, or the tensor is of a kind safetensors cannot store")
+    return d.name
+
+
+def _shape(root: Path, fqn: str, item: Any) -> tuple[int, ...]:
+    try:
+        shape = tuple(int(x) for x in item.size)
+    except (TypeError, ValueError):
+        raise InputError(f"{root}: tensor {fqn!r} has no size", "the metadata is corrupt") from None
+    if any(n < 0 for n in shape):
+        raise InputError(f"{root}: tensor {fqn!r} has a negative size {list(shape)}", "the metadata is corrupt")
+    return shape
+
+
+def global_blocks(root: Path, fqn: str, item: Any, storage: Any, dtype: str, shape: tuple[int, ...],
+                  open_fd: Any) -> list[Block]:
+    """Every chunk of ``fqn`` as a :class:`Block` of its global tensor, located in its file.
+    Raises InputError when a chunk is not stored as a plain contiguous tensor or the chunks do
+    not tile the tensor."""
+    blocks = []
+    for chunk in item.chunks if isinstance(item.chunks, (list, tuple)) else ():
+        try:
+            offsets, sizes = tuple(int(x) for x in chunk.offsets), tuple(int(x) for x in chunk.sizes)
+        except (TypeError, ValueError):
+            raise InputError(f"{root}: a chunk of {fqn!r} has no offsets or sizes", "the metadata is corrupt") from None
+        if len(offsets) != len(shape) or len(sizes) != len(shape) or any(
+                o < 0 or n < 0 or o + n > f for o, n, f in zip(offsets, sizes, shape)):
+            raise InputError(f"{root}: a chunk of {fqn!r} (offsets {list(offsets)}, sizes {list(sizes)}) lies outside "
+                             f"its shape {list(shape)}", "the metadata is corrupt")
+        info = storage.get(MetadataIndex(fqn, offsets))
+        if info is None:
+            raise InputError(f"{root}: chunk {list(offsets)} of {fqn!r} has no storage entry",
+                             "the metadata is corrupt: " + _AGAIN)
+        if getattr(info, "transform_descriptors", None):
+            raise InputError(f"{root}: chunk {list(offsets)} of {fqn!r} is stored transformed (compressed)",
+                             "save the checkpoint without compression")
+        path = str(root / info.relative_path)
+        at = chunk_bytes_at(open_fd(path), int(info.offset), int(info.length), dtype, sizes)
+        if at is None:
+            raise InputError(f"{root}: chunk {list(offsets)} of {fqn!r} in {info.relative_path} is not a plain "
+                             f"contiguous {dtype} tensor of shape {list(sizes)}", "the file is damaged: " + _AGAIN)
+        blocks.append(Block(path, at, offsets, sizes))
+    check_tiling(fqn, shape, blocks)
+    return blocks
+
+
+def cut(blocks: list[Block], prefix: tuple[int, ...], start: int, stop: int, dst: int, itemsize: int) -> list[Block]:
+    """The parts of a global tensor's ``blocks`` that lie in rows ``[start, stop)`` of dimension
+    ``len(prefix)`` at the fixed indices ``prefix``, as blocks of an output whose rows start at
+    ``dst``: each is a contiguous run of its chunk's bytes (fixed leading indices, a row range,
+    and the chunk's whole extent below)."""
+    k = len(prefix)
+    out = []
+    for b in blocks:
+        o, s = b.offsets, b.sizes
+        if any(not o[j] <= prefix[j] < o[j] + s[j] for j in range(k)):
+            continue
+        lo, hi = max(start, o[k]), min(stop, o[k] + s[k])
+        if lo >= hi:
+            continue
+        st = strides(s)
+        first = sum((prefix[j] - o[j]) * st[j] for j in range(k)) + (lo - o[k]) * st[k]
+        out.append(Block(b.file, b.start + first * itemsize, (dst + lo - start, *o[k + 1:]), (hi - lo, *s[k + 1:])))
+    return out
+
+
+class MegatronSource(DcpHfSource):
+    """The model weights of one Megatron ``torch_dist`` iteration folder (module docstring)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.location: MegatronLocation | None = None
+        self.common: Common | None = None
+        self.family: str | None = None  # the mapping applied (None: Megatron's names)
+        self.config: dict[str, Any] | None = None
+        self.origin: dict[str, str] = {}  # exported name -> the Megatron tensor it comes from
+        self.mapping_error: str | None = None  # why no mapping applies (inspect's fallback)
+        self._min_run = MIN_RUN_BYTES
+
+    @classmethod
+    def open_location(cls, loc: MegatronLocation, *, names: bool = False, max_pieces: int = MAX_PIECES,
+                      fallback: bool = False, min_run: int = MIN_RUN_BYTES) -> "MegatronSource":
+        """The weights at ``loc``: HF names through the mapping, or Megatron's (``names``).
+        Raises InputError (a damaged checkpoint, an architecture no mapping covers; with
+        ``fallback``, inspect's, the latter gives Megatron's names and ``mapping_error`` says why).
+        ``max_pieces=0`` streams every tensor (the reference); ``min_run``: see :func:`pieces_of`."""
+        from ckptctl.sources.megatron_config import ArgsError, describe
+        from ckptctl.sources.megatron_mapping import MappingError, plan
+
+        root = loc.folder
+        kind = backend(root)
+        if kind not in (None, "torch_dist"):
+            raise InputError(f"{root}: a Megatron {kind!r} checkpoint; only torch_dist is read",
+                             "convert it to torch_dist with Megatron (--ckpt-convert-format torch_dist)")
+        src = cls(path=root, kind=KIND)
+        src.location, src.stem, src._min_run = loc, "model", min_run
+        meta, ident = read_pinned(root / N.DCP_METADATA, lambda: read_dcp_metadata(root))
+        src.pin(root / N.DCP_METADATA, ident)
+        check_storage(root, meta, src.pin)
+        src.common, cident = read_common(root)
+        src.pin(root / "common.pt", cident)
+        items = model_tensors(meta)
+        if not items:
+            raise InputError(f"{root}: the Megatron checkpoint holds no model tensors", _AGAIN)
+        dtypes = {fqn: _dtype(root, fqn, item) for fqn, item in items.items()}
+        shapes = {fqn: _shape(root, fqn, item) for fqn, item in items.items()}
+        blocks: dict[str, list[Block]] = {}
+        files = OpenFiles(flags=os.O_NOFOLLOW)
+        try:
+            for fqn, item in items.items():
+                blocks[fqn] = global_blocks(root, fqn, item, meta.storage_data, dtypes[fqn], shapes[fqn],
+                                            lambda path: files.fd(path, src.identity(path)))
+            files.check()
+        except OSError as exc:
+            raise from_oserror(exc, "cannot read the Megatron checkpoint") from None
+        finally:
+            files.close()
+        args = src.common.args if src.common else None
+        desc, outputs = None, None
+        try:
+            if not names and not args:
+                raise ArgsError("common.pt holds no Megatron-LM arguments (args), so the HF architecture is not known")
+            if not names:
+                main = dtypes.get("embedding.word_embeddings.weight") or next(iter(dtypes.values()))
+                desc = describe(args or {}, dt.CONFIG_NAMES.get(main))
+                outputs = plan(desc.family, shapes, desc.dims)
+        except (ArgsError, MappingError) as exc:
+            if not fallback:
+                raise InputError(f"{root}: {exc}", "export the Megatron names as they are with --names megatron, "
+                                 "and map them with your own code") from None
+            src.mapping_error = str(exc)
+        if desc is None or outputs is None:
+            for fqn in sorted(items):
+                src._add(fqn, fqn, dtypes[fqn], shapes[fqn], blocks[fqn], max_pieces)
+            return src
+        for o in outputs:
+            size = dt.BY_NAME[dtypes[o.source]].itemsize
+            parts = [b for s in o.slabs for b in cut(blocks[s.fqn], s.prefix, s.start, s.stop, s.dst, size)]
+            src._add(o.name, o.source, dtypes[o.source], o.shape, parts, max_pieces)
+        src.family, src.config = desc.family.name, desc.config
+        src.extras = [GeneratedFile("config.json", (json.dumps(desc.config, indent=2) + "\n").encode())]  # type: ignore[list-item]
+        return src
+
+    def _add(self, name: str, fqn: str, dtype: str, shape: tuple[int, ...], blocks: list[Block],
+             max_pieces: int) -> None:
+        check_tiling(name, shape, blocks)
+        pieces = pieces_of(blocks, shape, dtype, max_pieces, self._min_run)
+        self.add(SourceTensor(name, dtype, shape, pieces=pieces), fqn)  # type: ignore[arg-type]
+        self.blocks[name] = blocks
+        self.origin[name] = fqn
+
+    def place(self, t: SourceTensor, shown: Path) -> str:
+        """Where ``t`` is stored, for inspect (relative to ``shown``): its ``.distcp`` file, or a
+        glob when several hold it."""
+        files = {Path(b.file).name for b in self.blocks[t.name]}
+        rel = os.path.relpath(self.path, shown)
+        name = next(iter(files)) if len(files) == 1 else "*.distcp"
+        return name if rel == "." else f"{rel}/{name}"
+
+    def describe(self) -> dict[str, Any]:
+        """What inspect shows: where, the iteration, the arguments and the mapping applied."""
+        from ckptctl.sources.megatron_config import summary
+
+        loc, common = self.location, self.common
+        return {"folder": str(self.path), "root": str(loc.root) if loc and loc.root else None,
+                "iteration": loc.iteration if loc else None,
+                "checkpoint_version": common.version if common and isinstance(common.version, (int, float)) else None,
+                "args": summary(common.args) if common and common.args else None,
+                "mapping": self.family, "mapping_error": self.mapping_error,
+                "inert_globals": common.stubs if common else []}
+
+
+def open_megatron(p: Path, *, key: str | None = None, names: bool = False,
+                  max_pieces: int = MAX_PIECES) -> MegatronSource | None:
+    """``p`` as a Megatron source when it is a Megatron ``torch_dist`` checkpoint (the ``--save``
+    root or an iteration folder), else None. Raises InputError (UsageError for a ``key``)."""
+    loc = find_megatron(p)
+    if loc is None:
+        return None
+    if key:
+        raise UsageError(f"{p} is a Megatron-core checkpoint: --key {key} selects nothing in it",
+                         "drop --key: the model's tensors are read (the optimizer state is left out)")
+    return MegatronSource.open_location(loc, names=names, max_pieces=max_pieces)
