@@ -239,8 +239,9 @@ def test_index_and_single_file(tmp_path: Path) -> None:
 
 
 def test_safetensors_and_bin(tmp_path: Path) -> None:
+    """A pickle family with other tensors than the safetensors one is two models under one name."""
     save_file(sd(), tmp_path / "model.safetensors")
-    torch.save(sd(), tmp_path / "pytorch_model.bin")
+    torch.save(sd(3), tmp_path / "pytorch_model.bin")
     lay = L.scan(tmp_path)
     assert codes(lay) == ["layout.two_families"]
     assert sorted(f.kind for f in lay.families) == [L.PYTORCH, L.SAFETENSORS]
@@ -248,6 +249,25 @@ def test_safetensors_and_bin(tmp_path: Path) -> None:
         L.choose(lay)
     assert "--only" in (exc.value.hint or "")
     assert L.choose(lay, prefer="pytorch").files == ["pytorch_model.bin"]
+
+
+def test_bin_with_the_same_tensors_as_safetensors_is_a_note(tmp_path: Path) -> None:
+    """The conversion bot's layout: same names, dtypes and shapes (tied weights stored once in
+    safetensors, as one view under two names in the pickle) is a note, and every command reads
+    the safetensors family; naming the kind still reads the pickle."""
+    tensors = sd()
+    save_file(tensors, tmp_path / "model.safetensors")
+    tied = dict(tensors, **{"lm_head.weight": tensors["model.layers.0.weight"]})
+    torch.save(tied, tmp_path / "pytorch_model.bin")
+    lay = L.scan(tmp_path)
+    assert codes(lay) == ["layout.converted_pickle"]
+    assert L.choose(lay).files == ["model.safetensors"]
+    assert L.choose(lay, prefer="pytorch").files == ["pytorch_model.bin"]
+    tied["lm_head.weight"] = tensors["model.layers.0.weight"].clone()  # no longer one view: a tensor more
+    torch.save(tied, tmp_path / "pytorch_model.bin")
+    assert codes(L.scan(tmp_path)) == ["layout.two_families"]
+    torch.save({k: v.half() for k, v in tensors.items()}, tmp_path / "pytorch_model.bin")  # another dtype
+    assert codes(L.scan(tmp_path)) == ["layout.two_families"]
 
 
 def test_unreferenced_shard(tmp_path: Path) -> None:
@@ -393,3 +413,38 @@ def test_unreadable_component_manifest_is_a_finding(tmp_path: Path) -> None:
     (tmp_path / "modules.json").write_text("[" * 100_000)
     lay = L.scan(tmp_path)
     assert codes(lay) == ["layout.bad_component_manifest"] and lay.components == []
+
+
+def test_native_weights_beside_hf_files_are_a_note_and_no_family(tmp_path: Path) -> None:
+    """consolidated.safetensors with params.json beside an HF family (Mistral's repositories): kept
+    out of every family; without params.json it is a stray as before."""
+    save_torch_state_dict(sd(6), tmp_path, max_shard_size=2500)
+    save_file(sd(2), tmp_path / "consolidated.safetensors")
+    assert codes(L.scan(tmp_path)) == ["layout.unrecognised_weights"]
+    (tmp_path / "params.json").write_text("{}")
+    lay = L.scan(tmp_path)
+    assert codes(lay) == ["layout.native_weights"] and lay.native == ["consolidated.safetensors"]
+    assert "consolidated.safetensors" not in L.choose(lay).files
+
+
+def test_trainer_state_files_are_not_a_model(tmp_path: Path) -> None:
+    torch.save({"state": {}, "param_groups": []}, tmp_path / "optimizer.pt")
+    torch.save({"last_epoch": 1}, tmp_path / "scheduler.pt")
+    torch.save({"cpu": torch.get_rng_state()}, tmp_path / "rng_state.pth")
+    assert L.scan(tmp_path).families == []
+    torch.save(sd(), tmp_path / "model.pt")  # a .pt model beside them still is one
+    assert [f.files for f in L.scan(tmp_path).families] == [["model.pt"]]
+
+
+def test_dcp_hf_shard_names_are_one_family(tmp_path: Path) -> None:
+    for r in (1, 2):
+        save_file(sd(2, seed=r), tmp_path / f"shard-0000{r}-model-00001-of-00001.safetensors")
+    lay = L.scan(tmp_path)
+    assert not lay.findings and [(f.kind, len(f.files)) for f in lay.families] == [(L.DCP_HF, 2)]
+    root = tmp_path / "root"
+    root.mkdir()
+    (root / "sharded").mkdir()
+    save_file(sd(2), root / "sharded" / "shard-00001-model-00001-of-00001.safetensors")
+    lay = L.scan(root)
+    shard = "sharded/shard-00001-model-00001-of-00001.safetensors"
+    assert [(f.kind, f.files) for f in lay.families] == [(L.DCP_HF, [shard])]

@@ -92,7 +92,7 @@ def test_clean_corpus_checkpoints_pass(name: str, tmp_path: Path) -> None:
 def test_every_code_the_code_can_emit_is_documented() -> None:
     pat = re.compile(r'"((?:header|index|layout|dir|config|adapter|manifest|pickle|dcp|deep|metadata|io|zero)'
                      r'\.[a-z_0-9]+)"')
-    sources = sorted((REPO / "ckptctl" / "verify").glob("*.py"))
+    sources = sorted((REPO / "ckptctl" / "verify").rglob("*.py"))  # with verify/classes/
     sources += sorted((REPO / "ckptctl" / "layout").glob("*.py")) + [REPO / "ckptctl" / "manifest.py"]
     sources += [REPO / "ckptctl" / "format" / n for n in ("header.py", "header_rules.py", "index.py", "dcp_metadata.py")]
     emitted = {m for p in sources for m in pat.findall(p.read_text())} - {"config.json"}
@@ -128,6 +128,24 @@ ASSERTED_ELSEWHERE = {
     "config.lm_head_tied_differs": ("test_verify_ecosystem.py", "test_tied_config_with_a_different_stored_lm_head"),
     "deep.blob_hash_mismatch": ("test_verify_ecosystem.py", "test_hf_cache_blob_hash_and_dangling_link"),
     "dir.file_too_large_for_hub": ("test_verify_ecosystem.py", "test_file_over_the_hub_limit"),
+    # issue 30, items 4 and 5, and issue 31: built from real library outputs (transformers, torch DCP,
+    # sentence-transformers), each judged by the library's own loader in the same test
+    "layout.native_weights": ("test_verify_consistency.py", "test_mistral_native_files_beside_hf_shards_are_clean"),
+    "layout.converted_pickle": ("test_verify_consistency.py",
+                                "test_bin_beside_safetensors_with_the_same_tensors_is_a_note"),
+    "deep.pickle_copy_differs": ("test_verify_consistency.py",
+                                 "test_bin_beside_safetensors_with_the_same_tensors_is_a_note"),
+    "dcp.hf_sharded": ("test_verify_consistency.py", "test_dcp_hf_output_is_recognised"),
+    "dcp.hf_damaged": ("test_verify_consistency.py", "test_dcp_hf_output_is_recognised"),
+    "dir.leftover_weights_folder": ("test_verify_consistency.py", "test_dcp_hf_output_is_recognised"),
+    "config.generation_config_bad": ("test_verify_consistency.py", "test_generation_config_that_does_not_parse"),
+    "config.generation_token_id": ("test_verify_consistency.py", "test_generation_token_ids_outside_the_vocabulary"),
+    "config.tokenizer_added_id": ("test_verify_consistency.py", "test_added_tokens_outside_the_vocabulary"),
+    "dir.trainer_state_without_weights": ("test_verify_consistency.py",
+                                          "test_trainer_checkpoint_without_model_weights"),
+    "dir.placeholder_tensors": ("test_verify_consistency.py", "test_zero3_placeholders"),
+    "config.st_dimension_mismatch": ("test_verify_consistency.py",
+                                     "test_sentence_transformers_dimensions_that_disagree"),
 }
 
 

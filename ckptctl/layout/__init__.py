@@ -16,14 +16,14 @@ Modules: ``model`` (the data: kinds, :class:`Family`, :class:`Component`, :class
 
 from __future__ import annotations
 
-from ckptctl.layout.model import (COPIED_EXTRAS, DCP, EXTRA_NAMES, MODEL, MODEL_INDEX, MODULES_JSON, PEFT, PIPELINE,
-                                  PT_INDEX, PYTORCH, ROOTS, SAFETENSORS, SENTENCE_TRANSFORMERS, ST_INDEX, Component, Family,
-                                  Layout, is_leftover, named_slot, safetensors_stem, slot_of)
+from ckptctl.layout.model import (COPIED_EXTRAS, DCP, DCP_HF, EXTRA_NAMES, MODEL, MODEL_INDEX, MODULES_JSON, PEFT,
+                                  PIPELINE, PT_INDEX, PYTORCH, ROOTS, SAFETENSORS, SENTENCE_TRANSFORMERS, ST_INDEX,
+                                  Component, Family, Layout, is_leftover, named_slot, safetensors_stem, slot_of)
 from ckptctl.layout.policy import Assessment, candidates, choose
 from ckptctl.layout.scan import scan
 
 __all__ = [
-    "COPIED_EXTRAS", "DCP", "EXTRA_NAMES", "MODEL", "MODEL_INDEX", "MODULES_JSON", "PEFT", "PIPELINE", "PT_INDEX",
-    "PYTORCH", "ROOTS", "SAFETENSORS", "SENTENCE_TRANSFORMERS", "ST_INDEX", "Assessment", "Component", "Family", "Layout",
-    "candidates", "choose", "is_leftover", "named_slot", "safetensors_stem", "scan", "slot_of",
+    "COPIED_EXTRAS", "DCP", "DCP_HF", "EXTRA_NAMES", "MODEL", "MODEL_INDEX", "MODULES_JSON", "PEFT", "PIPELINE",
+    "PT_INDEX", "PYTORCH", "ROOTS", "SAFETENSORS", "SENTENCE_TRANSFORMERS", "ST_INDEX", "Assessment", "Component",
+    "Family", "Layout", "candidates", "choose", "is_leftover", "named_slot", "safetensors_stem", "scan", "slot_of",
 ]

@@ -21,6 +21,7 @@ SAFETENSORS = "safetensors"
 PYTORCH = "pytorch"
 PEFT = "peft"
 DCP = "dcp"
+DCP_HF = "dcp-hf"  # torch's HuggingFaceStorageWriter sharded output (each file one rank's part of its tensors)
 
 ST_INDEX = N.index_name("model", N.SAFETENSORS_EXT)
 PT_INDEX = N.index_name("pytorch_model", N.BIN_EXT)
@@ -82,6 +83,9 @@ class Family:
     stem: str | None = None  # the library's name (names.STEMS); None for DCP and stray files
     variant: str | None = None  # model.<variant>.safetensors
     index_doc: Index | None = field(default=None, repr=False)  # the parsed index, read once by scan
+    # a pickle family holding exactly the tensors of the safetensors family named here (the
+    # conversion bot's layout, ``layout.native``): no command reads it unless asked by kind
+    twin_of: str | None = None
 
     @property
     def all_files(self) -> list[str]:
@@ -135,6 +139,9 @@ class Layout:
     # which, ``components`` lists each component with its own layout.
     kind: str = MODEL
     components: list[Component] = field(default_factory=list)
+    # a model's native weights beside its Hugging Face families (Mistral's consolidated.safetensors
+    # with params.json): kept, read by no command, their headers checked by verify
+    native: list[str] = field(default_factory=list)
     # the command's metadata reading that scanned it, for the reads that follow
     reading: MetadataReading = field(default_factory=MetadataReading, repr=False, compare=False)
 

@@ -40,10 +40,13 @@ def label(fam: Family) -> str:
     return fam.index or (sorted(fam.files)[0] if fam.files else "?")
 
 
-def candidates(lay: Layout) -> list[Family]:
-    """The families a command may read: the main (non-variant) ones, or a lone variant."""
-    main = [f for f in lay.families if f.variant is None]
-    return main or list(lay.families)
+def candidates(lay: Layout, *, twins: bool = False) -> list[Family]:
+    """The families a command may read: the main (non-variant) ones, or a lone variant. A pickle
+    family that holds the same tensors as a safetensors family (``Family.twin_of``) is left out
+    unless ``twins`` (a command asked for a kind by name)."""
+    fams = [f for f in lay.families if twins or f.twin_of is None]
+    main = [f for f in fams if f.variant is None]
+    return main or fams
 
 
 def choose(lay: Layout, *, prefer: str | None = None, assess: Callable[[Family], Assessment] | None = None,
@@ -57,7 +60,7 @@ def choose(lay: Layout, *, prefer: str | None = None, assess: Callable[[Family],
     ``--prefer`` to pass); none sound is a loss (:class:`UnrepairableError`). ``among`` narrows the
     candidates (default :func:`candidates`). Raises :class:`InputError` / :class:`UsageError` with
     the next step."""
-    fams = candidates(lay) if among is None else list(among)
+    fams = candidates(lay, twins=prefer in KINDS) if among is None else list(among)
     if prefer in KINDS:
         fams = [f for f in fams if f.kind == prefer]
         if not fams:

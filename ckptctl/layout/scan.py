@@ -12,7 +12,9 @@ from ckptctl.findings import ERROR, INFO, WARNING, Finding
 from ckptctl.format import names as N
 from ckptctl.format.index import Index
 from ckptctl.layout import components as C
-from ckptctl.layout.model import (DCP, EXTRA_NAMES, PEFT, PYTORCH, SAFETENSORS, Family, Layout)
+from ckptctl.layout import native as NV
+from ckptctl.layout.model import (DCP, DCP_HF, EXTRA_NAMES, PEFT, PYTORCH, SAFETENSORS, Family, Layout)
+from ckptctl.layout.policy import label
 from ckptctl.layout.reading import MetadataReading
 
 
@@ -225,8 +227,47 @@ class _Scanner:
             _add(self.lay, "layout.dcp_without_metadata", ERROR, str(self.root), "*.distcp files without .metadata",
                  "the DCP save did not finish: save it again")
 
+    def _native(self) -> None:
+        """A model's native weights beside its Hugging Face safetensors family (Mistral's
+        ``consolidated.safetensors`` + ``params.json``): a note, and kept out of every family."""
+        if self.lay.family(SAFETENSORS) is None:
+            return
+        native = [n for n in NV.native_files(self.names) if n not in self.claimed and self.regular(self.root / n)]
+        if not native:
+            return
+        self.lay.native = native
+        self.claimed.update(native)
+        _add(self.lay, "layout.native_weights", INFO, str(self.root),
+             f"{', '.join(native)} with {NV.PARAMS_JSON}: the model's native weights beside its Hugging Face "
+             "files (as Mistral's repositories ship them); transformers and huggingface_hub read only the files "
+             "their index names")
+
+    def _dcp_hf(self) -> None:
+        """torch's DCP-HF shards (``shard-RRRRR-model-IIIII-of-NNNNN.safetensors``), in the directory
+        or in its ``sharded/`` folder (a root torch's consolidation left without consolidated
+        files), when the directory has no safetensors family of its own: one family (verify reads
+        their sharding info; a ``sharded/`` folder beside a family is verify's finding)."""
+        if self.lay.family(SAFETENSORS) is not None:
+            return
+        shards = [n for n in self.names if n not in self.claimed and NV.DCP_HF_SHARD.fullmatch(n)
+                  and self.regular(self.root / n)]
+        if not shards and NV.SHARDED_DIR in self.names and self._is_dir(NV.SHARDED_DIR):
+            try:
+                inner = sorted(os.listdir(self.root / NV.SHARDED_DIR))
+            except OSError:
+                inner = []
+            shards = [f"{NV.SHARDED_DIR}/{n}" for n in inner if NV.DCP_HF_SHARD.fullmatch(n)
+                      and self.regular(self.root / NV.SHARDED_DIR / n)]
+            if shards:
+                self.claimed.add(NV.SHARDED_DIR)
+        if shards:
+            self.lay.families.append(Family(DCP_HF, shards, container=DCP_HF))
+            self.claimed.update(shards)
+
     def _strays(self) -> None:
         """Other weights: a lone non-standard .safetensors file, or a .pt file."""
+        self._native()
+        self._dcp_hf()
         lay = self.lay
         for n in self.names:
             if n in self.claimed or n in EXTRA_NAMES:
@@ -239,7 +280,8 @@ class _Scanner:
                 if not has_st:
                     lay.families.append(Family(SAFETENSORS, [n]))
                     self.claimed.add(n)
-            elif n.endswith((".pt", ".pth")) and _regular(self.root / n) and not lay.families:
+            elif (n.endswith((".pt", ".pth")) and _regular(self.root / n) and not lay.families
+                  and not NV.TRAINER_STATE.fullmatch(n)):  # an optimizer state is not a model
                 lay.families.append(Family(PYTORCH, [n], container=PYTORCH))
                 self.claimed.add(n)
 
@@ -250,6 +292,8 @@ class _Scanner:
             by_slot.setdefault(f.slot, set()).add(f.container)
         for (slot, variant), containers in sorted(by_slot.items(), key=lambda kv: (kv[0][0], kv[0][1] or "")):
             if {SAFETENSORS, PYTORCH} <= containers:
+                if slot != "adapter_model" and self._twins(slot, variant):
+                    continue
                 if slot == "adapter_model":
                     _add(lay, "layout.two_adapters", ERROR, shown,
                          "both adapter_model.safetensors and adapter_model.bin", "remove the stale one")
@@ -261,3 +305,19 @@ class _Scanner:
         kinds = {f.kind for f in lay.families}
         if PEFT in kinds and kinds - {PEFT}:
             _add(lay, "layout.adapter_beside_model", INFO, shown, "a PEFT adapter sits beside full model weights")
+
+    def _twins(self, slot: str, variant: str | None) -> bool:
+        """The one pickle family of a slot holds exactly the tensors of its one safetensors family
+        (the conversion bot's layout): marked, with a note. Two families of a container (an index
+        and a single file) are not compared here."""
+        fams = [f for f in self.lay.families if f.slot == (slot, variant)]
+        st = [f for f in fams if f.container == SAFETENSORS]
+        pt = [f for f in fams if f.container == PYTORCH]
+        if len(st) != 1 or len(pt) != 1 or not NV.same_tensors(self.root, st[0], pt[0], self.reading):
+            return False
+        pt[0].twin_of = label(st[0])
+        _add(self.lay, "layout.converted_pickle", INFO, str(self.root),
+             f"{pt[0].describe()} holds the same tensors (names, dtypes, shapes) as {st[0].describe()}, as the "
+             "safetensors conversion leaves a repository: transformers and huggingface_hub load the safetensors "
+             "files; `ckptctl verify --deep` compares the bytes")
+        return True

@@ -250,14 +250,22 @@ def _verified(dest: Path, rep: Repair) -> Callable[[Path], None]:
 
 
 def _unchanged(dest: Path, opts: ExportOptions, rep: Repair, errors: list[Finding] | None = None) -> ResaveResult:
-    """The result of a repair that found nothing to do: no staging, no publish. When the layout
-    still has an error finding, that is not "nothing to repair" (resave without --repair sent the
-    user here): it is refused with the finding's own next step, never a loop back to --repair."""
-    if errors:
-        first = errors[0]
-        hint = first.hint if first.hint and "resave --repair" not in first.hint else None
-        raise UnrepairableError(f"{dest}: resave --repair has no certain fix for: {first.message}",
-                                (hint or f"run `ckptctl verify {dest}` for the details") + "; nothing was changed")
+    """The result of a repair that found nothing to do: no staging, no publish. "Sound" is
+    verify's word, not the repair's: the directory is verified (the same findings ``ckptctl
+    verify`` reports), and an error left (a layout finding the repair has no certain fix for, an
+    untied model without its lm_head, ...) refuses with exit 1, naming each and saying it is not
+    repairable, with the first one's own next step (never a loop back to --repair)."""
+    from ckptctl.verify import verify_path
+
+    found = [f for f in verify_path(dest).findings if f.severity == ERROR]
+    left = found or list(errors or [])
+    if left:
+        named = "; ".join(f"[{f.code}] {f.message}" for f in left[:4]) + (" ..." if len(left) > 4 else "")
+        hint = next((f.hint for f in left if f.hint and "resave --repair" not in f.hint), None)
+        raise UnrepairableError(f"{dest}: resave --repair has no certain fix for {len(left)} error(s) verify finds; "
+                                f"they are not repairable: {named}",
+                                (hint or f"run `ckptctl verify {dest}` for the details") + "; nothing was changed",
+                                phase="verify")
     return ResaveResult(ExportResult(dest=str(Path(os.path.abspath(dest))), dry_run=opts.dry_run), rep, unchanged=True)
 
 

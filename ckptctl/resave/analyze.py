@@ -45,8 +45,29 @@ class Chosen:
     layout: L.Layout | None = None  # the scan the choice was made on (the directory unchanged since)
 
 
-def _model_families(lay: L.Layout) -> list[L.Family]:
-    return [f for f in L.candidates(lay) if f.kind in (L.SAFETENSORS, L.PYTORCH)]
+def _twins_by_bytes(root: Path, lay: L.Layout) -> None:
+    """A repair judges a pickle family with the safetensors family's names, dtypes and shapes
+    (``layout.converted_pickle``) by its bytes too (what ``verify --deep`` does): with other
+    bytes it is a second model, and keeping one is the user's call (``--prefer``)."""
+    if not any(f.twin_of for f in lay.families):
+        return
+    from ckptctl.verify.consistency_twins import twin_differences
+
+    try:
+        differ, _ = twin_differences(root, lay)
+    except OSError:
+        differ = {"?": []}
+    if differ:
+        raise UsageError(f"{root} holds both safetensors and pytorch_model*.bin weights: the same names, dtypes and "
+                         f"shapes, other bytes ({', '.join(sorted(differ))})",
+                         "choose with --prefer safetensors or --prefer pytorch")
+
+
+def _model_families(lay: L.Layout, prefer: str | None = None) -> list[L.Family]:
+    """The model families a repair chooses among: a pickle family holding the same tensors as the
+    safetensors one (``layout.converted_pickle``) only when ``--prefer`` names a container."""
+    twins = prefer in (L.SAFETENSORS, L.PYTORCH)
+    return [f for f in L.candidates(lay, twins=twins) if f.kind in (L.SAFETENSORS, L.PYTORCH)]
 
 
 def analyze(root: Path, *, prefer: str | None = None, repair: bool = False,
@@ -63,7 +84,9 @@ def analyze(root: Path, *, prefer: str | None = None, repair: bool = False,
         raise UsageError(f"{root} needs repair: {first.message}",
                          f"run `ckptctl resave --repair {root}` (add --dry-run to see the plan)")
 
-    fams = _model_families(lay)
+    fams = _model_families(lay, prefer)
+    if repair and prefer is None:
+        _twins_by_bytes(root, lay)
     _refuse_other_kinds(root, lay, fams)
     containers = {f.container for f in fams}
     if containers == {L.SAFETENSORS, L.PYTORCH}:
@@ -85,7 +108,8 @@ def analyze(root: Path, *, prefer: str | None = None, repair: bool = False,
     # stray weights outside the naming scheme that a glob-loader would pick up; never a named
     # family of another slot (a variant, a diffusers or PEFT family beside the model)
     unref = [n for n in sorted(os.listdir(root)) if n.endswith(".safetensors") and n not in chosen.files
-             and n not in lay.leftovers and _stray_or_same_slot(n, chosen) and n not in rep.dropped]
+             and n not in lay.leftovers and n not in lay.native and _stray_or_same_slot(n, chosen)
+             and n not in rep.dropped]
     if unref:
         rep.fixes.append("removed weights not part of the checkpoint: " + ", ".join(unref))
         rep.dropped.extend(unref)
@@ -208,6 +232,6 @@ def _refuse_other_kinds(root: Path, lay: L.Layout, fams: list[L.Family]) -> None
     if L.PEFT in kinds:
         raise UsageError(f"{root} holds a PEFT adapter: resave rewrites model weights only",
                          f"use `ckptctl export {root} OUT` to rewrite the adapter as adapter_model.safetensors")
-    if L.DCP in kinds:
+    if L.DCP in kinds or L.DCP_HF in kinds:
         raise UsageError(f"{root} is a torch DCP checkpoint: resave rewrites safetensors checkpoints in place",
                          f"use `ckptctl export {root} OUT` (with --key for a training state) to convert it")

@@ -254,7 +254,9 @@ def already_so(root: Path, chosen: Chosen, kf: KeptFiles, rep: Repair, *, same_m
                 kf.same_map_as(old) if same_map is None else same_map):
             return False
     dropped, _ = superseded(root, slot=L.slot_of(chosen.stem, chosen.variant), lay=chosen.layout)
-    return set(dropped) <= set(kf.names) | {kf.index_name} - {None} | {MANIFEST_NAME}
+    # a pickle family holding the same tensors (layout.converted_pickle) is part of a sound layout
+    twins = {n for f in chosen.layout.families if f.twin_of for n in f.all_files} if chosen.layout else set()
+    return set(dropped) - twins <= set(kf.names) | {kf.index_name} - {None} | {MANIFEST_NAME}
 
 
 def note_index_changes(old: Index, kf: KeptFiles, rep: Repair, *, same_map: bool | None = None) -> None:

@@ -3,9 +3,12 @@ present and long enough, every ``*.distcp`` file named. torch is not imported.""
 
 from __future__ import annotations
 
+import os
+
 from ckptctl import layout as L
-from ckptctl.findings import ERROR, WARNING
-from ckptctl.verify.context import Context
+from ckptctl.findings import ERROR, INFO, WARNING
+from ckptctl.layout.native import DCP_HF_SHARD
+from ckptctl.verify.context import Context, FamilyTensors
 
 _AGAIN = "save the checkpoint again"
 
@@ -58,3 +61,49 @@ def check_dcp(ctx: Context, fam: L.Family) -> None:
             ctx.add("dcp.unreferenced_file", WARNING, ctx.disp(n),
                     f"{n} is not referenced by .metadata (left over from another save?)",
                     "remove it: it is not part of this checkpoint")
+
+
+def check_dcp_hf(ctx: Context, fam: L.Family) -> FamilyTensors:
+    """torch's DCP-HF shards (``HuggingFaceStorageWriter`` with ``save_distributed=True``): every
+    header read like any safetensors file, then the sharding info of each read by the export
+    source's own reader (:class:`~ckptctl.sources.dcp_hf.DcpHfSource`): each tensor's shards must
+    tile it exactly. The family's tensors are the global ones (the shape torch's reader infers).
+    ``dcp.hf_sharded`` (info) describes the save, ``dcp.hf_damaged`` (error)
+    says why it cannot be assembled."""
+    from ckptctl.errors import CkptctlError
+    from ckptctl.format.tensor import TensorSpec
+    from ckptctl.sources.dcp_hf import DcpHfSource
+    from ckptctl.verify.weights import read_file
+
+    reads = [read_file(ctx, n, L.SAFETENSORS) for n in fam.files]
+    shown = ctx.disp()
+    if any(r.header is None or not r.header.ok for r in reads):
+        return FamilyTensors(fam, {}, False)  # the header findings say why
+    numbers = [m.groups() for n in fam.files if (m := DCP_HF_SHARD.fullmatch(os.path.basename(n)))]
+    totals = {int(of) for _, _, of in numbers}
+    missing = sorted(set(range(1, max(totals) + 1)) - {int(i) for _, i, _ in numbers}) if totals else []
+    if len(totals) > 1 or missing:
+        ctx.add("dcp.hf_damaged", ERROR, shown,
+                f"{shown}: the DCP-HF shard names say "
+                + (f"model files {', '.join(map(str, missing[:5]))} of {max(totals)} are missing" if len(totals) == 1
+                   else f"the save has {' and '.join(map(str, sorted(totals)))} model files")
+                + ": tensors stored only there are gone", "copy the missing shard files, or save the checkpoint again",
+                missing=missing[:100])
+        return FamilyTensors(fam, {}, False)
+    try:
+        src = DcpHfSource.open(ctx.root / os.path.dirname(fam.files[0]), reading=ctx.reading)
+    except CkptctlError as exc:
+        ctx.add("dcp.hf_damaged", ERROR, shown, f"{shown}: torch DCP-HF shards that cannot be assembled: {exc.message}",
+                exc.hint)
+        return FamilyTensors(fam, {}, False)
+    try:
+        tensors = {t.name: TensorSpec(t.name, t.dtype, tuple(t.shape)) for t in src.tensors}
+    finally:
+        src.close()
+    ranks = sorted({m.group(1) for n in fam.files if (m := DCP_HF_SHARD.fullmatch(os.path.basename(n)))})
+    ctx.add("dcp.hf_sharded", INFO, shown,
+            f"{shown}: torch DCP-HF sharded save ({len(fam.files)} files of {len(ranks)} ranks, {len(tensors)} "
+            "tensors, each tiled exactly by its shards); transformers cannot load it as it is",
+            f"export it to a Hugging Face checkpoint: `ckptctl export {shown} DST`",
+            files=len(fam.files), ranks=len(ranks), tensors=len(tensors))
+    return FamilyTensors(fam, tensors, True)

@@ -25,7 +25,12 @@ _REPAIR = "run `ckptctl resave --repair DIR` to rebuild the index from the shard
 
 
 def family_tensors(ctx: Context, fam: L.Family) -> FamilyTensors:
-    """The tensors of a safetensors or pickle family, its index checked against its shards."""
+    """The tensors of a safetensors or pickle family, its index checked against its shards (torch's
+    DCP-HF shards: assembled by their sharding info)."""
+    if fam.container == L.DCP_HF:
+        from ckptctl.verify.dcp import check_dcp_hf
+
+        return check_dcp_hf(ctx, fam)
     return read_indexed(ctx, fam) if fam.index_doc is not None else W.read_family(ctx, fam)
 
 
@@ -142,6 +147,20 @@ def _numbering(ctx: Context, shown: str, shards: list[str], ext: str) -> None:
                     missing=missing[:100], count=len(got), expected=n)
 
 
+# Leaf names of the persistent buffers transformers' models register (``nn.Buffer``): stored in the
+# checkpoint, but not parameters. transformers writes ``total_parameters`` as ``num_parameters()``,
+# the sum over ``named_parameters()``: each shared (tied) parameter once, and no buffer; so BART's
+# ``final_logits_bias`` or DeepSeek-V3's ``e_score_correction_bias`` are stored and not counted.
+BUFFER_LEAVES = frozenset({"final_logits_bias", "e_score_correction_bias", "running_mean", "running_var",
+                           "num_batches_tracked", "position_ids", "token_type_ids", "inv_freq", "embed_avg",
+                           "cluster_size", "inited", "relative_position_index", "empty_weight", "layer_scalar"})
+
+
+def _buffer_values(headers: list) -> int:
+    """The elements of stored tensors that are buffers by their leaf name (:data:`BUFFER_LEAVES`)."""
+    return sum(ti.numel for h in headers for name, ti in h.tensors.items() if name.rsplit(".", 1)[-1] in BUFFER_LEAVES)
+
+
 def _totals(ctx: Context, shown: str, meta: dict[str, Any], reads: dict[str, WeightsRead], shards: list[str]) -> None:
     complete = set(shards) <= set(reads) and all(r.header is not None and r.header.ok for r in reads.values())
     headers = [r.header for r in reads.values() if r.header is not None]
@@ -157,7 +176,7 @@ def _totals(ctx: Context, shown: str, meta: dict[str, Any], reads: dict[str, Wei
     params = as_int(meta.get("total_parameters"))
     if params is not None and complete:
         actual_p = sum(h.tensors.numel for h in headers)
-        if actual_p != params:
+        if actual_p != params and actual_p - _buffer_values(headers) != params:
             ctx.add("index.total_parameters_mismatch", WARNING, shown,
                     f"{shown}: total_parameters is {params:,} but the shards hold {actual_p:,} values",
                     "harmless for loading, but the Hub shows the wrong model size; " + _REPAIR,
