@@ -791,6 +791,58 @@ def make_wrong_intermediate_size(d: Path) -> str:
     return "config.mlp_shape"
 
 
+# -- the model-class check (transformers builds LlamaForCausalLM on the meta device and its loader
+# matches the keys); each breakage is one the static rules above do not see, except the shape
+
+def make_class_missing(d: Path) -> str:
+    """A norm the class needs is not stored: transformers initialises it (LOAD REPORT: MISSING)."""
+    cfg = llama_config()
+    groups = llama_tensors(cfg)
+    del groups[0]["model.layers.0.post_attention_layernorm.weight"]
+    write_checkpoint(d, groups, config=cfg)
+    _extras(d)
+    return "config.class_missing"
+
+
+def make_class_shape(d: Path) -> str:
+    """head_dim says 8, the projections were saved with 4: transformers raises (size mismatch)."""
+    _with_config(d, head_dim=8)
+    return "config.class_shape"
+
+
+def make_class_disagrees(d: Path) -> str:
+    """q/k/v biases stored but attention_bias is false: the class builds the projections without
+    them and the loader drops the trained biases (LOAD REPORT: UNEXPECTED)."""
+    cfg = llama_config()
+    groups = llama_tensors(cfg)
+    rng = np.random.default_rng(1)
+    for i in range(cfg["num_hidden_layers"]):
+        g = groups[0] if i == 0 else groups[1]
+        for proj, rows in (("q", 16), ("k", 8), ("v", 8)):
+            g[f"model.layers.{i}.self_attn.{proj}_proj.bias"] = rng.standard_normal(rows).astype(np.float32)
+    write_checkpoint(d, groups, config=cfg)
+    _extras(d)
+    return "config.class_disagrees"
+
+
+def make_class_unused(d: Path) -> str:
+    """A classification head stored beside a causal-LM checkpoint: no place for it in
+    LlamaForCausalLM, dropped on load (a warning: nothing the model uses is wrong)."""
+    cfg = llama_config()
+    groups = llama_tensors(cfg)
+    groups[2]["score.weight"] = np.ones((2, cfg["hidden_size"]), np.float32)
+    write_checkpoint(d, groups, config=cfg)
+    _extras(d)
+    return "config.class_unused"
+
+
+def make_class_not_checked(d: Path) -> str:
+    """An architecture that exists only as remote code: the class check does not run (a note)."""
+    make_clean_sharded(d, architectures=["MyLlamaForCausalLM"], model_type="my_llama",
+                       auto_map={"AutoConfig": "modeling_my.MyConfig", "AutoModelForCausalLM": "modeling_my.MyLlama"})
+    return "config.class_not_checked"
+
+
 def make_dtype_mismatch(d: Path) -> str:
     _with_config(d, dtype="bfloat16")
     return "config.dtype_mismatch"
@@ -1343,7 +1395,9 @@ def make_two_families(d: Path) -> str:
     import torch
 
     make_clean_single(d)
-    torch.save(torch_state(), d / "pytorch_model.bin")
+    state = torch_state()
+    state.pop(sorted(state)[-1])  # other tensors: a second model (the same ones are layout.converted_pickle)
+    torch.save(state, d / "pytorch_model.bin")
     return "layout.two_families"
 
 
@@ -1495,7 +1549,13 @@ class Case:
         return "--deep" in self.args
 
 
+# the static config rules are the fallback where the model-class check cannot run: their builders
+# run with --static (the class check reports the same breakages under its own codes, below)
+STATIC_RULES = ("make_untied_config_without_lm_head", "make_wrong_vocab_rows", "make_wrong_hidden_size",
+                "make_missing_layer", "make_extra_layer", "make_wrong_kv_heads", "make_wrong_heads",
+                "make_wrong_intermediate_size", "make_wrong_positions", "make_config_names_not_recognised")
 ARGS = {
+    **{name: ("--static",) for name in STATIC_RULES},
     "make_manifest_hash_mismatch": ("--deep",), "make_deep_nan": ("--deep",), "make_deep_inf": ("--deep",),
     "make_deep_all_zero": ("--deep",), "make_deep_all_zero_vector": ("--deep",), "make_deep_not_decoded": ("--deep",),
     "make_shard_too_large": ("--max-shard-size", "2KB"),

@@ -58,7 +58,7 @@ def test_safetensors_and_bin_verification_never_import_torch(tmp_path: Path) -> 
     corpus.make_bin_unsafe_pickle(tmp_path / "bin")
     corpus.make_clean_adapter(tmp_path / "adapter")
     proc = subprocess_verify(tmp_path / "st", tmp_path / "st-manifest", tmp_path / "bin", tmp_path / "adapter",
-                             "--deep", "--json")
+                             "--static", "--deep", "--json")
     assert "TORCH-FREE" in proc.stderr, proc.stderr
     doc = json.loads(proc.stdout)
     assert proc.returncode == 1
@@ -304,7 +304,7 @@ def test_repo_id_in_the_local_hf_cache(tmp_path: Path) -> None:
     snap = _fake_hf_cache(cache, "tiny-org/tiny-llama", tmp_path / "src")
     corpus.make_clean_single(tmp_path / "elsewhere")
     env = {"HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1"}
-    ok = subprocess_verify("tiny-org/tiny-llama", "--deep", "--json", env=env)
+    ok = subprocess_verify("tiny-org/tiny-llama", "--deep", "--json", "--static", env=env)
     assert ok.returncode == 0, ok.stdout + ok.stderr
     r = json.loads(ok.stdout)["results"][0]
     assert r["path"] == "tiny-org/tiny-llama" and r["root"] == str(snap) and r["kind"] == "safetensors-sharded"

@@ -19,6 +19,7 @@ from ecosystem import ENTRIES, fresh_copy, missing_libraries
 from tests.support import CKPTCTL, drop_dac_caps
 
 pytest_plugins = ["ecosystem.fixtures"]
+STATIC = VerifyOptions(static=True)  # the static rules alone (the fallback where the class check cannot run)
 torch = pytest.importorskip("torch")
 st = pytest.importorskip("safetensors.torch")
 
@@ -41,19 +42,36 @@ def _not_info(findings) -> set[tuple[str, str, str]]:
     return {(f.severity, f.code, f.path) for f in findings if f.severity in (ERROR, WARNING)}
 
 
-@pytest.mark.parametrize("deep", [False, True], ids=["default", "deep"])
-def test_every_real_library_output_verifies_clean(ecosystem: dict[str, Path], deep: bool) -> None:
+# Entries the model-class check has nothing to build for: no config.json beside model weights
+# (DCP, adapters, bare state dicts).
+NO_CLASS = {"accelerate/save-model", "accelerate/save-state", "dcp/fsdp2", "dcp/fsdp2-train-state", "dcp/single",
+            "dcp/train-state", "hub/save-torch-state-dict", "hub/save-torch-state-dict-sharded", "peft/dora",
+            "peft/ia3", "peft/lokr", "peft/lora", "peft/lora-bin", "peft/lora-modules-to-save",
+            "safetensors/save-file", "safetensors/save-model"}
+
+
+@pytest.mark.parametrize("deep, static", [(False, False), (True, False), (False, True)],
+                         ids=["default", "deep", "static"])
+def test_every_real_library_output_verifies_clean(ecosystem: dict[str, Path], deep: bool, static: bool) -> None:
+    """0 errors and 0 unexplained warnings with the model-class check on (which ran on every entry
+    with a config.json and model weights, diffusers components and the sentence-transformers
+    module included) and with it off."""
     assert len(ecosystem) >= 70, sorted(ecosystem)
     problems: dict[str, list] = {}
     right_seen: set[tuple[str, str]] = set()
+    no_class: set[str] = set()
     for name, d in sorted(ecosystem.items()):
-        opts = VerifyOptions(deep=deep)
+        opts = VerifyOptions(deep=deep, static=static)
         if name in TREES:
             report = verify_paths([str(d)], recursive=True, options=opts)
             assert len(report.results) >= 1
             findings = report.findings
+            results = report.results
         else:
-            findings = verify_path(d, options=opts).findings
+            results = [verify_path(d, options=opts)]
+            findings = results[0].findings
+        if any("model-class" not in r.checks.ran for r in results):
+            no_class.add(name)
         for sev, code, path in sorted(_not_info(findings)):
             if sev == WARNING and (name, code) in RIGHT_WARNINGS:
                 right_seen.add((name, code))
@@ -61,16 +79,23 @@ def test_every_real_library_output_verifies_clean(ecosystem: dict[str, Path], de
             problems.setdefault(name, []).append((sev, code, path))
     assert not problems, problems
     assert right_seen == set(RIGHT_WARNINGS), set(RIGHT_WARNINGS) - right_seen
+    assert no_class == (set(ecosystem) if static else NO_CLASS & set(ecosystem)), no_class
 
 
 def test_gpt2_names_in_nn_linear_layout_are_still_checked(build_one, tmp_path: Path) -> None:
     """GPT-Neo and GPT-BigCode store GPT-2 names as nn.Linear ([out, in]): no false error on the clean
     output, and a real mismatch still caught (n_inner changed)."""
-    for name in ("transformers/gpt_neo", "transformers/gpt_bigcode"):
+    for name, field in (("transformers/gpt_neo", "intermediate_size"), ("transformers/gpt_bigcode", "n_inner")):
         d = fresh_copy(build_one(name), tmp_path / name.replace("/", "_"))
-        assert not _not_info(verify_path(d).findings)
-        _edit_config(d, n_inner=48)
-        assert "config.mlp_shape" in _codes(verify_path(d)), name
+        assert not _not_info(verify_path(d, options=STATIC).findings)
+        _edit_config(d, **{field: 48})
+        assert "config.mlp_shape" in _codes(verify_path(d, options=STATIC)), name
+        assert "config.class_shape" in _codes(verify_path(d)), name
+    # GPTNeoConfig has no n_inner: the static rule reads it anyway (a false error), the class check
+    # builds what transformers builds and loads (nothing to report)
+    _edit_config(d := fresh_copy(build_one("transformers/gpt_neo"), tmp_path / "neo2"), n_inner=48)
+    assert "config.mlp_shape" in _codes(verify_path(d, options=STATIC))
+    assert not _not_info(verify_path(d).findings)
 
 
 # -- helpers ---------------------------------------------------------------------------------------
@@ -144,16 +169,20 @@ def test_encoder_decoder_stack_layers_missing(build_one, tmp_path: Path, entry: 
                                               stack: str) -> None:
     d = _copy(build_one, entry, tmp_path)
     _edit_config(d, **edit)
-    res = verify_path(d)
+    res = verify_path(d, options=STATIC)
     found = [f for f in res.findings if f.code == "config.layer_missing"]
     assert [f.details["stack"] for f in found] == [stack] and found[0].severity == "error", res.findings
+    missing = [f for f in verify_path(d).findings if f.code == "config.class_missing"]
+    assert missing and all(k.startswith(stack + ".") for k in missing[0].details["keys"])
 
 
 def test_encoder_decoder_layer_tensors_removed(build_one, tmp_path: Path) -> None:
     d = _copy(build_one, "transformers/whisper", tmp_path)
     _edit_tensors(d, _drop("model.encoder.layers.0."))
-    found = [f for f in verify_path(d).findings if f.code == "config.layer_missing"]
+    found = [f for f in verify_path(d, options=STATIC).findings if f.code == "config.layer_missing"]
     assert [(f.details["stack"], f.details["missing"]) for f in found] == [("model.encoder.layers", [0])]
+    missing = [f for f in verify_path(d).findings if f.code == "config.class_missing"]
+    assert missing and all(k.startswith("model.encoder.layers.0.") for k in missing[0].details["keys"])
 
 
 @pytest.mark.parametrize("entry,stack", [("transformers/bert", "bert.encoder.layer"),
@@ -163,17 +192,22 @@ def test_extra_layers_beyond_the_config(build_one, tmp_path: Path, entry: str, s
     d = _copy(build_one, entry, tmp_path)
     field = "n_layer" if entry.endswith("gpt_bigcode") else "num_hidden_layers"
     _edit_config(d, **{field: 1})
-    found = [f for f in verify_path(d).findings if f.code == "config.layer_extra"]
+    found = [f for f in verify_path(d, options=STATIC).findings if f.code == "config.layer_extra"]
     assert [(f.severity, f.details["stack"], f.details["extra"]) for f in found] == [("error", stack, [1])]
+    found = [f for f in verify_path(d).findings if f.code == "config.class_disagrees"]
+    assert len(found) == 1 and found[0].severity == "error"
+    assert all(k.startswith(stack + ".1.") for k in found[0].details["keys"]), found[0].details
 
 
 def test_mtp_layers_are_not_extra(build_one, tmp_path: Path) -> None:
     """num_nextn_predict_layers allows that many layers after the decoder layers; one more is extra."""
     d = _copy(build_one, "transformers/deepseek_v3", tmp_path)
     _edit_config(d, num_hidden_layers=1)
-    assert "config.layer_extra" not in _codes(verify_path(d))
+    assert "config.layer_extra" not in _codes(verify_path(d, options=STATIC))
+    assert not {"config.class_disagrees", "config.class_unused"} & set(_codes(verify_path(d)))
     _edit_config(d, num_nextn_predict_layers=0)
-    assert _codes(verify_path(d)).get("config.layer_extra") == "error"
+    assert _codes(verify_path(d, options=STATIC)).get("config.layer_extra") == "error"
+    assert _codes(verify_path(d)).get("config.class_disagrees") == "error"
 
 
 def test_tied_config_with_a_different_stored_lm_head(build_one, tmp_path: Path) -> None:
@@ -273,7 +307,9 @@ def test_recursive_reports_a_directory_it_cannot_read(build_one, tmp_path: Path)
     fresh_copy(build_one("transformers/qwen2"), locked / "inner")
     locked.chmod(0)
     try:
-        p = subprocess.run([*CKPTCTL, "verify", "--recursive", "--json", str(tree)], capture_output=True, text=True,
+        # --static: about the unreadable directory, not the class (a subprocess pays its import)
+        p = subprocess.run([*CKPTCTL, "verify", "--recursive", "--json", "--static", str(tree)], capture_output=True,
+                           text=True,
                            timeout=120, preexec_fn=drop_dac_caps if os.geteuid() == 0 else None,
                            env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
     finally:

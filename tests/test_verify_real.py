@@ -72,10 +72,19 @@ def test_transformers_checkpoints_pass_clean(saved: dict[str, Path]) -> None:
 
 
 def test_config_checks_run_on_real_layouts(saved: dict[str, Path]) -> None:
-    """No layout is silently skipped: every model's names are recognised (no config.not_checked)."""
+    """No layout is silently skipped: every model's names are recognised by the static rules (no
+    config.not_checked), and the model-class check runs on each."""
     for name, path in saved.items():
-        res = verify_path(path)
+        res = verify_path(path, options=VerifyOptions(static=True))
         assert not [f for f in res.findings if f.code == "config.not_checked"], name
+        assert "model-class" in verify_path(path).checks.ran, name
+
+
+# static rule -> the model-class code of the same breakage
+CLASS_CODES = {"config.kv_heads_mismatch": "config.class_shape", "config.position_mismatch": "config.class_shape",
+               "config.mlp_shape": "config.class_shape", "config.vocab_mismatch": "config.class_shape",
+               "config.attention_shape": "config.class_shape", "config.lm_head_missing": "config.class_missing",
+               "config.layer_missing": "config.class_missing"}
 
 
 @pytest.mark.parametrize("name,change,code", [
@@ -99,8 +108,14 @@ def test_real_checkpoints_with_a_wrong_config_field(saved: dict[str, Path], tmp_
     cfg = json.loads((d / "config.json").read_text())
     cfg.update(change)
     (d / "config.json").write_text(json.dumps(cfg))
-    res = verify_path(d)
+    res = verify_path(d, options=VerifyOptions(static=True))  # the static rules (the fallback)
     assert code in {f.code for f in res.findings}, _bad(res)
+    # the model-class check reports the same breakage under its own code; the rule it decides the
+    # same way does not run beside it
+    res = verify_path(d)
+    codes = {f.code for f in res.findings}
+    assert CLASS_CODES.get(code, code) in codes, _bad(res)
+    assert code == "config.dtype_mismatch" or code not in codes
 
 
 def test_torch_save_of_real_state_dicts_passes_clean(tmp_path: Path) -> None:

@@ -40,13 +40,17 @@ def verify(
     base: Annotated[Optional[str], typer.Option(
         "--base", help="Base model (directory or cached repo id) to check an adapter against "
         "(default: its base_model_name_or_path, when available locally).")] = None,
+    static: Annotated[bool, typer.Option(
+        "--static", help="Static rules only: do not build the model class with its library (no torch or "
+        "transformers/diffusers import).")] = False,
     max_shard_size: Annotated[Optional[str], typer.Option(
         "--max-shard-size", help="Warn about shards holding more tensor bytes than this (5GB, 2GiB).")] = None,
     json_: JsonOpt = False,
     quiet: QuietOpt = 0,
     verbose: VerboseOpt = 0,
 ) -> None:
-    """Check checkpoints without loading them: headers, index, shards, config, adapter, manifest.
+    """Check checkpoints without loading them: headers, index, shards, config, adapter, manifest,
+    and the model class its library builds on the meta device (unless --static).
 
     Exit 0 when clean, 1 when a finding reaches --fail-on, 2 on usage errors, 3 on I/O errors.
     """
@@ -66,7 +70,7 @@ def verify(
         progress = _Progress(out, deep)
         try:
             report = verify_paths(list(paths or []), recursive=recursive,
-                                  options=VerifyOptions(deep=deep, base=base, max_shard_size=limit),
+                                  options=VerifyOptions(deep=deep, base=base, max_shard_size=limit, static=static),
                                   progress=progress)
         finally:
             progress.close()

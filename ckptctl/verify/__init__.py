@@ -11,15 +11,20 @@ A pipeline of checks over the ``Layout`` that :func:`ckptctl.layout.scan` makes 
 * ``index``: the index against the shard headers in both directions, shard numbering,
   ``total_size``/``total_parameters``, alias records;
 * ``dcp``: DCP metadata (allow-list reader) against its storage files;
+* ``model-class``: the library's own class built on the meta device and its loader's key matching
+  (:mod:`ckptctl.verify.classes`; not with ``--static``);
 * ``model`` and ``peft``: config.json and adapter_config.json against the tensors;
+* ``consistency``: what no loader reports (generation config, added tokens, placeholders, a
+  Trainer folder without the model, sentence-transformers dimensions, a ``.bin`` copy);
 * ``manifest``: the ckptctl manifest (sizes; with ``deep`` also sha256);
 * ``deep``: every byte read once, hashed, floats checked.
 
 Every path's result lists the check groups that ran and those that did not, with why
 (:class:`Checks`, ``PathResult.checks``).
 
-Nothing here prints: progress goes to an optional callback. torch is imported only for DCP
-directories; safetensors checkpoints (with or without ``deep``) and ``.bin`` files never import it.
+Nothing here prints: progress goes to an optional callback. torch is imported for DCP directories
+and by the model-class check; with ``--static``, or without transformers/diffusers installed,
+safetensors checkpoints (with or without ``deep``) and ``.bin`` files never import it.
 """
 
 from ckptctl.verify.context import ProgressFn, VerifyOptions

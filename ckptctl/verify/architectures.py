@@ -1,4 +1,8 @@
-"""The decoder-only architectures whose tensor shapes ``verify`` checks against config.json.
+"""The decoder-only architectures whose tensor shapes ``verify`` checks against config.json: the
+fallback for the model-class check (:mod:`ckptctl.verify.classes`), which decides every shape of
+every class the installed library knows. These rules run with ``--static`` or where it cannot
+run; the bias rows are gone (a bias's shape follows its projection's rows, checked here, and the
+class check decides a bias the config adds or removes).
 
 Each :class:`Spec` names the embedding, the layer container, the output head and, per tensor of a
 layer, the shape the config's dimensions give it (:class:`Dims`, read through the one table of
@@ -138,9 +142,6 @@ LLAMA = Spec("llama-style", "embed_tokens.weight", "layers", "lm_head.weight", (
     Rule("self_attn.v_proj.weight", lambda d: (_mul(d.kv, d.head_dim), d.hidden), _KV, _KV_WHAT),
     Rule("self_attn.o_proj.weight", lambda d: (d.hidden, _mul(d.heads, d.v_head_dim)), _ATT,
          "hidden_size by num_attention_heads x head_dim (MLA: v_head_dim)"),
-    Rule("self_attn.q_proj.bias", lambda d: (_mul(d.heads, d.q_head_dim),), _ATT, "num_attention_heads x head_dim"),
-    Rule("self_attn.k_proj.bias", lambda d: (_mul(d.kv, d.head_dim),), _KV, "num_key_value_heads x head_dim"),
-    Rule("self_attn.v_proj.bias", lambda d: (_mul(d.kv, d.head_dim),), _KV, "num_key_value_heads x head_dim"),
     Rule("self_attn.qkv_proj.weight",
          lambda d: (None if d.heads is None or d.kv is None or d.head_dim is None
                     else (d.heads + 2 * d.kv) * d.head_dim, d.hidden), _ATT,

@@ -30,14 +30,16 @@ from ckptctl.verify.report import IO_CODE, FileRecord, PathResult
 ProgressFn = Callable[[str, str, int], None]
 MAX_JSON_BYTES = 64 * 1024 * 1024
 DEEP_NOT_ASKED = "not asked: --deep"  # why the deep check did not run
+STATIC_ASKED = "--static: static rules only"  # why the model-class check did not run
 
 
 @dataclass
 class VerifyOptions:
-    """What verify is asked to do beyond its static checks (``--deep``, ``--base``, ``--max-shard-
-    size``)."""
+    """What verify is asked to do beyond its default checks (``--deep``, ``--base``, ``--max-shard-
+    size``), and ``--static``: no model-class check (no library, no torch imported for it)."""
 
     deep: bool = False
+    static: bool = False
     base: str | None = None  # base model for adapter checks (path or cached repo id)
     max_shard_size: int | None = None
     chunk_bytes: int = 8 * 1024 * 1024
@@ -107,6 +109,10 @@ class Context:
         self.stopped = False  # set by a step after which no other step can run
         # check group -> None (it ran) or why it did not; shared with component contexts
         self.checks: dict[str, str | None] = {}
+        # (library, class) a multi-component root's manifest names for this component folder
+        self.declared_class: tuple[str | None, str | None] | None = None
+        self.class_checked = False  # the model-class check judged config.json against the weights
+        self.parsed: dict[str, tuple[bool, Any]] = {}  # open_json's result per name (reported once)
 
     def component(self, path: str) -> "Context":
         """The context of a component folder (diffusers pipeline, sentence-transformers module):
@@ -232,6 +238,12 @@ class Context:
         screened out, or unreadable (reported)."""
         if name not in self.names or name in self.hidden:
             return False, None
+        if name in self.parsed:
+            return self.parsed[name]
+        self.parsed[name] = result = self._parse_json(name, role, code_bad)
+        return result
+
+    def _parse_json(self, name: str, role: str, code_bad: str) -> tuple[bool, Any]:
         self.record(name, role)
         if self.regular_size(name, "replace it with the file") is None:
             return False, None

@@ -1,4 +1,8 @@
-"""config.json against the tensors: the model rules, and the step that runs them.
+"""config.json against the tensors: the static model rules, and the step that runs them.
+
+Where the model-class check ran (:mod:`ckptctl.verify.classes`, the library's own class and
+loader), only the rules for what loaders let through run here; the others are the fallback for
+``--static``, a library that is not installed, or a class it cannot build.
 
 The rules are pure functions over tensor specs (name, dtype, shape); no file access, no torch.
 The architecture is recognised from the tensor names (not from ``model_type``,
@@ -89,8 +93,14 @@ def _shape_ok(actual: tuple[int, ...], expected: tuple[int | None, ...] | None) 
 
 
 def check_config(display: str, cfg: Any, tensors: Tensors, *, check_dtype: bool = True,
-                 tokenizer_size: int | None = None, tokenizer_display: str | None = None) -> list[Finding]:
-    """Findings about config.json (already parsed) against the checkpoint's tensors."""
+                 tokenizer_size: int | None = None, tokenizer_display: str | None = None,
+                 class_checked: bool = False) -> list[Finding]:
+    """Findings about config.json (already parsed) against the checkpoint's tensors.
+
+    ``class_checked``: the model-class check judged these tensors (:mod:`ckptctl.verify.classes`),
+    so the rules it decides the same way do not run (layer counts, projection, embedding and
+    position shapes, an untied lm_head missing); the rules for what loaders let through do
+    (dtype, quantization, tokenizer ids, MoE counts, a tied head stored too)."""
     ctx = PathFindings(display)
     if not isinstance(cfg, dict):
         ctx.add("config.bad_json", ERROR, f"{display}: top level is a JSON {type(cfg).__name__}, not an object",
@@ -120,6 +130,12 @@ def check_config(display: str, cfg: Any, tensors: Tensors, *, check_dtype: bool 
                 tokenizer_size=tokenizer_size, vocab_size=vocab)
     check_experts(ctx, cfg, names)
     found = None if cfg.get("is_encoder_decoder") else _detect(names)
+    if class_checked:
+        if found is not None:
+            spec, root = found
+            assert spec.dims is not None
+            _check_embeddings(ctx, spec, root, spec.dims(c), names, c, False, quantized, shapes=False)
+        return ctx.findings
     skip = f"{found[1]}{found[0].layer}" if found else None
     stacked = check_stacks(ctx, cfg, names, skip=skip)
     if cfg.get("is_encoder_decoder"):
@@ -210,14 +226,16 @@ def _check_dtype(ctx: PathFindings, c: ConfigFields, tensors: Tensors) -> None:
 
 
 def _check_embeddings(ctx: PathFindings, spec: Spec, root: str, d: Dims, names: TensorNames, c: ConfigFields,
-                      generative: bool, quantized: bool) -> None:
+                      generative: bool, quantized: bool, *, shapes: bool = True) -> None:
+    """Embedding, lm_head and position shapes and an untied head missing (``shapes``), and a tied
+    head stored too."""
     layer_prefix = root + spec.layer + "."
     tensors = names.tensors
     embed = tensors.get(root + spec.embed)
     heads = [tensors[n] for n in names.ending(spec.lm_head)
              if (n == spec.lm_head or n.endswith("." + spec.lm_head)) and not n.startswith(layer_prefix)]
     lm = heads[0] if heads else None
-    if not quantized:
+    if shapes and not quantized:
         for t, role in ((embed, "embedding"), (lm, "lm_head")):
             if t is None or len(t.shape) != 2:
                 continue
@@ -238,12 +256,12 @@ def _check_embeddings(ctx: PathFindings, spec: Spec, root: str, d: Dims, names: 
                         f"{d.max_pos} positions", _FIX_CONFIG, tensor=pos.name, rows=pos.shape[0],
                         max_positions=d.max_pos)
     bert_pos = next((tensors[n] for n in names.ending("embeddings.position_embeddings.weight")), None)
-    if bert_pos is not None and d.max_pos is not None and bert_pos.shape and bert_pos.shape[0] != d.max_pos:
+    if shapes and bert_pos is not None and d.max_pos is not None and bert_pos.shape and bert_pos.shape[0] != d.max_pos:
         ctx.add("config.position_mismatch", ERROR,
                 f"position embedding {bert_pos.name!r} has {bert_pos.shape[0]} rows but max_position_embeddings "
                 f"is {d.max_pos}", _FIX_CONFIG, tensor=bert_pos.name)
     tie = c.get("tie_word_embeddings")
-    if tie is False and lm is None and embed is not None and generative:
+    if shapes and tie is False and lm is None and embed is not None and generative:
         ctx.add("config.lm_head_missing", ERROR,
                 f"tie_word_embeddings is false but no {spec.lm_head!r} tensor exists: the output layer would be "
                 "randomly initialised", "set tie_word_embeddings to true if the head is tied, or export the "
@@ -340,7 +358,7 @@ def config_step(ctx: Context) -> str | None:
         variant_match = any(want is not None and _dominant_float(t.tensors) == want
                             for t in ctx.tables if t.family.variant is not None)
         ctx.extend(check_config(shown, cfg, loaded.tensors, check_dtype=not variant_match, tokenizer_size=tok,
-                                tokenizer_display=tok_shown))
+                                tokenizer_display=tok_shown, class_checked=ctx.class_checked))
         if ctx.options.deep and isinstance(cfg, dict):
             tied_bytes_step(ctx, cfg, loaded)
     if not isinstance(cfg, dict):

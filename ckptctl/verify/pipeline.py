@@ -1,7 +1,8 @@
 """The verify pipeline: which steps run, in which order, over a checkpoint path.
 
 A directory: scan (screen, then ``layout.scan``), the layout's findings, the weights families
-(headers or pickles, index cross-checks, DCP), config.json, adapter_config.json, the component
+(headers or pickles, index cross-checks, DCP), the model class its library builds (unless
+``--static``), config.json, adapter_config.json, the component
 folders of a multi-component root (each like a directory), the manifest, and with ``deep`` every
 byte. A single weights file: its family alone, and ``deep``. Each step is
 a function of the :class:`~ckptctl.verify.context.Context` registered under a check group name
@@ -25,6 +26,8 @@ from ckptctl.findings import ERROR, SEVERITY_RANK, Finding
 from ckptctl.format import names as N
 from ckptctl.gcpause import paused
 from ckptctl.layout.version import one_version
+from ckptctl.verify.classes import model_class_step
+from ckptctl.verify.consistency import consistency_step
 from ckptctl.verify.context import DEEP_NOT_ASKED, Context, ProgressFn, VerifyOptions
 from ckptctl.verify.dcp import check_dcp
 from ckptctl.verify.index import family_tensors
@@ -125,6 +128,7 @@ def components_step(ctx: Context) -> str | None:
         if comp.path == "" or comp.layout is None:
             continue  # the root module is the root's own families; a missing folder is a layout finding
         sub = ctx.component(comp.path)
+        sub.declared_class = (comp.library, comp.cls)
         # A model component (diffusers or transformers, saved with its config.json) must hold
         # weights; a scheduler, tokenizer or pooling module need not.
         sub.needs_weights = comp.library in MODEL_LIBRARIES and "config.json" in comp.layout.extras
@@ -158,20 +162,20 @@ def scan_file(ctx: Context) -> str | None:
 
 
 CONFIG = "config"
+# The model class the checkpoint's library builds (on the meta device) judged by its own loader:
+# before the config rules, which leave to it what it decides (verify.classes).
+MODEL_CLASS = "model-class"
 DIRECTORY_STEPS: tuple[Check, ...] = (
     Check("screen", scan_directory), Check("layout", layout_findings), Check("weights", weights_step),
-    Check(CONFIG, config_step), Check("adapter", adapter_step), Check("components", components_step),
-    Check("manifest", manifest_step), Check("deep", deep_step))
+    Check(MODEL_CLASS, model_class_step), Check(CONFIG, config_step), Check("consistency", consistency_step),
+    Check("adapter", adapter_step), Check("components", components_step), Check("manifest", manifest_step),
+    Check("deep", deep_step))
 COMPONENT_STEPS: tuple[Check, ...] = tuple(c for c in DIRECTORY_STEPS if c.run is not components_step
                                            and c.run is not manifest_step)
 FILE_STEPS: tuple[Check, ...] = (Check("layout", scan_file), Check("weights", weights_step),
                                  Check("deep", deep_step))
-# A check verify never runs: instantiating the model class (transformers' from_pretrained on the
-# meta device) would import torch and transformers on every run; verify's config rules are static.
-MODEL_CLASS = "model-class"
-MODEL_CLASS_SKIPPED = "static rules only: verify never imports torch or transformers to build the model class"
 # Every check group, in the order results list them.
-GROUPS: tuple[str, ...] = tuple(dict.fromkeys(c.group for c in DIRECTORY_STEPS + FILE_STEPS)) + (MODEL_CLASS,)
+GROUPS: tuple[str, ...] = tuple(dict.fromkeys(c.group for c in DIRECTORY_STEPS + FILE_STEPS))
 NOT_FOR_FILE = "not run on a single weights file"
 NOT_READ = "the path could not be read: io.error"
 
@@ -186,7 +190,6 @@ def _run(ctx: Context, steps: tuple[Check, ...]) -> None:
 def checks_of(marks: dict[str, str | None], not_run: str) -> Checks:
     """The :class:`Checks` of a path from its context's marks; a group no step of the path marked
     did not run for ``not_run``."""
-    marks = {**marks, MODEL_CLASS: MODEL_CLASS_SKIPPED}
     return Checks(ran=[g for g in GROUPS if g in marks and marks[g] is None],
                   skipped={g: marks.get(g) or not_run for g in GROUPS if marks.get(g, not_run) is not None})
 

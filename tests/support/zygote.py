@@ -31,6 +31,11 @@ import torch, safetensors, safetensors.torch, numpy
 import ckptctl.cli, ckptctl.api, ckptctl.resave, ckptctl.write.job, ckptctl.publish, ckptctl.gc
 import ckptctl.verify, ckptctl.sources.safetensors_source, ckptctl.sources.torch_source
 import ckptctl.cli.export_cmd, ckptctl.cli.resave_cmd, ckptctl.cli.gc_cmd, ckptctl.cli.verify_cmd
+# verify's model-class check (resave --repair runs verify): the library's modeling code, once
+try:
+    import transformers.modeling_utils, ckptctl.verify.classes
+except ImportError:
+    pass
 proto_out.write(json.dumps({"ready": os.getpid()}) + "\n"); proto_out.flush()
 for line in proto_in:
     req = json.loads(line)

@@ -1,0 +1,271 @@
+"""The model-class check: the library that owns a checkpoint builds its class on the meta device
+and its own loader's key matching judges the checkpoint's header entries (design I13).
+
+Which library and which class: a component of a pipeline or sentence-transformers root uses the
+class its manifest (``model_index.json``, ``modules.json``) names; otherwise a config.json with
+``_class_name``/``_diffusers_version`` is diffusers', any other is transformers'; a PEFT adapter
+is applied by peft to its base model's class when the base is local (``--base``). The weights
+compared are the family that library loads (``model.safetensors`` first, then the index, then
+the pickles). A library that is not installed, a class it lacks, remote code (never run), a
+quantized checkpoint, or any failure while building is a note (``config.class_not_checked``)
+that names the check that did not run and why; the static rules then stand alone.
+
+Nothing here imports torch or a library at import time: :func:`model_class_step` imports the
+oracle of the library it needs when it runs (:mod:`.transformers_class`, :mod:`.diffusers_class`,
+:mod:`.peft_class`).
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import re
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+from ckptctl import layout as L
+from ckptctl.findings import ERROR, INFO, WARNING
+from ckptctl.format import names as N
+from ckptctl.format import small
+from ckptctl.verify.classes.outcome import NotChecked, Outcome
+from ckptctl.verify.context import MAX_JSON_BYTES, STATIC_ASKED, Context, FamilyTensors
+from ckptctl.verify.weights import transformers_rank
+
+DIFFUSERS_KEYS = ("_class_name", "_diffusers_version")
+IMPORT_NAMES = {"transformers": "transformers", "diffusers": "diffusers",
+                "sentence-transformers": "sentence_transformers"}
+MAX_LISTED = 50  # keys listed in a finding's details
+MAX_SHAPE_FINDINGS = 100  # one finding per mismatched tensor, up to this many
+# config keys that count repeated modules (num_hidden_layers, n_layer, num_local_experts,
+# layers_per_block, ...), and the largest count a class is built with
+COUNT_KEY = re.compile(r"(layers?|experts|blocks?|layers_per_block)$")
+MAX_COUNT = 1 << 16
+
+
+def importable(name: str) -> bool:
+    """Whether ``import name`` would find the package, without importing it (a module set to
+    None in ``sys.modules`` is one Python refuses to import)."""
+    if name in sys.modules:
+        return sys.modules[name] is not None
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def loaded_family(ctx: Context) -> FamilyTensors | None:
+    """The weights family a transformers/diffusers/sentence-transformers loader reads from this
+    directory (its main family, in transformers' order of precedence; a variant when it is the
+    only one)."""
+    models = [t for t in ctx.tables if t.family.kind in (L.SAFETENSORS, L.PYTORCH)]
+    main = [t for t in models if t.family.variant is None]
+    if not main and len({t.family.variant for t in models}) == 1:
+        main = models  # a variant alone: what from_pretrained(variant=...) loads
+    return min(main, key=lambda t: transformers_rank(t.family)) if main else None
+
+
+def _library(ctx: Context, cfg: dict[str, Any]) -> tuple[str, str | None]:
+    """(library, class named by the root's manifest or None)."""
+    declared = ctx.declared_class
+    if declared is not None:
+        lib, cls = declared
+        if lib == "sentence_transformers":
+            return "sentence-transformers", cls
+        if lib in ("diffusers", "transformers"):
+            return lib, cls
+    if any(k in cfg for k in DIFFUSERS_KEYS):
+        return "diffusers", None
+    return "transformers", None
+
+
+def _oracle(library: str, doc: dict[str, Any], fam: FamilyTensors, cls: str | None, where: str) -> Outcome:
+    cfg = copy.deepcopy(doc)  # the libraries may change what they are given; the parsed document is shared
+    if library == "transformers":
+        from ckptctl.verify.classes.transformers_class import check_transformers
+
+        return check_transformers(cfg, fam.tensors, where, cls)
+    if library == "diffusers":
+        from ckptctl.verify.classes.diffusers_class import check_diffusers
+
+        return check_diffusers(cfg, fam.tensors, cls, single_file=not fam.family.index)
+    from ckptctl.verify.classes.diffusers_class import check_st_module
+
+    if cls is None:
+        raise NotChecked("modules.json names no module class")
+    return check_st_module(cfg, fam.tensors, cls)
+
+
+def _counts(doc: Any, depth: int = 0) -> Iterator[tuple[str, Any]]:
+    """Every (key, value) of a count of repeated modules in config.json and its sub-configs."""
+    if depth > 8 or not isinstance(doc, dict):
+        return
+    for k, v in doc.items():
+        if isinstance(v, dict):
+            yield from _counts(v, depth + 1)
+        elif isinstance(k, str) and COUNT_KEY.search(k):
+            yield k, v
+
+
+def precheck(library: str, cfg: dict[str, Any], cls: str | None) -> None:
+    """Raise :class:`NotChecked` for what config.json alone rules out, before any import. A count
+    of layers or experts past :data:`MAX_COUNT` (config.json is untrusted input: the class would be
+    built with that many modules) is one."""
+    for k, v in _counts(cfg):
+        if isinstance(v, int) and not isinstance(v, bool) and v > MAX_COUNT:
+            raise NotChecked(f"config.json's {k} is {v:,}: a class with that many modules is not built")
+    if isinstance(cfg.get("quantization_config"), dict) or isinstance(cfg.get("compression_config"), dict):
+        raise NotChecked("a quantized checkpoint: its layers exist only once a quantizer replaces them")
+    if library != "transformers" or cls is not None:
+        return
+    archs = cfg.get("architectures")
+    if not (isinstance(archs, list) and archs and isinstance(archs[0], str)):
+        raise NotChecked("config.json names no architectures: which class a user loads is unknown")
+    if not isinstance(cfg.get("model_type"), str):
+        raise NotChecked("config.json has no model_type: transformers cannot pick a config class")
+
+
+def _note(ctx: Context, shown: str, library: str, why: str) -> str:
+    ctx.add("config.class_not_checked", INFO, shown, f"the model-class check ({library}) did not run: {why}; "
+            "the static config rules stand alone", None, library=library, reason=why)
+    return why
+
+
+def model_class_step(ctx: Context) -> str | None:
+    """Build the class the checkpoint's library loads and report its loader's differences; why it
+    did not run, or None."""
+    if ctx.options.static:
+        return STATIC_ASKED
+    fam = loaded_family(ctx)
+    if fam is None:
+        adapter = next((t for t in ctx.tables if t.family.kind == L.PEFT), None)
+        if adapter is not None:
+            return adapter_class_step(ctx, adapter)
+        return "no model weights: no safetensors or .bin family"
+    if "config.json" not in ctx.names:
+        return "no config.json"
+    present, cfg = ctx.open_json("config.json", "config", "config.bad_json")
+    if not present or not isinstance(cfg, dict):
+        return "config.json could not be read as a JSON object: see its finding"
+    if not fam.complete:
+        return "some weights files are missing or unreadable"
+    shown = ctx.disp("config.json")
+    library, cls = _library(ctx, cfg)
+    try:
+        precheck(library, cfg, cls)
+    except NotChecked as exc:
+        return _note(ctx, shown, library, exc.reason)
+    if not importable(IMPORT_NAMES[library]):
+        return _note(ctx, shown, library, f"{library} is not installed")
+    if not importable("torch"):
+        return _note(ctx, shown, library, "torch is not installed")
+    try:
+        outcome = _oracle(library, cfg, fam, cls, str(ctx.root))
+    except NotChecked as exc:
+        return _note(ctx, shown, library, exc.reason)
+    except Exception as exc:  # noqa: BLE001 -- a library failing on a config is a note, never a traceback
+        first = (str(exc).strip().splitlines() or [""])[0][:300]
+        return _note(ctx, shown, library, f"building the class failed: {type(exc).__name__}: {first}")
+    report_outcome(ctx, shown, fam, outcome)
+    ctx.class_checked = True
+    return None
+
+
+def _adapter_precheck(acfg: dict[str, Any]) -> None:
+    """What the adapter rules refuse to hand to ``re`` (a malformed field, a pattern that can take
+    exponential time): peft would hang or fail on it too, and its findings say so."""
+    from ckptctl.verify.peft import (
+        _backtracking_risk,
+        _config_field_problem,
+        _user_patterns,
+    )
+
+    if not isinstance(acfg.get("peft_type"), str):
+        raise NotChecked("adapter_config.json names no peft_type")
+    problem = _config_field_problem(acfg)
+    if problem:
+        raise NotChecked(f"adapter_config.json cannot be used as peft uses it ({problem})")
+    if any(_backtracking_risk(p) for p in _user_patterns(acfg)):
+        raise NotChecked("a pattern of adapter_config.json nests quantifiers: peft's matching could take "
+                         "exponential time")
+
+
+def adapter_class_step(ctx: Context, fam: FamilyTensors) -> str | None:
+    """A PEFT adapter: peft applies it to its base model's class (built from the base's
+    config.json) and loads its keys; why it did not run, or None."""
+    from ckptctl.verify.peft import find_base
+
+    present, acfg = ctx.open_json(N.ADAPTER_CONFIG, "config", "adapter.bad_config")
+    if not present or not isinstance(acfg, dict):
+        return f"no readable {N.ADAPTER_CONFIG}: see its finding"
+    root = ctx.base_root
+    if root is None and isinstance(acfg.get("base_model_name_or_path"), str):
+        root = find_base(acfg["base_model_name_or_path"])
+    if root is None:  # adapter.base_unavailable says so
+        return "the adapter's base model is not available locally (--base DIR)"
+    shown = ctx.disp(N.ADAPTER_CONFIG)
+    try:
+        base_cfg = small.loads(small.read_small(root / "config.json", limit=MAX_JSON_BYTES, follow=True).decode())
+    except (OSError, ValueError) as exc:
+        return _note(ctx, shown, "peft", f"the base model's config.json cannot be read ({type(exc).__name__})")
+    if not fam.complete:
+        return "some weights files are missing or unreadable"
+    try:
+        if not isinstance(base_cfg, dict):
+            raise NotChecked("the base model's config.json is not a JSON object")
+        precheck("transformers", base_cfg, None)
+        _adapter_precheck(acfg)
+        for lib in ("peft", "transformers", "torch"):
+            if not importable(lib):
+                raise NotChecked(f"{lib} is not installed")
+        from ckptctl.verify.classes.peft_class import check_peft
+
+        outcome = check_peft(copy.deepcopy(acfg), fam.tensors, copy.deepcopy(base_cfg))
+    except NotChecked as exc:
+        return _note(ctx, shown, "peft", exc.reason)
+    except Exception as exc:  # noqa: BLE001 -- never a traceback: a note says what failed
+        first = (str(exc).strip().splitlines() or [""])[0][:300]
+        return _note(ctx, shown, "peft", f"building the adapted class failed: {type(exc).__name__}: {first}")
+    report_outcome(ctx, shown, fam, outcome)
+    return None
+
+
+def _listed(keys: list[str]) -> str:
+    return ", ".join(repr(k) for k in keys[:3]) + (", ..." if len(keys) > 3 else "")
+
+
+def report_outcome(ctx: Context, shown: str, fam: FamilyTensors, o: Outcome) -> None:
+    """The findings of one class check."""
+    lib, cls = o.library, o.cls
+    weights = ctx.disp(fam.family.files[0]) if len(fam.family.files) == 1 else shown
+    if o.missing:
+        ctx.add("config.class_missing", ERROR, weights,
+                f"{len(o.missing)} tensors that {cls} needs are not stored ({_listed(o.missing)}): {lib} "
+                f"{o.on_missing}", "export the checkpoint again with every tensor, or fix config.json to the "
+                "model that was saved", tensor=o.missing[0], cls=cls, keys=o.missing[:MAX_LISTED],
+                count=len(o.missing))
+    for key, got, want in o.mismatched[:MAX_SHAPE_FINDINGS]:
+        ctx.add("config.class_shape", ERROR, weights,
+                f"{key!r} is stored as {list(got)} but {cls} built from config.json has {list(want)}: {lib} "
+                f"{o.on_mismatch}", "fix config.json to the model that was saved (or export the weights again)",
+                tensor=key, cls=cls, stored=list(got), expected=list(want))
+    if len(o.mismatched) > MAX_SHAPE_FINDINGS:
+        ctx.add("config.class_shape", ERROR, weights, f"... and {len(o.mismatched) - MAX_SHAPE_FINDINGS} more "
+                f"tensors whose shape differs from {cls}'s", None, count=len(o.mismatched))
+    for key, msg in sorted(o.conversion.items())[:MAX_LISTED]:
+        ctx.add("config.class_shape", ERROR, weights,
+                f"{lib} cannot convert {key!r} into {cls}'s layout ({msg}): its loader raises",
+                "export the checkpoint again, or fix config.json to the model that was saved", tensor=key, cls=cls)
+    disagree = set(o.disagrees)
+    if o.disagrees:
+        ctx.add("config.class_disagrees", ERROR, weights,
+                f"{len(o.disagrees)} stored tensors sit in modules {cls} builds without them ({_listed(o.disagrees)}): "
+                f"config.json disagrees with its weights (a layer past the config's count, a bias or norm the config "
+                f"turns off); {lib} {o.on_unexpected}", "fix config.json to the model that was saved",
+                tensor=o.disagrees[0], cls=cls, keys=o.disagrees[:MAX_LISTED], count=len(o.disagrees))
+    unused = [k for k in o.unexpected if k not in disagree]
+    if unused:
+        ctx.add("config.class_unused", ERROR if o.unexpected_raises else WARNING, weights,
+                f"{len(unused)} stored tensors have no place in {cls} ({_listed(unused)}): {lib} {o.on_unexpected}",
+                "drop them (ckptctl resave), or fix architectures in config.json if they belong to another head",
+                tensor=unused[0], cls=cls, keys=unused[:MAX_LISTED], count=len(unused))
