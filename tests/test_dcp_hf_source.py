@@ -265,6 +265,11 @@ def test_damaged_saves_are_refused_and_nothing_is_published(tmp_path, saves):
                 overlap / "shard-00003-model-00001-of-00002.safetensors")
     _refused(tmp_path, overlap, "overlap")
     _refused(tmp_path, src / "shard-00001-model-00001-of-00002.safetensors", "one rank's shard")
+    # every rank's file of model 2 lost: its tensors are gone, and no tensor has a hole to show it
+    gone = shutil.copytree(src, tmp_path / "gone")
+    for f in gone.glob("shard-*-model-00002-of-00002.safetensors"):
+        f.unlink()
+    _refused(tmp_path, gone, "model files 2 of 2 are missing")
 
 
 def test_inconsistent_shards_are_refused(tmp_path):

@@ -227,6 +227,20 @@ def tensor_pieces(blocks: list[Block], shape: tuple[int, ...], dtype: str, max_p
     return tuple(sorted((p for b in live for p in block_pieces(b, shape, d.itemsize)), key=lambda p: p.dst_offset))
 
 
+def missing_models(names: list[str]) -> str | None:
+    """What torch's ``shard-RRRRR-model-IIIII-of-NNNNN`` names say is missing: a model file
+    ``I`` of ``N`` that no rank wrote (each model file is written by at least one rank, so its
+    tensors are gone), or saves with different ``N``; None when nothing is."""
+    numbers = [m.groups() for m in map(SHARD_NAME.fullmatch, names) if m]
+    totals = {int(of) for _, _, of in numbers}
+    if len(totals) > 1:
+        return f"the shard names say the save has {' and '.join(map(str, sorted(totals)))} model files"
+    missing = sorted(set(range(1, max(totals) + 1)) - {int(i) for _, i, _ in numbers}) if totals else []
+    if missing:
+        return f"the shard names say model files {', '.join(map(str, missing[:5]))} of {max(totals)} are missing"
+    return None
+
+
 def _absent(names: list[str]) -> str:
     """The first of torch's ``shard-RRRRR-model-IIIII-of-NNNNN`` names missing from ``names``
     (shards 1 up to the largest, models 1 to N), for a message: a rank may legitimately write no
@@ -262,6 +276,10 @@ class DcpHfSource(Source):
 
         src = cls(path=d, kind=KIND)
         src.shard_names = _safetensors_in(d)
+        gone = missing_models(src.shard_names)
+        if gone:
+            raise InputError(f"{d}: {gone}: the tensors stored only there are gone",
+                             "copy the missing shard files, or save the checkpoint again")
         found = read_blocks(d, src.shard_names, reading if reading is not None else MetadataReading(), src.pin)
         prefix, absent = f"{key}." if key else "", _absent(src.shard_names)
         for fqn in sorted(found):

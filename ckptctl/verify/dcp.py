@@ -72,23 +72,17 @@ def check_dcp_hf(ctx: Context, fam: L.Family) -> FamilyTensors:
     says why it cannot be assembled."""
     from ckptctl.errors import CkptctlError
     from ckptctl.format.tensor import TensorSpec
-    from ckptctl.sources.dcp_hf import DcpHfSource
+    from ckptctl.sources.dcp_hf import DcpHfSource, missing_models
     from ckptctl.verify.weights import read_file
 
     reads = [read_file(ctx, n, L.SAFETENSORS) for n in fam.files]
     shown = ctx.disp()
     if any(r.header is None or not r.header.ok for r in reads):
         return FamilyTensors(fam, {}, False)  # the header findings say why
-    numbers = [m.groups() for n in fam.files if (m := DCP_HF_SHARD.fullmatch(os.path.basename(n)))]
-    totals = {int(of) for _, _, of in numbers}
-    missing = sorted(set(range(1, max(totals) + 1)) - {int(i) for _, i, _ in numbers}) if totals else []
-    if len(totals) > 1 or missing:
-        ctx.add("dcp.hf_damaged", ERROR, shown,
-                f"{shown}: the DCP-HF shard names say "
-                + (f"model files {', '.join(map(str, missing[:5]))} of {max(totals)} are missing" if len(totals) == 1
-                   else f"the save has {' and '.join(map(str, sorted(totals)))} model files")
-                + ": tensors stored only there are gone", "copy the missing shard files, or save the checkpoint again",
-                missing=missing[:100])
+    gone = missing_models([os.path.basename(n) for n in fam.files])
+    if gone:
+        ctx.add("dcp.hf_damaged", ERROR, shown, f"{shown}: DCP-HF: {gone}: tensors stored only there are gone",
+                "copy the missing shard files, or save the checkpoint again")
         return FamilyTensors(fam, {}, False)
     try:
         src = DcpHfSource.open(ctx.root / os.path.dirname(fam.files[0]), reading=ctx.reading)
