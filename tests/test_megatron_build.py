@@ -11,18 +11,14 @@ megatron.core is most of it).
 
 from __future__ import annotations
 
-import fcntl
 import importlib.util
-import json
 import os
-import shutil
-import socket
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
+
+from tests.support.ranks import build_once
 
 REPO = Path(__file__).resolve().parent.parent
 WORKER = REPO / "tests" / "megatron_worker.py"
@@ -36,43 +32,12 @@ NEEDS_MEGATRON = pytest.mark.skipif(importlib.util.find_spec("megatron") is None
                                     reason="megatron-core is not installed (a test extra)")
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def build(out: Path) -> dict[str, Path]:
     """Every fixture under ``out`` (built once: later calls find them), as ``{name: root}``
     where root is Megatron-LM's ``--save`` directory (tracker, ``iter_0000007/``) beside which
     the worker left ``oracle_logits.pt``."""
-    out.mkdir(parents=True, exist_ok=True)
-    with open(out / ".lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not (out / "done.json").exists():
-            for child in out.iterdir():
-                if child.is_dir():
-                    shutil.rmtree(child)
-            start = time.monotonic()
-            port = _port()
-            procs = []
-            for rank in range(WORLD):
-                env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                           WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(WORLD),
-                           PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-                procs.append(subprocess.Popen([sys.executable, str(WORKER), str(out), *NAMES], env=env, cwd=REPO,
-                                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-            logs = []
-            for p in procs:
-                try:
-                    logs.append(p.communicate(timeout=BUILD_TIMEOUT)[0])
-                except subprocess.TimeoutExpired:
-                    for q in procs:
-                        q.kill()
-                    raise
-            if any(p.returncode for p in procs):
-                raise RuntimeError("building the Megatron fixtures failed:\n" + "\n".join(l[-4000:] for l in logs))
-            (out / "done.json").write_text(json.dumps({"seconds": round(time.monotonic() - start, 1)}))
+    build_once(out, [sys.executable, str(WORKER), str(out), *NAMES], world=WORLD,
+               env=dict(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore"), timeout=BUILD_TIMEOUT, what="Megatron")
     return {name: out / name for name in NAMES}
 
 

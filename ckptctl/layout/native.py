@@ -25,9 +25,6 @@ from ckptctl.layout.reading import MetadataReading
 PARAMS_JSON = "params.json"  # the native config mistral-inference reads
 # mistral-inference's weights: consolidated.safetensors, consolidated.NN.safetensors, shards and their index
 NATIVE = re.compile(r"consolidated(?:\.\d+|-\d{5}-of-\d{5})?\.safetensors(?:\.index\.json)?")
-# torch's _gen_file_name with a shard index (sources/dcp_hf.py SHARD_NAME reads the same names)
-DCP_HF_SHARD = re.compile(r"shard-(\d{5,})-model-(\d{5,})-of-(\d{5,})\.safetensors")
-SHARDED_DIR = "sharded"  # where HuggingFaceStorageWriter(enable_consolidation=True) puts them
 # what the HF Trainer and accelerate save beside the model in a checkpoint-N/ folder: never a model
 TRAINER_STATE = re.compile(r"(?:optimizer|scheduler|scaler)\.(?:pt|bin)|rng_state(?:_\d+)?\.pth|training_args\.bin"
                            r"|random_states_\d+\.pkl")

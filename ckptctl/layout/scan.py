@@ -10,6 +10,7 @@ from ckptctl import _faults
 from ckptctl.errors import InputError
 from ckptctl.findings import ERROR, INFO, WARNING, Finding
 from ckptctl.format import names as N
+from ckptctl.format.dcp_hf_names import SHARD_NAME, SHARDED_DIR
 from ckptctl.format.index import Index
 from ckptctl.layout import components as C
 from ckptctl.layout import native as NV
@@ -249,17 +250,17 @@ class _Scanner:
         their sharding info; a ``sharded/`` folder beside a family is verify's finding)."""
         if self.lay.family(SAFETENSORS) is not None:
             return
-        shards = [n for n in self.names if n not in self.claimed and NV.DCP_HF_SHARD.fullmatch(n)
+        shards = [n for n in self.names if n not in self.claimed and SHARD_NAME.fullmatch(n)
                   and self.regular(self.root / n)]
-        if not shards and NV.SHARDED_DIR in self.names and self._is_dir(NV.SHARDED_DIR):
+        if not shards and SHARDED_DIR in self.names and self._is_dir(SHARDED_DIR):
             try:
-                inner = sorted(os.listdir(self.root / NV.SHARDED_DIR))
+                inner = sorted(os.listdir(self.root / SHARDED_DIR))
             except OSError:
                 inner = []
-            shards = [f"{NV.SHARDED_DIR}/{n}" for n in inner if NV.DCP_HF_SHARD.fullmatch(n)
-                      and self.regular(self.root / NV.SHARDED_DIR / n)]
+            shards = [f"{SHARDED_DIR}/{n}" for n in inner if SHARD_NAME.fullmatch(n)
+                      and self.regular(self.root / SHARDED_DIR / n)]
             if shards:
-                self.claimed.add(NV.SHARDED_DIR)
+                self.claimed.add(SHARDED_DIR)
         if shards:
             self.lay.families.append(Family(DCP_HF, shards, container=DCP_HF))
             self.claimed.update(shards)

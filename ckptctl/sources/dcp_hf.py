@@ -28,7 +28,6 @@ import itertools
 import json
 import math
 import os
-import re
 import stat
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,6 +35,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from ckptctl.errors import CkptctlError, InputError, from_oserror
 from ckptctl.format import dtypes as dt
+from ckptctl.format.dcp_hf_names import SHARD_NAME, SHARDED_DIR, absent_shard, missing_models
 from ckptctl.format.header import DuplicateKey, no_duplicate_keys
 from ckptctl.sources.base import (CHUNK_BYTES, FileId, Piece, Source, SourceTensor, changed, convert_bytes,
                                   open_checked, read_pinned)
@@ -45,10 +45,7 @@ if TYPE_CHECKING:
 
 SHARDING_KEY = "DCP_SHARDING_INFO"
 OFFSETS_KEY = "saved_offsets"
-SHARDED_DIR = "sharded"
 KIND = "dcp-hf"
-# torch's _gen_file_name with a shard index (save_distributed=True)
-SHARD_NAME = re.compile(r"shard-(\d{5,})-model-(\d{5,})-of-(\d{5,})\.safetensors")
 MAX_PIECES = 1024  # runs per tensor beyond which it streams (a Piece is ~120 bytes)
 MIN_RUN_BYTES = 1 << 20  # runs smaller than this (column shards) stream, unless one per shard
 _HINT = "copy the shard files again, or save the checkpoint again"
@@ -227,38 +224,6 @@ def tensor_pieces(blocks: list[Block], shape: tuple[int, ...], dtype: str, max_p
     return tuple(sorted((p for b in live for p in block_pieces(b, shape, d.itemsize)), key=lambda p: p.dst_offset))
 
 
-def missing_models(names: list[str]) -> str | None:
-    """What torch's ``shard-RRRRR-model-IIIII-of-NNNNN`` names say is missing: a model file
-    ``I`` of ``N`` that no rank wrote (each model file is written by at least one rank, so its
-    tensors are gone), or saves with different ``N``; None when nothing is."""
-    numbers = [m.groups() for m in map(SHARD_NAME.fullmatch, names) if m]
-    totals = {int(of) for _, _, of in numbers}
-    if len(totals) > 1:
-        return f"the shard names say the save has {' and '.join(map(str, sorted(totals)))} model files"
-    missing = sorted(set(range(1, max(totals) + 1)) - {int(i) for _, i, _ in numbers}) if totals else []
-    if missing:
-        return f"the shard names say model files {', '.join(map(str, missing[:5]))} of {max(totals)} are missing"
-    return None
-
-
-def _absent(names: list[str]) -> str:
-    """The first of torch's ``shard-RRRRR-model-IIIII-of-NNNNN`` names missing from ``names``
-    (shards 1 up to the largest, models 1 to N), for a message: a rank may legitimately write no
-    file of a model index, so this only names a suspect once a tensor has a hole."""
-    seen = [m for m in map(SHARD_NAME.fullmatch, names) if m]
-    if not seen:
-        return ""
-    ranks, total = max(int(m.group(1)) for m in seen), max(int(m.group(3)) for m in seen)
-    if ranks * total > 4 * len(names) + 64:  # not a grid torch wrote: no suspect to name
-        return ""
-    have = set(names)
-    for r, c in itertools.product(range(1, ranks + 1), range(1, total + 1)):
-        name = f"shard-{r:05d}-model-{c:05d}-of-{total:05d}.safetensors"
-        if name not in have:
-            return f" (no {name})"
-    return ""
-
-
 class DcpHfSource(Source):
     """The tensors of one DCP-HF shard directory, each reassembled from its blocks."""
 
@@ -281,7 +246,7 @@ class DcpHfSource(Source):
             raise InputError(f"{d}: {gone}: the tensors stored only there are gone",
                              "copy the missing shard files, or save the checkpoint again")
         found = read_blocks(d, src.shard_names, reading if reading is not None else MetadataReading(), src.pin)
-        prefix, absent = f"{key}." if key else "", _absent(src.shard_names)
+        prefix, absent = f"{key}." if key else "", absent_shard(src.shard_names)
         for fqn in sorted(found):
             if not fqn.startswith(prefix):
                 continue

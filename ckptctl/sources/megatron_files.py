@@ -26,7 +26,7 @@ from ckptctl.errors import InputError, from_oserror
 from ckptctl.format import names as N
 from ckptctl.format.small import TooLarge, read_small
 from ckptctl.format.torch_pickle import DataObject, load_pickles
-from ckptctl.sources.torch_archive import _Damaged, archive_members, open_regular
+from ckptctl.sources.torch_archive import open_regular, read_archive_pickle
 
 TRACKER = "latest_checkpointed_iteration.txt"
 COMMON = "common.pt"
@@ -161,18 +161,7 @@ def read_common(folder: Path) -> tuple[Common, Any]:
 def _read_common(path: Path) -> Common:
     fd = open_regular(path)
     try:
-        with os.fdopen(fd, "rb", closefd=False) as f:
-            if f.read(4) != b"PK\x03\x04":
-                raise InputError(f"{path} is not a torch.save zip archive (truncated or damaged)", _AGAIN)
-            try:
-                members, _little = archive_members(f)
-            except _Damaged as exc:
-                raise InputError(f"{path} is truncated or damaged ({str(exc)[:120]})", _AGAIN) from None
-            pkls = [n for n in members if n.split("/")[1:] == ["data.pkl"]]
-            if len(pkls) != 1 or not members[pkls[0]].stored or members[pkls[0]].size > MAX_COMMON_PICKLE:
-                raise InputError(f"{path} has no readable data.pkl", _AGAIN)
-            f.seek(members[pkls[0]].offset)
-            raw = f.read(members[pkls[0]].size)
+        raw = read_archive_pickle(fd, str(path), MAX_COMMON_PICKLE, _AGAIN)[0]
     except OSError as exc:
         raise from_oserror(exc, "cannot read common.pt") from None
     finally:

@@ -74,6 +74,25 @@ class _Damaged(Exception):
     """The zip structure is broken (truncated, a record past the end)."""
 
 
+def read_archive_pickle(fd: int, shown: str, limit: int, hint: str) -> tuple[bytes, dict[str, Member], str]:
+    """The ``data.pkl`` bytes of the ``torch.save`` zip archive open at ``fd`` (stored, at most
+    ``limit`` bytes), its members, and its record prefix (``archive/``). ``shown`` names the file
+    in errors: InputError with ``hint`` for anything that is not such an archive; OSError as it
+    comes (the caller names the read)."""
+    with os.fdopen(fd, "rb", closefd=False) as f:
+        if f.read(4) != b"PK\x03\x04":
+            raise InputError(f"{shown} is not a torch.save zip archive (truncated or damaged)", hint)
+        try:
+            members, _little = archive_members(f)
+        except _Damaged as exc:
+            raise InputError(f"{shown} is truncated or damaged ({str(exc)[:120]})", hint) from None
+        pkls = [n for n in members if n.split("/")[1:] == ["data.pkl"]]
+        if len(pkls) != 1 or not members[pkls[0]].stored or members[pkls[0]].size > limit:
+            raise InputError(f"{shown} has no readable data.pkl", hint)
+        f.seek(members[pkls[0]].offset)
+        return f.read(members[pkls[0]].size), members, pkls[0][:-len("data.pkl")]
+
+
 def archive_members(f: Any) -> tuple[dict[str, Member], bool]:
     """The members of the zip archive in the seekable binary file ``f`` (name -> data offset,
     size, stored) and whether it is little-endian (``byteorder`` absent or ``little``). Raises

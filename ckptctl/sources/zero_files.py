@@ -26,7 +26,7 @@ from typing import Any, Mapping
 from ckptctl.errors import InputError, from_oserror
 from ckptctl.format import dtypes as dt
 from ckptctl.format.torch_pickle import DEEPSPEED_GLOBALS, DataObject, TensorRef, load_pickles
-from ckptctl.sources.torch_archive import _Damaged, archive_members, open_regular
+from ckptctl.sources.torch_archive import open_regular, read_archive_pickle
 
 LATEST = "latest"
 MAX_STATES_PICKLE = 1 << 30
@@ -211,19 +211,7 @@ def load_states(path: Path, what: str) -> tuple[Any, dict[str, Any], str]:
             raise InputError(f"{what} file {path.name} is missing from {path.parent}", _REBUILD) from None
         raise exc from None
     try:
-        with os.fdopen(fd, "rb", closefd=False) as f:
-            if f.read(4) != b"PK\x03\x04":
-                raise InputError(f"{what} file {path} is not a torch.save zip archive (truncated or damaged)",
-                                 _REBUILD)
-            try:
-                members, _little = archive_members(f)
-            except _Damaged as exc:
-                raise InputError(f"{what} file {path} is truncated or damaged ({str(exc)[:120]})", _REBUILD) from None
-            pkls = [n for n in members if n.split("/")[1:] == ["data.pkl"]]
-            if len(pkls) != 1 or not members[pkls[0]].stored or members[pkls[0]].size > MAX_STATES_PICKLE:
-                raise InputError(f"{what} file {path} has no readable data.pkl", _REBUILD)
-            f.seek(members[pkls[0]].offset)
-            raw = f.read(members[pkls[0]].size)
+        raw, members, prefix = read_archive_pickle(fd, f"{what} file {path}", MAX_STATES_PICKLE, _REBUILD)
     except OSError as exc:
         raise from_oserror(exc, f"cannot read {what}") from None
     finally:
@@ -237,7 +225,7 @@ def load_states(path: Path, what: str) -> tuple[Any, dict[str, Any], str]:
     if err or not objs or not isinstance(objs[0], dict):
         raise InputError(f"{what} file {path} is not a readable DeepSpeed checkpoint ({err or 'not a dict'})",
                          _REBUILD)
-    return objs[0], members, pkls[0][:-len("data.pkl")]
+    return objs[0], members, prefix
 
 
 def _shape(x: Any, path: Path, name: str) -> tuple[int, ...]:

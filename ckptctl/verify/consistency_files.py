@@ -8,7 +8,8 @@ from __future__ import annotations
 from ckptctl import layout as L
 from ckptctl.errors import CkptctlError
 from ckptctl.findings import ERROR, WARNING
-from ckptctl.layout.native import SHARDED_DIR, TRAINER_STATE
+from ckptctl.format.dcp_hf_names import SHARDED_DIR
+from ckptctl.layout.native import TRAINER_STATE
 from ckptctl.verify.context import Context
 from ckptctl.verify.weights import read_file
 

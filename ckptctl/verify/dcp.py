@@ -7,7 +7,7 @@ import os
 
 from ckptctl import layout as L
 from ckptctl.findings import ERROR, INFO, WARNING
-from ckptctl.layout.native import DCP_HF_SHARD
+from ckptctl.format.dcp_hf_names import SHARD_NAME as DCP_HF_SHARD, missing_models
 from ckptctl.verify.context import Context, FamilyTensors
 
 _AGAIN = "save the checkpoint again"
@@ -72,7 +72,7 @@ def check_dcp_hf(ctx: Context, fam: L.Family) -> FamilyTensors:
     says why it cannot be assembled."""
     from ckptctl.errors import CkptctlError
     from ckptctl.format.tensor import TensorSpec
-    from ckptctl.sources.dcp_hf import DcpHfSource, missing_models
+    from ckptctl.sources.dcp_hf import DcpHfSource
     from ckptctl.verify.weights import read_file
 
     reads = [read_file(ctx, n, L.SAFETENSORS) for n in fam.files]
