@@ -75,6 +75,11 @@ def _shared_experts(folder: Path, tmp: Path) -> str:
     return "shared experts"
 
 
+def _rotary_base_not_a_number(folder: Path, tmp: Path) -> str:
+    _common(folder, rotary_base="ten thousand")
+    return "argument rotary_base is 'ten thousand', not a number"
+
+
 def _no_args(folder: Path, tmp: Path) -> str:
     obj = torch.load(folder / "common.pt", weights_only=False)
     obj["args"] = _Evil(tmp / "ran")  # a hostile pickle where the arguments were: never run
@@ -95,7 +100,8 @@ def _unsafe_metadata(folder: Path, tmp: Path) -> str:
 
 
 CASES = {f.__name__[1:]: f for f in (_missing_distcp, _truncated_distcp, _layernorm_model, _layers_mismatch,
-                                     _query_groups_mismatch, _tied_but_head_stored, _shared_experts, _no_args,
+                                     _query_groups_mismatch, _tied_but_head_stored, _shared_experts, _rotary_base_not_a_number,
+                                     _no_args,
                                      _tracker_names_missing_iteration, _unsafe_metadata)}
 
 

@@ -42,6 +42,13 @@ def _int(args: dict[str, Any], name: str, *alts: str, default: int | None = None
     return v
 
 
+def _float(args: dict[str, Any], *names: str, default: float) -> float:
+    v = _get(args, *names, default=default)
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or v != v:
+        raise ArgsError(f"argument {names[0]} is {v!r}, not a number")
+    return float(v)
+
+
 _UNCOVERED = (  # (argument, the value a mapping covers, what it would be)
     ("normalization", "RMSNorm", "LayerNorm: no RMSNorm-based HF family matches"),
     ("swiglu", True, "a non-gated MLP"),
@@ -64,7 +71,7 @@ def describe(args: dict[str, Any], dtype: str | None) -> Described:
             raise ArgsError(f"argument {name} is not recorded")
         if value is not None and value != covered:
             raise ArgsError(f"{name}={value!r} ({what}) is not covered by the Llama, Qwen2 or Mixtral mappings")
-    if float(_get(args, "rotary_percent", default=1.0)) != 1.0:
+    if _float(args, "rotary_percent", default=1.0) != 1.0:
         raise ArgsError(f"rotary_percent={args['rotary_percent']!r} (partial rotary) is not covered")
     layers = _int(args, "num_layers")
     hidden = _int(args, "hidden_size")
@@ -73,7 +80,7 @@ def describe(args: dict[str, Any], dtype: str | None) -> Described:
     head_dim = _int(args, "kv_channels", default=hidden // heads)
     if heads % groups:
         raise ArgsError(f"{heads} attention heads do not divide into {groups} query groups")
-    experts = _get(args, "num_experts", default=None) or 0
+    experts = _int(args, "num_experts") if _get(args, "num_experts") else 0
     if experts and _get(args, "moe_shared_expert_intermediate_size"):
         raise ArgsError("moe_shared_expert_intermediate_size (shared experts) is not covered by the Mixtral mapping")
     if experts and _get(args, "moe_layer_freq", default=1) != 1:
@@ -90,8 +97,8 @@ def describe(args: dict[str, Any], dtype: str | None) -> Described:
     if experts and qkv_bias:
         raise ArgsError("a mixture of experts with a QKV bias (Qwen2-MoE) is not covered")
     fam = FAMILIES["mixtral" if experts else "qwen2" if qkv_bias else "llama"]
-    theta = float(_get(args, "rotary_base", default=10000))
-    eps = float(_get(args, "norm_epsilon", "layernorm_epsilon", default=1e-5))
+    theta = _float(args, "rotary_base", default=10000)
+    eps = _float(args, "norm_epsilon", "layernorm_epsilon", default=1e-5)
     cfg: dict[str, Any] = {
         "architectures": [fam.architecture], "model_type": fam.name, "vocab_size": vocab, "hidden_size": hidden,
         "intermediate_size": ffn, "num_hidden_layers": layers, "num_attention_heads": heads,
@@ -106,7 +113,7 @@ def describe(args: dict[str, Any], dtype: str | None) -> Described:
         cfg.update(use_sliding_window=False, sliding_window=None)
     if experts:
         cfg.update(num_local_experts=experts, num_experts_per_tok=_int(args, "moe_router_topk", default=2),
-                   router_aux_loss_coef=float(_get(args, "moe_aux_loss_coeff", default=0.0)), sliding_window=None)
+                   router_aux_loss_coef=_float(args, "moe_aux_loss_coeff", default=0.0), sliding_window=None)
     if dtype:
         cfg["dtype"] = dtype
     dims = Dims(layers, heads, groups, head_dim, ffn, vocab, experts, tied)
