@@ -25,6 +25,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ckptctl.format.tensor import TensorSpec
+from ckptctl.verify.classes.matching import match_keys
 from ckptctl.verify.classes.outcome import NotChecked, Outcome, split_unexpected
 from ckptctl.verify.classes.quiet import meta_state_dict, silenced
 
@@ -132,62 +133,6 @@ def build_meta(cfg: dict[str, Any], class_name: str | None = None) -> tuple[Any,
     dtype = torch.float32  # shapes do not depend on it; every floating tensor is cast on load
     with ContextManagers(cls.get_init_context(dtype, False, False, None)):
         return cls(config), dtype
-
-
-def match_keys(model: Any, state_dict: dict[str, Any], weight_mapping: list[Any]) -> Any:
-    """``convert_and_load_state_dict_in_model``'s key matching over meta tensors, step for step
-    (its rename, its converters run on the meta tensors, its ``set_param_for_module``), without
-    what only moving bytes needs (thread pool, device map, dtype casts, quantizer) and without its
-    deep copy of a converter for every key (it keeps only the first per target: 44,000 copies
-    thrown away on DeepSeek-V3). The seam of I14: ``check_transformers(fast=False)`` runs the
-    library's function instead, and the tests compare both."""
-    from copy import deepcopy
-
-    from transformers.core_model_loading import (
-        SkipParameters,
-        WeightConverter,
-        WeightRenaming,
-        dot_natural_key,
-        rename_source_key,
-        set_param_for_module,
-    )
-    from transformers.utils.loading_report import LoadStateDictInfo
-
-    prefix = model.base_model_prefix
-    meta = model.state_dict()
-    info = LoadStateDictInfo(missing_keys=set(meta), unexpected_keys=set(), mismatched_keys=set(),
-                             conversion_errors={}, error_msgs=[], skipped_pp_keys=set())
-    renamings = [e for e in weight_mapping if isinstance(e, WeightRenaming)]
-    converters = [e for e in weight_mapping if isinstance(e, WeightConverter)]
-    by_pattern = {k: c for c in converters for k in c.source_patterns}
-    to_load: dict[str, Any] = {}
-    for original, tensor in sorted(state_dict.items(), key=lambda kv: dot_natural_key(kv[0])):
-        renamed, pattern = rename_source_key(original, renamings, converters, prefix, meta)
-        if renamed not in meta and original in meta:
-            renamed, pattern = rename_source_key(original, [], [], base_model_prefix=prefix, meta_state_dict=meta)
-        if renamed in meta:
-            mapping = to_load.get(renamed)
-            if pattern is not None:
-                if mapping is None:
-                    mapping = to_load[renamed] = deepcopy(by_pattern[pattern])
-            else:
-                if mapping is None:
-                    mapping = to_load[renamed] = WeightRenaming(original, renamed)
-                pattern = original
-            mapping.add_tensor(renamed, original, pattern, tensor)  # a tensor: what the loader materialises
-        elif pattern is not None:
-            targets = by_pattern[pattern].target_patterns
-            info.unexpected_keys.update(renamed.replace(targets[0], k) for k in targets)
-        else:
-            info.unexpected_keys.add(renamed)
-    for first, mapping in to_load.items():
-        try:
-            realized = mapping.convert(first, model=model, config=model.config, hf_quantizer=None, loading_info=info)
-        except SkipParameters:
-            continue
-        for target, param in realized.items():
-            set_param_for_module(model, target, param[0] if isinstance(param, list) else param, info, None)
-    return info
 
 
 def check_transformers(cfg: dict[str, Any], tensors: Mapping[str, TensorSpec], where: str,
