@@ -26,6 +26,7 @@ from ckptctl.errors import InputError, from_oserror
 from ckptctl.format import names as N
 from ckptctl.format.small import TooLarge, read_small
 from ckptctl.format.torch_pickle import DataObject, load_pickles
+from ckptctl.sources.base import dir_names
 from ckptctl.sources.torch_archive import open_regular, read_archive_pickle
 
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -89,11 +90,8 @@ def find_megatron(p: Path) -> MegatronLocation | None:
     """The Megatron checkpoint at ``p`` (a ``--save`` root with the tracker, or an iteration
     folder), or None when ``p`` is none. Raises InputError when the tracker names an iteration
     that is not there."""
-    try:
-        if not p.is_dir():
-            return None
-        names = os.listdir(p)
-    except OSError:
+    names = dir_names(p)
+    if names is None:
         return None
     if is_iteration_folder(names) and (_ITER.match(p.name) or p.name == "release" or COMMON in names):
         if COMMON not in names and not _is_megatron_json(p / META_JSON):

@@ -31,11 +31,11 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from ckptctl.errors import InputError, UsageError, from_oserror
+from ckptctl.errors import InputError, from_oserror
 from ckptctl.format import dtypes as dt
 from ckptctl.format import names as N
 from ckptctl.format.dcp_metadata import DType, MetadataIndex, TensorStorageMetadata
-from ckptctl.sources.base import OpenFiles, Piece, SourceTensor, read_pinned
+from ckptctl.sources.base import OpenFiles, Piece, SourceTensor, key_refused, read_pinned
 from ckptctl.sources.dcp_chunks import chunk_bytes_at
 from ckptctl.sources.dcp_hf import MAX_PIECES, Block, DcpHfSource, block_pieces, check_tiling, run_count, strides
 from ckptctl.sources.dcp_source import check_storage, read_dcp_metadata
@@ -297,6 +297,5 @@ def open_megatron(p: Path, *, key: str | None = None, names: bool = False,
     if loc is None:
         return None
     if key:
-        raise UsageError(f"{p} is a Megatron-core checkpoint: --key {key} selects nothing in it",
-                         "drop --key: the model's tensors are read (the optimizer state is left out)")
+        raise key_refused(p, "Megatron-core", key, "the model's tensors are read (the optimizer state is left out)")
     return MegatronSource.open_location(loc, names=names, max_pieces=max_pieces)

@@ -26,6 +26,7 @@ from typing import Any, Mapping
 from ckptctl.errors import InputError, from_oserror
 from ckptctl.format import dtypes as dt
 from ckptctl.format.torch_pickle import DEEPSPEED_GLOBALS, DataObject, TensorRef, load_pickles
+from ckptctl.sources.base import dir_names
 from ckptctl.sources.torch_archive import open_regular, read_archive_pickle
 
 LATEST = "latest"
@@ -98,11 +99,8 @@ def find_zero(p: Path) -> ZeroLocation | None:
     """The ZeRO checkpoint at ``p`` (a root with ``latest``, or a step folder holding optimizer
     states files), or None when ``p`` is not one. Raises InputError when ``latest`` names a step
     that is not there."""
-    try:
-        if not p.is_dir():
-            return None
-        names = os.listdir(p)
-    except OSError:
+    names = dir_names(p)
+    if names is None:
         return None
     if any(_OPTIM.match(n) for n in names):
         return ZeroLocation(p, p.parent, p.name)

@@ -18,11 +18,11 @@ import math
 from pathlib import Path
 from typing import Any, Iterator
 
-from ckptctl.errors import InputError, UsageError
+from ckptctl.errors import InputError
 from ckptctl.format import dtypes as dt
 from ckptctl.format.tensor import TensorSpec
 from ckptctl.format.torch_pickle import DISCARD_SUFFIXES
-from ckptctl.sources.base import CHUNK_BYTES, FileId, Piece, Source, SourceTensor, file_chunks, read_pinned
+from ckptctl.sources.base import CHUNK_BYTES, FileId, Piece, Source, SourceTensor, file_chunks, key_refused, read_pinned
 from ckptctl.sources.zero_files import (Flat, ModelStates, OptimStates, ZeroLocation, rank_files,
                                         read_model_states, read_optim_states)
 from ckptctl.sources.zero_layout import frozen3_pieces, stage3_pieces, stage12_pieces
@@ -232,8 +232,7 @@ def open_zero(path: Path, key: str | None = None) -> ZeroSource | None:
     if loc is None:
         return None
     if key:
-        raise UsageError(f"{path} is a DeepSpeed ZeRO checkpoint: --key {key} selects nothing in it",
-                         "drop --key: the export rebuilds the fp32 master weights from every rank")
+        raise key_refused(path, "DeepSpeed ZeRO", key, "the export rebuilds the fp32 master weights from every rank")
     from ckptctl.sources.zero_convert import fast_default
 
     src = ZeroSource.open(loc, tie_heads=heads_tied(read_config(loc.root)), fast_convert=fast_default())
