@@ -3,7 +3,7 @@
 No ``from __future__ import annotations`` (see ``verify_cmd``): Typer evaluates string
 annotations of the command on every run."""
 
-from typing import Annotated, Optional
+from typing import Annotated, Any, Optional
 
 import typer
 
@@ -75,24 +75,19 @@ def _render(out: Output, res, *, show_tensors: bool) -> None:
     out.print(summary)
 
     _render_state(out, res)
-    dtypes = Table(title="dtypes", title_justify="left")
-    for col in ("dtype", "tensors", "parameters", "bytes"):
-        dtypes.add_column(col, justify="left" if col == "dtype" else "right")
+    dtypes = _table("dtypes", ("dtype", "tensors", "parameters", "bytes"), left=("dtype",))
     for name, d in res.dtypes.items():
         dtypes.add_row(name, f"{d['tensors']:,}", f"{d['parameters']:,}", human_size(d["bytes"]))
     out.print(dtypes)
 
     if res.components:
-        comps = Table(title="components", title_justify="left")
-        for col in ("component", "folder", "class", "format", "tensors", "parameters"):
-            comps.add_column(col, justify="right" if col in ("tensors", "parameters") else "left")
+        comps = _table("components", ("component", "folder", "class", "format", "tensors", "parameters"),
+                       left=("component", "folder", "class", "format"))
         for c in res.components:
             comps.add_row(c.name, c.path or ".", c.cls or "?", c.format, f"{c.tensors:,}", f"{c.parameters:,}")
         out.print(comps)
 
-    files = Table(title="files", title_justify="left")
-    for col in ("file", "role", "size", "tensors", "parameters"):
-        files.add_column(col, justify="left" if col in ("file", "role") else "right")
+    files = _table("files", ("file", "role", "size", "tensors", "parameters"), left=("file", "role"))
     shard_rows = {s["name"]: s for s in res.shards()}
     for f in res.files:
         s = shard_rows.get(f["name"])
@@ -101,9 +96,7 @@ def _render(out: Output, res, *, show_tensors: bool) -> None:
     out.print(files)
 
     if show_tensors:
-        t = Table(title="tensors", title_justify="left")
-        for col in ("name", "dtype", "shape", "parameters", "file"):
-            t.add_column(col, justify="right" if col == "parameters" else "left")
+        t = _table("tensors", ("name", "dtype", "shape", "parameters", "file"), left=("name", "dtype", "shape", "file"))
         for row in res.tensors:
             t.add_row(row.name, row.dtype, str(list(row.shape)), f"{row.parameters:,}", row.file)
         out.print(t)
@@ -111,22 +104,27 @@ def _render(out: Output, res, *, show_tensors: bool) -> None:
         out.warn(f"{f.message} [{f.code}]")
 
 
-def _render_state(out: Output, res) -> None:
-    """The Megatron arguments, or a DCP training state's top-level keys (``--key`` picks one)."""
+def _table(title: str, columns: tuple[str, ...], *, left: tuple[str, ...]) -> Any:
+    """A titled rich table: the ``left`` columns left-justified, the others (counts) right."""
     from rich.table import Table
 
+    t = Table(title=title, title_justify="left")
+    for col in columns:
+        t.add_column(col, justify="left" if col in left else "right")
+    return t
+
+
+def _render_state(out: Output, res) -> None:
+    """The Megatron arguments, or a DCP training state's top-level keys (``--key`` picks one)."""
     args = (res.megatron or {}).get("args") or {}
     if args:
-        t = Table(title="megatron arguments", title_justify="left")
-        t.add_column("argument")
-        t.add_column("value")
+        t = _table("megatron arguments", ("argument", "value"), left=("argument", "value"))
         for k, v in args.items():
             t.add_row(k, str(v))
         out.print(t)
     if res.state_keys:
-        t = Table(title="training state (pass --key KEY to list a key's tensors)", title_justify="left")
-        for col in ("key", "tensors", "parameters", "size", "dtypes", "other entries"):
-            t.add_column(col, justify="left" if col in ("key", "dtypes") else "right")
+        t = _table("training state (pass --key KEY to list a key's tensors)",
+                   ("key", "tensors", "parameters", "size", "dtypes", "other entries"), left=("key", "dtypes"))
         for row in res.state_keys:
             t.add_row(row["key"], f"{row['tensors']:,}", f"{row['parameters']:,}", human_size(row["bytes"]),
                       ", ".join(f"{d} x{n}" for d, n in row["dtypes"].items()), f"{row['objects']:,}")
