@@ -136,3 +136,29 @@ def test_without_transformers_and_diffusers_verify_stays_torch_free(llama_dir: P
         assert "transformers is not installed" in notes[0]["message"]
     assert doc["results"][0]["ok"] is True
     assert "config.attention_shape" in {f["code"] for f in doc["results"][1]["findings"]}
+
+
+def test_resave_repair_static_verifies_without_the_class_check(llama_dir: Path, tmp_path: Path) -> None:
+    """`resave --repair --static` (an operator's cron): the repair's verify runs the static rules,
+    as `verify --static`, so neither torch nor transformers is imported; without --static the
+    class check runs, as `verify` does. --static without --repair is a usage error."""
+    import shutil
+
+    d = tmp_path / "llama"
+    shutil.copytree(llama_dir, d)
+    before = {p.name: p.stat().st_mtime_ns for p in d.iterdir()}
+    proc, loaded = run_listing(["resave", d, "--repair", "--static"])
+    assert proc.returncode == 0 and "nothing to repair" in proc.stdout, proc.stderr[-2000:]
+    assert not loaded & {"torch", "transformers", "diffusers"}
+    assert {p.name: p.stat().st_mtime_ns for p in d.iterdir()} == before
+    proc, loaded = run_listing(["resave", d, "--repair"])
+    assert proc.returncode == 0 and {"torch", "transformers"} <= loaded, proc.stderr[-2000:]
+    proc, _ = run_listing(["resave", d, "--static"])
+    assert proc.returncode == 2 and "--static applies to --repair" in proc.stderr
+    import corpus
+
+    fixed = tmp_path / "fixed"
+    corpus.make_wrong_total_size(fixed)  # a repair that writes: the staged version is verified
+    proc, loaded = run_listing(["resave", fixed, "--repair", "--static"])
+    assert proc.returncode == 0 and "fixed: " in proc.stdout, proc.stderr[-2000:]
+    assert not loaded & {"torch", "transformers", "diffusers"}

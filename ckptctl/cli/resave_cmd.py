@@ -20,6 +20,7 @@ def resave(
     repair: Annotated[bool, typer.Option("--repair", help="Fix what verify finds when the fix is certain.")] = False,
     prefer: Annotated[Optional[str], typer.Option("--prefer", help="Which family to keep when two are complete: index, single, safetensors, pytorch, or a file of the family (e.g. model-00001-of-00002.safetensors), as the refusal lists them.")] = None,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="With --output: replace an existing OUT.")] = False,
+    static: Annotated[bool, typer.Option("--static", help="With --repair: verify with the static rules only, as `verify --static` (no model-class check: torch and transformers are not imported).")] = False,
     link: Annotated[bool, typer.Option("--link", help="With --output: hard-link unchanged shards instead of cloning or copying them (OUT then shares inodes with DIR).")] = False,
     manifest: ManifestOpt = False,
     label: LabelOpt = None,
@@ -36,12 +37,18 @@ def resave(
         from ckptctl.resave import resave as run_resave
         from ckptctl.write.options import ExportOptions
 
+        if static and not repair:
+            from ckptctl.errors import UsageError
+
+            raise UsageError("--static applies to --repair (the only resave that runs verify)",
+                             "add --repair, or drop --static")
         reporter = ProgressReporter(out)
         opts = ExportOptions(max_shard_size=max_shard_size, dtype=dtype, overwrite=overwrite, fsync=not no_fsync,
                              manifest=manifest, label=label, dry_run=dry_run, progress=reporter,
                              command=" ".join(["ckptctl", "resave", directory]))
         try:
-            result = run_resave(directory, opts, output=output, repair=repair, prefer=prefer, link=link)
+            result = run_resave(directory, opts, output=output, repair=repair, prefer=prefer, link=link,
+                                static=static)
         finally:
             reporter.close()
         if json_:

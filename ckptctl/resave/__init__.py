@@ -87,22 +87,25 @@ def _check_prefer(prefer: str | None) -> None:
 
 def resave(root: str | os.PathLike[str], opts: ExportOptions, *, output: str | os.PathLike[str] | None = None,
            repair: bool = False, prefer: str | None = None, link: bool = False,
-           whole_root: bool = True) -> ResaveResult | RootResult:
+           whole_root: bool = True, static: bool = False) -> ResaveResult | RootResult:
     """Rewrite the checkpoint at ``root`` (in place, or into ``output``): re-plan when a shard
     size or dtype is given, else keep its layout and repair what is certain. ``link``: into
     ``output``, hard-link unchanged shards instead of cloning or copying them. ``prefer``: a kind,
     ``index``/``single``, or one family's file name. In place, a symlinked ``root`` is rewritten
     where it points (the link stays a link). A repair publishes only a version that verifies
     clean. ``whole_root``: a multi-component root is resaved as a whole (:mod:`ckptctl.resave.root`);
-    False when that writer resaves the root's own module 0 as one model."""
+    False when that writer resaves the root's own module 0 as one model. ``static``: the repair's
+    verify runs the static rules only (``verify --static``: no model-class check, no import of
+    torch and the model's library)."""
     # the metadata of every tensor: acyclic, freed by reference counting
     with paused():
         return _resave(Path(root), opts, output=output, repair=repair, prefer=prefer, link=link,
-                       whole_root=whole_root)
+                       whole_root=whole_root, static=static)
 
 
 def _resave(root: Path, opts: ExportOptions, *, output: str | os.PathLike[str] | None,
-            repair: bool, prefer: str | None, link: bool, whole_root: bool) -> ResaveResult | RootResult:
+            repair: bool, prefer: str | None, link: bool, whole_root: bool,
+            static: bool) -> ResaveResult | RootResult:
     """:func:`resave`'s steps."""
     # Every option is checked before anything touches the filesystem (a recovery renames).
     _check_prefer(prefer)
@@ -120,7 +123,7 @@ def _resave(root: Path, opts: ExportOptions, *, output: str | os.PathLike[str] |
             if held is not None:
                 held.close()
             return resave_root(root, opts, resave_one=resave, output=output, repair=repair, prefer=prefer,
-                               link=link, lay=first)
+                               link=link, lay=first, static=static)
         # In place, unchanged shards are hard-linked (one name survives the publish); into --output
         # they are cloned or copied (an independent copy) unless the caller asked for links.
         opts = replace(opts, overwrite=True if not output else opts.overwrite, link_unchanged=not output or link)
@@ -147,7 +150,7 @@ def _resave(root: Path, opts: ExportOptions, *, output: str | os.PathLike[str] |
                                                       unchanged_ok=repair and not output), held=held)
     chosen, rep = ana.chosen, ana.rep
     dest = Path(output) if output else root
-    check = _verified(dest, rep) if repair else None
+    check = _verified(dest, static) if repair else None
     extras: dict[str, Path | bytes] = {}
     if opts.dtype not in (None, "keep") and (root / "config.json").is_file():
         extras["config.json"] = root / "config.json"  # rewritten with the new dtype
@@ -160,7 +163,7 @@ def _resave(root: Path, opts: ExportOptions, *, output: str | os.PathLike[str] |
 
         with open_source(root, only=L.PYTORCH, reading=reading) as src:  # read (weights_only) even to find it sound
             if repair and not replan and not output and not rep.fixes:
-                return _unchanged(dest, opts, rep, chosen.errors)  # a sound pickle checkpoint
+                return _unchanged(dest, opts, rep, chosen.errors, static)  # a sound pickle checkpoint
             from ckptctl.write.inputs import build_inputs, entries_for
             from ckptctl.write.job import write_inputs
 
@@ -181,7 +184,7 @@ def _resave(root: Path, opts: ExportOptions, *, output: str | os.PathLike[str] |
     else:
         assert ana.kept is not None
         if ana.unchanged:
-            return _unchanged(dest, opts, rep, chosen.errors)
+            return _unchanged(dest, opts, rep, chosen.errors, static)
         plan, kept = keep_layout_plan(ana.kept)
         if rep.lost:  # DESIGN.md I9: no tensor lost
             raise UnrepairableError(
@@ -227,15 +230,15 @@ def _analysis(root: Path, *, prefer: str | None, repair: bool, lay: L.Layout | N
     return ana
 
 
-def _verified(dest: Path, rep: Repair) -> Callable[[Path], None]:
+def _verified(dest: Path, static: bool) -> Callable[[Path], None]:
     """The last step of a repair, on the staged version before it is published: ckptctl's own
     verify. Any error left (a tensor the config requires that no file holds, ...) refuses the
     repair with exit 1 and what is lost; the staged version is removed and nothing changes."""
 
     def check(data: Path) -> None:
-        from ckptctl.verify import verify_path
+        from ckptctl.verify import VerifyOptions, verify_path
 
-        res = verify_path(data, display=str(dest))
+        res = verify_path(data, display=str(dest), options=VerifyOptions(static=static))
         errors = [f for f in res.findings if f.severity == ERROR]
         if not errors:
             return
@@ -249,15 +252,16 @@ def _verified(dest: Path, rep: Repair) -> Callable[[Path], None]:
     return check
 
 
-def _unchanged(dest: Path, opts: ExportOptions, rep: Repair, errors: list[Finding] | None = None) -> ResaveResult:
+def _unchanged(dest: Path, opts: ExportOptions, rep: Repair, errors: list[Finding] | None = None,
+               static: bool = False) -> ResaveResult:
     """The result of a repair that found nothing to do: no staging, no publish. "Sound" is
     verify's word, not the repair's: the directory is verified (the same findings ``ckptctl
     verify`` reports), and an error left (a layout finding the repair has no certain fix for, an
     untied model without its lm_head, ...) refuses with exit 1, naming each and saying it is not
     repairable, with the first one's own next step (never a loop back to --repair)."""
-    from ckptctl.verify import verify_path
+    from ckptctl.verify import VerifyOptions, verify_path
 
-    found = [f for f in verify_path(dest).findings if f.severity == ERROR]
+    found = [f for f in verify_path(dest, options=VerifyOptions(static=static)).findings if f.severity == ERROR]
     left = found or list(errors or [])
     if left:
         named = "; ".join(f"[{f.code}] {f.message}" for f in left[:4]) + (" ..." if len(left) > 4 else "")

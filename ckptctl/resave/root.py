@@ -20,11 +20,12 @@ from ckptctl.write.tree import ROOTS, RootResult, weighted_folders, write_root
 
 def resave_root(root: str | os.PathLike[str], opts: ExportOptions, *, resave_one: Callable[..., Any],
                 output: str | os.PathLike[str] | None = None, repair: bool = False, prefer: str | None = None,
-                link: bool = False, lay: L.Layout | None = None) -> RootResult:
+                link: bool = False, lay: L.Layout | None = None, static: bool = False) -> RootResult:
     """Resave every component with weights of the root at ``root`` (in place, or into
     ``output``) through ``resave_one`` (:func:`ckptctl.resave.resave`), into one staging
     directory, published once. ``--repair`` of a sound root (every component sound, no leftover
-    at the root) writes nothing (``unchanged``). ``lay``: the root's scan, when the caller has it."""
+    at the root) writes nothing (``unchanged``). ``lay``: the root's scan, when the caller has it;
+    ``static``: the repairs' verify runs the static rules only."""
     root_p = Path(root)
     opts = replace(opts, overwrite=True if not output else opts.overwrite)
     validate(opts)
@@ -37,7 +38,7 @@ def resave_root(root: str | os.PathLike[str], opts: ExportOptions, *, resave_one
         target = None if os.path.realpath(out) == os.path.realpath(folder) else out  # a dry run in place
         # module 0 lives at the root itself: resaved as one model, not as the root again
         return resave_one(folder, o, output=target, repair=repair, prefer=prefer, link=in_place or link,
-                      whole_root=folder != root_p)
+                          whole_root=folder != root_p, static=static)
 
     if repair and in_place:
         probe = replace(opts, dry_run=True)
