@@ -26,10 +26,90 @@ def natural_order(names: Any, part_key: Any) -> list[str]:
     return sorted(names, key=key)
 
 
-def match_keys(model: Any, state_dict: dict[str, Any], weight_mapping: list[Any]) -> Any:
+def _stacked(tensors: Any, dim: int, cat: bool) -> Any:
+    """``torch.stack`` (``cat``: ``torch.cat``) of meta tensors of one dtype as a new meta tensor of
+    the result's shape, or None where the op itself must run (another device or dtype, shapes it
+    would refuse: its own error is the one reported)."""
+    import torch
+
+    if not isinstance(tensors, list) or not tensors or not all(isinstance(t, torch.Tensor) for t in tensors):
+        return None
+    first = tensors[0]
+    shape, dtype = tuple(first.shape), first.dtype
+    n = len(shape) if cat else len(shape) + 1
+    if not (-n <= dim < n) or (cat and n == 0):
+        return None
+    d = dim % n
+    total = 0
+    for t in tensors:
+        if not t.is_meta or t.dtype != dtype:
+            return None
+        s = tuple(t.shape)
+        if cat:
+            if len(s) != len(shape) or s[:d] != shape[:d] or s[d + 1:] != shape[d + 1:]:
+                return None
+            total += s[d]
+        elif s != shape:
+            return None
+    out = shape[:d] + (total,) + shape[d + 1:] if cat else shape[:d] + (len(tensors),) + shape[d:]
+    return torch.empty(out, dtype=dtype, device="meta")
+
+
+def shape_only_ops() -> dict[type, Any]:
+    """transformers' ``MergeModulelist`` and ``Concatenate`` -> a copy of the op that makes the
+    result of meta tensors from their shapes. On the meta device ``torch.stack``/``torch.cat`` run
+    torch's Python reference ops (and import torch._dynamo on first use): 174 stacks of 256 experts
+    cost about 1 s on DeepSeek-V3. Anything else (another device or dtype, shapes the op refuses)
+    runs the library's op unchanged, so its errors are the loader's."""
+    import torch
+    from transformers.core_model_loading import Concatenate, MergeModulelist
+
+    class _Merge(MergeModulelist):
+        def convert(self, input_dict: dict[str, Any], source_patterns: list[str], target_patterns: list[str],
+                    **kwargs: Any) -> dict[str, Any]:
+            made = {k: v if isinstance(v, torch.Tensor) else _stacked(v, self.dim, cat=False)
+                    for k, v in input_dict.items()}
+            if any(v is None for v in made.values()):
+                return super().convert(input_dict, source_patterns, target_patterns, **kwargs)
+            size = len(input_dict)
+            input_dict.clear()
+            return {self.get_target_pattern(size, k, target_patterns): v for k, v in made.items()}
+
+    class _Concat(Concatenate):
+        def convert(self, input_dict: dict[str, Any], source_patterns: list[str], target_patterns: list[str],
+                    **kwargs: Any) -> dict[str, Any]:
+            parts: list[Any] = []
+            for k in source_patterns:
+                v = input_dict.get(k)
+                if k in input_dict:
+                    parts.extend(v if isinstance(v, list) else [v])
+            made = _stacked(parts, self.dim, cat=True)
+            if made is None:
+                return super().convert(input_dict, source_patterns, target_patterns, **kwargs)
+            target = self.get_target_pattern(target_patterns)
+            for k in source_patterns:
+                input_dict.pop(k, None)
+            return {target: made}
+
+    def merge(op: Any) -> Any:
+        new = _Merge.__new__(_Merge)
+        new.__dict__.update(op.__dict__)
+        return new
+
+    def concat(op: Any) -> Any:
+        new = _Concat.__new__(_Concat)
+        new.__dict__.update(op.__dict__)
+        return new
+
+    _Merge.__name__, _Concat.__name__ = MergeModulelist.__name__, Concatenate.__name__  # as the loader's errors name them
+    return {MergeModulelist: merge, Concatenate: concat}
+
+
+def match_keys(model: Any, state_dict: dict[str, Any], weight_mapping: list[Any], hf_quantizer: Any = None) -> Any:
     """``convert_and_load_state_dict_in_model``'s key matching over meta tensors, step for step
     (its rename, its converters run on the meta tensors, its ``set_param_for_module``), without
-    what only moving bytes needs (thread pool, device map, dtype casts, quantizer) and without its
+    what only moving bytes needs (thread pool, device map, dtype casts, on-the-fly quantization;
+    ``hf_quantizer``: a pre-quantized checkpoint's, passed on as the loader does) and without its
     deep copy of a converter for every key (it keeps only the first per target: 44,000 copies
     thrown away on DeepSeek-V3). The seam of I14: ``check_transformers(fast=False)`` runs the
     library's function instead, and the tests compare both."""
@@ -52,6 +132,7 @@ def match_keys(model: Any, state_dict: dict[str, Any], weight_mapping: list[Any]
     renamings = [e for e in weight_mapping if isinstance(e, WeightRenaming)]
     converters = [e for e in weight_mapping if isinstance(e, WeightConverter)]
     by_pattern = {k: c for c in converters for k in c.source_patterns}
+    meta_ops = shape_only_ops()
     to_load: dict[str, Any] = {}
     for original in natural_order(state_dict, dot_natural_key):
         tensor = state_dict[original]
@@ -63,6 +144,7 @@ def match_keys(model: Any, state_dict: dict[str, Any], weight_mapping: list[Any]
             if pattern is not None:
                 if mapping is None:
                     mapping = to_load[renamed] = deepcopy(by_pattern[pattern])
+                    mapping.operations = [meta_ops.get(type(op), lambda o: o)(op) for op in mapping.operations]
             else:
                 if mapping is None:
                     mapping = to_load[renamed] = WeightRenaming(original, renamed)
@@ -75,9 +157,10 @@ def match_keys(model: Any, state_dict: dict[str, Any], weight_mapping: list[Any]
             info.unexpected_keys.add(renamed)
     for first, mapping in to_load.items():
         try:
-            realized = mapping.convert(first, model=model, config=model.config, hf_quantizer=None, loading_info=info)
+            realized = mapping.convert(first, model=model, config=model.config, hf_quantizer=hf_quantizer,
+                                       loading_info=info)
         except SkipParameters:
             continue
         for target, param in realized.items():
-            set_param_for_module(model, target, param[0] if isinstance(param, list) else param, info, None)
+            set_param_for_module(model, target, param[0] if isinstance(param, list) else param, info, hf_quantizer)
     return info
