@@ -75,6 +75,11 @@ def _mul(*xs: int | None) -> int | None:
     return out
 
 
+# gated attention: q_proj holds the query and its output gate (num_attention_heads x head_dim x 2)
+GATED_QUERY_TYPES = frozenset({"qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text",
+                               "qwen4_exp", "qwen4_exp_text"})
+
+
 def _llama_dims(c: ConfigFields) -> Dims:
     d = Dims(hidden=as_int(c.get("hidden_size")), heads=as_int(c.get("num_attention_heads")),
              inter=as_int(c.get("intermediate_size")), vocab=as_int(c.get("vocab_size")),
@@ -86,6 +91,8 @@ def _llama_dims(c: ConfigFields) -> Dims:
     d.v_head_dim = as_int(c.get("v_head_dim")) or d.head_dim
     nope, rope = as_int(c.get("qk_nope_head_dim")), as_int(c.get("qk_rope_head_dim"))
     d.q_head_dim = nope + rope if nope is not None and rope is not None else d.head_dim
+    if c.get("model_type") in GATED_QUERY_TYPES and d.q_head_dim:
+        d.q_head_dim *= 2
     return d
 
 
@@ -137,7 +144,7 @@ _KV_WHAT = "num_key_value_heads x head_dim by hidden_size"
 
 LLAMA = Spec("llama-style", "embed_tokens.weight", "layers", "lm_head.weight", (
     Rule("self_attn.q_proj.weight", lambda d: (_mul(d.heads, d.q_head_dim), d.hidden), _ATT,
-         _Q_WHAT + " (MLA: qk_nope_head_dim + qk_rope_head_dim)"),
+         _Q_WHAT + " (MLA: qk_nope_head_dim + qk_rope_head_dim; gated attention (Qwen3-Next): twice)"),
     Rule("self_attn.k_proj.weight", lambda d: (_mul(d.kv, d.head_dim), d.hidden), _KV, _KV_WHAT),
     Rule("self_attn.v_proj.weight", lambda d: (_mul(d.kv, d.head_dim), d.hidden), _KV, _KV_WHAT),
     Rule("self_attn.o_proj.weight", lambda d: (d.hidden, _mul(d.heads, d.v_head_dim)), _ATT,
