@@ -6,9 +6,11 @@ class its manifest (``model_index.json``, ``modules.json``) names; otherwise a c
 ``_class_name``/``_diffusers_version`` is diffusers', any other is transformers'; a PEFT adapter
 is applied by peft to its base model's class when the base is local (``--base``). The weights
 compared are the family that library loads (``model.safetensors`` first, then the index, then
-the pickles). A library that is not installed, a class it lacks, remote code (never run), a
-quantized checkpoint, or any failure while building is a note (``config.class_not_checked``)
-that names the check that did not run and why; the static rules then stand alone.
+the pickles). An fp8 block-quantized transformers checkpoint is built with its quantizer
+(:mod:`.quantized`). A library that is not installed, a class it lacks, remote code (never run),
+any other quantized checkpoint, or any failure while building is a note
+(``config.class_not_checked``) that names the check that did not run and why; the static rules
+then stand alone.
 
 Nothing here imports torch or a library at import time: :func:`model_class_step` imports the
 oracle of the library it needs when it runs (:mod:`.transformers_class`, :mod:`.diffusers_class`,
@@ -29,6 +31,7 @@ from ckptctl.findings import ERROR, INFO, WARNING
 from ckptctl.format import names as N
 from ckptctl.format import small
 from ckptctl.verify.classes.outcome import NotChecked, Outcome
+from ckptctl.verify.classes.quantized import method_name, not_built, quantization
 from ckptctl.verify.context import MAX_JSON_BYTES, STATIC_ASKED, Context, FamilyTensors
 from ckptctl.verify.weights import transformers_rank
 
@@ -107,15 +110,24 @@ def _counts(doc: Any, depth: int = 0) -> Iterator[tuple[str, Any]]:
             yield k, v
 
 
-def precheck(library: str, cfg: dict[str, Any], cls: str | None) -> None:
+def precheck(library: str, cfg: dict[str, Any], cls: str | None, *, quantized: bool = False) -> None:
     """Raise :class:`NotChecked` for what config.json alone rules out, before any import. A count
     of layers or experts past :data:`MAX_COUNT` (config.json is untrusted input: the class would be
-    built with that many modules) is one."""
+    built with that many modules) is one; so is a quantized checkpoint, unless ``quantized`` (the
+    caller builds a transformers class with its quantizer) and it is one that :mod:`.quantized`
+    builds (fp8 block-quantized)."""
     for k, v in _counts(cfg):
         if isinstance(v, int) and not isinstance(v, bool) and v > MAX_COUNT:
             raise NotChecked(f"config.json's {k} is {v:,}: a class with that many modules is not built")
-    if isinstance(cfg.get("quantization_config"), dict) or isinstance(cfg.get("compression_config"), dict):
-        raise NotChecked("a quantized checkpoint: its layers exist only once a quantizer replaces them")
+    q = quantization(cfg)
+    if q is not None:
+        why = not_built(cfg)
+        if why is None and not (quantized and library == "transformers"):
+            why = (f"a checkpoint quantized with {method_name(q)}: its layers exist only once a quantizer replaces "
+                   "them; the class check builds quantized layers only for a transformers model's own weights (not "
+                   "for another library, nor under a PEFT adapter)")
+        if why is not None:
+            raise NotChecked(why)
     if library != "transformers" or cls is not None:
         return
     archs = cfg.get("architectures")
@@ -152,7 +164,7 @@ def model_class_step(ctx: Context) -> str | None:
     shown = ctx.disp("config.json")
     library, cls = _library(ctx, cfg)
     try:
-        precheck(library, cfg, cls)
+        precheck(library, cfg, cls, quantized=True)
     except NotChecked as exc:
         return _note(ctx, shown, library, exc.reason)
     if not importable(IMPORT_NAMES[library]):

@@ -8,7 +8,10 @@ The steps are ``PreTrainedModel.from_pretrained``'s (transformers 5):
   cannot satisfy is remote code, never run;
 * the class: ``architectures[0]`` when its config class is the config's; otherwise the class the
   same auto mapping gives the config's ``model_type`` (what ``AutoModelFor...`` loads);
-* built under ``cls.get_init_context`` (meta device, no weight memory, no tying);
+* built under ``cls.get_init_context`` (meta device, no weight memory, no tying); an fp8
+  block-quantized config.json with the quantizer ``get_hf_quantizer`` makes, whose
+  ``preprocess_model`` replaces the Linear layers and whose conversions join the mapping
+  (:mod:`.quantized`);
 * ``convert_and_load_state_dict_in_model`` with ``get_model_conversion_mapping`` (key renames,
   fused-expert and legacy-name conversions, ``base_model_prefix`` added or stripped) and a
   ``{"": "meta"}`` device map, then ``tie_weights(missing_keys=...)`` and
@@ -27,13 +30,25 @@ from typing import Any
 from ckptctl.format.tensor import TensorSpec
 from ckptctl.verify.classes.matching import match_keys
 from ckptctl.verify.classes.outcome import NotChecked, Outcome, split_unexpected
+from ckptctl.verify.classes.quantized import (
+    make_quantizer,
+    not_built,
+    quantization,
+    quantize_meta,
+    scale_words,
+)
 from ckptctl.verify.classes.quiet import meta_state_dict, silenced
 
 
 def _config(cfg: dict[str, Any]) -> Any:
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-    doc = dict(cfg)
+    from transformers import PretrainedConfig
+
+    # {"__float__": "Infinity"}: how transformers writes inf and NaN (Mamba2's time_step_limit), decoded
+    # as its from_pretrained decodes config.json
+    decode = getattr(PretrainedConfig, "_decode_special_floats", None)
+    doc = dict(decode(cfg) if callable(decode) else cfg)
     mt = doc.get("model_type")
     remote = isinstance(doc.get("auto_map"), dict) and "AutoConfig" in doc["auto_map"]
     if not isinstance(mt, str) or mt not in CONFIG_MAPPING:
@@ -100,6 +115,39 @@ def _original(key: str, stored: set[str], prefix: str) -> str:
     return short if short in stored else key
 
 
+def stored_names(keys: set[str], stored: set[str], model: Any, weight_mapping: list[Any]) -> dict[str, list[str]]:
+    """The loader's name of each key -> the stored names it came from: the name itself or with the
+    prefix added or stripped, else the names its renames and converters turn into it (Swin's legacy
+    ``attention.self.key`` reported as ``attention.k_proj``), else the loader's name. A finding names
+    the tensors the file holds: what a user looks for, or drops with resave."""
+    from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+
+    prefix = getattr(model, "base_model_prefix", "") or ""
+    out: dict[str, list[str]] = {}
+    todo: set[str] = set()
+    for k in keys:
+        o = _original(k, stored, prefix)
+        if o in stored:
+            out[k] = [o]
+        else:
+            todo.add(k)
+    if todo:  # the loader renamed them: run its renames over the stored names (only here: a broken checkpoint)
+        renamings = [e for e in weight_mapping if isinstance(e, WeightRenaming)]
+        converters = [e for e in weight_mapping if isinstance(e, WeightConverter)]
+        by_pattern = {k: c for c in converters for k in c.source_patterns}
+        meta = model.state_dict()
+        for name in sorted(stored):
+            renamed, pattern = rename_source_key(name, renamings, converters, prefix, meta)
+            targets = by_pattern[pattern].target_patterns if pattern is not None else [None]
+            for t in targets:  # a converter's source: reported under each of its targets (see match_keys)
+                loader_name = renamed if t is None else renamed.replace(targets[0], t)
+                if loader_name in todo:
+                    out.setdefault(loader_name, []).append(name)
+    for k in todo:
+        out.setdefault(k, [k])
+    return out
+
+
 _LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 
@@ -115,14 +163,27 @@ def _mtp_layer(key: str, cfg: dict[str, Any]) -> bool:
 
 
 def build_meta(cfg: dict[str, Any], class_name: str | None = None) -> tuple[Any, Any]:
-    """(the model from_pretrained builds for config.json, on the meta device; its dtype). Call it
-    inside :func:`~ckptctl.verify.classes.quiet.silenced`."""
+    """(the model from_pretrained builds for config.json, on the meta device; its dtype), for a
+    config without quantization (a PEFT adapter's base). Call it inside
+    :func:`~ckptctl.verify.classes.quiet.silenced`."""
+    if quantization(cfg) is not None:
+        raise NotChecked("a quantized checkpoint: its layers exist only once a quantizer replaces them")
+    model, dtype, _ = build_loaded(cfg, class_name)
+    return model, dtype
+
+
+def build_loaded(cfg: dict[str, Any], class_name: str | None = None) -> tuple[Any, Any, Any]:
+    """(the model from_pretrained builds for config.json, on the meta device; its dtype; the
+    quantizer that replaced its layers, or None): an fp8 block-quantized config.json is built with
+    its quantizer (:mod:`.quantized`), any other quantized one is a note. Call it inside
+    :func:`~ckptctl.verify.classes.quiet.silenced`."""
     import torch
     import transformers
     from transformers.utils.generic import ContextManagers
 
-    if isinstance(cfg.get("quantization_config"), dict) or isinstance(cfg.get("compression_config"), dict):
-        raise NotChecked("a quantized checkpoint: its layers exist only once a quantizer replaces them")
+    reason = not_built(cfg)
+    if reason is not None:
+        raise NotChecked(reason)
     config = _config(cfg)
     if class_name is not None:
         cls = getattr(transformers, class_name, None) if class_name.isidentifier() else None
@@ -130,9 +191,15 @@ def build_meta(cfg: dict[str, Any], class_name: str | None = None) -> tuple[Any,
             raise NotChecked(f"the installed transformers {transformers.__version__} has no class {class_name!r}")
     else:
         cls = _model_class(cfg, config)
+    quantizer = make_quantizer(config) if quantization(cfg) is not None else None
     dtype = torch.float32  # shapes do not depend on it; every floating tensor is cast on load
-    with ContextManagers(cls.get_init_context(dtype, False, False, None)):
-        return cls(config), dtype
+    if quantizer is not None:
+        dtype = quantizer.update_dtype(dtype)
+    with ContextManagers(cls.get_init_context(dtype, quantizer is not None, False, None)):
+        model = cls(config)
+        if quantizer is not None:
+            quantize_meta(quantizer, model, dtype)
+    return model, dtype, quantizer
 
 
 def check_transformers(cfg: dict[str, Any], tensors: Mapping[str, TensorSpec], where: str,
@@ -145,30 +212,36 @@ def check_transformers(cfg: dict[str, Any], tensors: Mapping[str, TensorSpec], w
     from transformers.modeling_utils import LoadStateDictConfig
 
     with silenced("transformers"):
-        model, dtype = build_meta(cfg, class_name)
+        model, dtype, quantizer = build_loaded(cfg, class_name)
         load_config = LoadStateDictConfig(pretrained_model_name_or_path=where, ignore_mismatched_sizes=False,
                                           device_map={"": "meta"}, dtype=dtype, dtype_plan=model._get_dtype_plan(dtype),
-                                          weight_mapping=get_model_conversion_mapping(model, None, None))
+                                          hf_quantizer=quantizer,
+                                          weight_mapping=get_model_conversion_mapping(model, None, quantizer))
         if fast:
-            info = match_keys(model, meta_state_dict(tensors), load_config.weight_mapping or [])
+            info = match_keys(model, meta_state_dict(tensors), load_config.weight_mapping or [], quantizer)
         else:  # the library's own function, which the fast path equals (tests/test_verify_model_class.py)
             info, _ = convert_and_load_state_dict_in_model(model=model, state_dict=meta_state_dict(tensors),
                                                            load_config=load_config)
         model.tie_weights(missing_keys=info.missing_keys, recompute_mapping=False)
         model._adjust_missing_and_unexpected_keys(info)
         modules = {n for n, _ in model.named_modules() if n}
-    stored = set(tensors)
     prefix = getattr(model, "base_model_prefix", "") or ""
     info.unexpected_keys = {k for k in info.unexpected_keys if not _mtp_layer(k, cfg)}
-    unexpected = sorted(_original(k, stored, prefix) for k in info.unexpected_keys)
+    names = stored_names(info.unexpected_keys | {k for k, _, _ in info.mismatched_keys}, set(tensors), model,
+                         load_config.weight_mapping or [])
     roots = {"", prefix} if prefix in modules else {""}
     bad = set(split_unexpected(sorted(info.unexpected_keys), modules, roots))
-    return Outcome(
-        library="transformers", cls=type(model).__name__, missing=sorted(info.missing_keys), unexpected=unexpected,
-        disagrees=sorted(_original(k, stored, prefix) for k in bad),
-        mismatched=sorted((_original(k, stored, prefix), tuple(got), tuple(want))
+    out = Outcome(
+        library="transformers", cls=type(model).__name__, missing=sorted(info.missing_keys),
+        unexpected=sorted({n for k in info.unexpected_keys for n in names[k]}),
+        disagrees=sorted({n for k in bad for n in names[k]}),
+        # a fused target's shape is not any one stored tensor's: named as the loader names it
+        mismatched=sorted((names[k][0] if len(names[k]) == 1 else k, tuple(got), tuple(want))
                           for k, got, want in info.mismatched_keys),
         conversion={str(k): str(v).splitlines()[0][:300] for k, v in (info.conversion_errors or {}).items()},
         on_missing="initialises them with random values and warns (its LOAD REPORT lists them as MISSING)",
         on_mismatch="raises (\"ignore_mismatched_sizes\" is False by default)",
         on_unexpected="drops them (its LOAD REPORT lists them as UNEXPECTED)")
+    if quantizer is not None:
+        scale_words(out)
+    return out
