@@ -2,11 +2,13 @@
 and build the class on the meta device, against the import alone and against ``verify --static``.
 
 * ``moe``: the 91,991 names of DeepSeek-V3 in 163 shards (:class:`bench.gen.MoeSpec`, the
-  checkpoint of ``metadata-moe``), hard-linked, beside its config without ``quantization_config``
-  (a quantized config is a note: the class check does not run on it), so DeepseekV3ForCausalLM
-  is built at full size (61 layers, 256 experts) and the loader's matching runs over every key
-  (the fp8 ``weight_scale_inv`` tensors are UNEXPECTED: the worst case for it). verify exits 1
-  there (quantized tensors without a quantization_config), which the command accepts.
+  checkpoint of ``metadata-moe``), hard-linked, beside its config without ``quantization_config``,
+  so DeepseekV3ForCausalLM is built at full size (61 layers, 256 experts) with float layers and
+  the loader's matching runs over every key (the fp8 ``weight_scale_inv`` tensors are UNEXPECTED:
+  the worst case for it); and the generated checkpoint itself, its fp8 ``quantization_config``
+  kept, built with transformers' fp8 quantizer (``FP8Linear``/``FP8Experts``). verify exits 1 on
+  both (the generator's shapes are not DeepSeek's, and the first has quantized tensors without a
+  quantization_config), which the commands accept.
 * ``llama70b``: Llama-3-70B's config (80 layers, 8192 hidden, 128,256 vocab); its 723 header
   entries are made from the config (no 140 GB file), and the check is called as verify calls it.
 
@@ -27,6 +29,7 @@ from bench.gen import WORK, MoeSpec, ensure
 from bench.harness import CKPTCTL, Case, Command
 
 SPEC = MoeSpec()
+SRC = WORK / SPEC.name()  # the generated checkpoint (ensure), its fp8 quantization_config kept
 MOE = WORK / "out" / "moe-class"
 LLAMA_70B = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 8192,
              "intermediate_size": 28672, "num_hidden_layers": 80, "num_attention_heads": 64,
@@ -81,6 +84,7 @@ def _cases() -> list[Case]:
              [Command("import the library", [sys.executable, "-c", LIBRARY_IMPORT]),
               Command("verify --static (moe)", _accept_findings([*CKPTCTL, "verify", str(MOE), "-q", "--static"])),
               Command("verify, class check (moe)", _accept_findings([*CKPTCTL, "verify", str(MOE), "-q"])),
+              Command("verify, class check (moe, fp8 config)", _accept_findings([*CKPTCTL, "verify", str(SRC), "-q"])),
               Command("class check (llama-70b)", [sys.executable, "-c", LLAMA_CHECK, json.dumps(LLAMA_70B)])],
              prepare=partial(_prepare)),
     ]
