@@ -208,11 +208,17 @@ def test_one_scale_with_another_block_count(fp8, tmp_path: Path) -> None:
     d = _copy(fp8, "llama", tmp_path)
     key = "model.layers.0.self_attn.q_proj.weight_scale_inv"
     _edit_tensors(d, lambda t: t.update({key: torch.ones(3, 2)}))
+    _one_shape_both_loaders_raise(d, key, [3, 2], [2, 2])
+
+
+def _one_shape_both_loaders_raise(d: Path, tensor: str, stored: list[int], expected: list[int]) -> None:
+    """verify gives one config.class_shape (the static rules none); the fp8 layers raise (size
+    mismatch) and the CPU dequantizer raises (a conversion error); both matchings agree."""
     res = verify_path(d)
     _class_ran(res)
     found = [f for f in res.findings if f.code == "config.class_shape"]
     assert [(f.tensor, f.severity, f.details["stored"], f.details["expected"]) for f in found] == \
-        [(key, ERROR, [3, 2], [2, 2])]
+        [(tensor, ERROR, stored, expected)]
     _only_static_misses(d, "config.class_shape")
     with pytest.raises(RuntimeError, match="ignore_mismatched_sizes"):
         fp8_layers_load(d)
@@ -249,17 +255,7 @@ def test_an_experts_missing_scale(fp8, tmp_path: Path) -> None:
     dequantizer: weight/scale count mismatch, a conversion error)."""
     d = _copy(fp8, "deepseek_v3", tmp_path)
     _edit_tensors(d, _drop("model.layers.1.mlp.experts.2.down_proj.weight_scale_inv"))
-    res = verify_path(d)
-    _class_ran(res)
-    found = [f for f in res.findings if f.code == "config.class_shape"]
-    assert [(f.tensor, f.severity, f.details["stored"], f.details["expected"]) for f in found] == \
-        [("model.layers.1.mlp.experts.down_proj_scale_inv", ERROR, [3, 2, 1], [4, 2, 1])]
-    _only_static_misses(d, "config.class_shape")
-    with pytest.raises(RuntimeError, match="ignore_mismatched_sizes"):
-        fp8_layers_load(d)
-    with pytest.raises(RuntimeError, match="conversion"):
-        cpu_load(d)
-    _outcomes_agree(d)
+    _one_shape_both_loaders_raise(d, "model.layers.1.mlp.experts.down_proj_scale_inv", [3, 2, 1], [4, 2, 1])
 
 
 # -- what stays a note ---------------------------------------------------------------------------------
