@@ -80,8 +80,8 @@ def shape_only_ops() -> dict[type, Any]:
                     **kwargs: Any) -> dict[str, Any]:
             parts: list[Any] = []
             for k in source_patterns:
-                v = input_dict.get(k)
                 if k in input_dict:
+                    v = input_dict[k]
                     parts.extend(v if isinstance(v, list) else [v])
             made = _stacked(parts, self.dim, cat=True)
             if made is None:
@@ -91,18 +91,15 @@ def shape_only_ops() -> dict[type, Any]:
                 input_dict.pop(k, None)
             return {target: made}
 
-    def merge(op: Any) -> Any:
-        new = _Merge.__new__(_Merge)
-        new.__dict__.update(op.__dict__)
-        return new
-
-    def concat(op: Any) -> Any:
-        new = _Concat.__new__(_Concat)
-        new.__dict__.update(op.__dict__)
-        return new
+    def copy_as(cls: type) -> Any:
+        def make(op: Any) -> Any:  # the op's own settings (dim, ...) on the shape-only class
+            new = cls.__new__(cls)
+            new.__dict__.update(op.__dict__)
+            return new
+        return make
 
     _Merge.__name__, _Concat.__name__ = MergeModulelist.__name__, Concatenate.__name__  # as the loader's errors name them
-    return {MergeModulelist: merge, Concatenate: concat}
+    return {MergeModulelist: copy_as(_Merge), Concatenate: copy_as(_Concat)}
 
 
 def match_keys(model: Any, state_dict: dict[str, Any], weight_mapping: list[Any], hf_quantizer: Any = None) -> Any:
