@@ -111,6 +111,7 @@ def _returned_code(fn: object) -> str:
 # Codes verify cannot be made to report on a checkpoint, each asserted by the test named here:
 ASSERTED_ELSEWHERE = {
     "zero.checkpoint": ("test_zero_inspect.py", "test_verify_reports_the_zero_checkpoint_and_passes"),
+    "config.class_refused": ("test_verify_quantized.py", "test_a_weight_block_size_transformers_refuses"),
     "zero.damaged": ("test_zero_hostile.py", "test_broken_zero_checkpoint_is_refused_and_nothing_is_published"),
     "deep.zip_crc_mismatch": ("test_harden3_misc.py", "test_deep_checks_the_crc32_of_every_record_of_a_bin"),
     # root reads every file it can stat, so the one real read error is /proc/self/mem given as a

@@ -327,17 +327,25 @@ def test_a_lora_adapter_on_its_base_models_class(build_one, lora_base: Path, tmp
         peft.PeftModel.from_pretrained(make_model("llama"), d2)
 
 
-def test_a_config_the_class_cannot_be_built_from_is_a_note(build_one, tmp_path: Path) -> None:
-    """config.json is untrusted: a count of layers no class is built with, and a config the library
-    refuses to build, are notes (the static rules still judge them), never a traceback or a hang."""
+def test_a_config_the_class_cannot_be_built_from(build_one, tmp_path: Path) -> None:
+    """config.json is untrusted: a count of layers no class is built with is a note (the static
+    rules still judge it), never a traceback or a hang; a config the library's own constructor or
+    config class refuses is an error, because from_pretrained raises the same (verify is never
+    looser than the loader), and the static rules still run beside it."""
     d = _copy(build_one, "transformers/llama", tmp_path)
     _edit_config(d, num_hidden_layers=10**9)
     res = verify_path(d)
     assert "1,000,000,000" in res.checks.skipped["model-class"]
     assert _codes(res)["config.class_not_checked"] == "info" and _codes(res)["config.layer_missing"] == ERROR
     _edit_config(d, num_hidden_layers=2, rope_parameters={"rope_type": "no-such-rope"})
-    with pytest.raises(KeyError, match="no-such-rope"):  # the library refuses it too
+    with pytest.raises(KeyError, match="no-such-rope"):  # the library refuses it
         _tf_load(d)
     res = verify_path(d)
-    assert res.checks.skipped["model-class"].startswith("building the class failed: ")
-    assert _codes(res)["config.class_not_checked"] == "info"
+    refused = next(f for f in res.findings if f.code == "config.class_refused")
+    assert refused.severity == ERROR and "LlamaForCausalLM's constructor raises KeyError" in refused.message
+    assert "model-class" in res.checks.ran and "config" in res.checks.ran
+    assert "config.class_refused" not in _codes(verify_path(d, options=STATIC))
+    _edit_config(d, rope_parameters=None, hidden_act="no-such-activation")
+    with pytest.raises(KeyError, match="no-such-activation"):
+        _tf_load(d)
+    assert _codes(verify_path(d))["config.class_refused"] == ERROR

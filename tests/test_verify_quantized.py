@@ -294,3 +294,20 @@ def test_a_quantizer_that_refuses_the_environment_is_a_note(fp8, tmp_path: Path)
     assert "requires accelerate" in out["raised"]
     assert len(out["note"]) == 1 and "fp8 quantizer refuses this environment: ImportError" in out["note"][0]
     assert "requires accelerate" in out["note"][0]
+
+
+@pytest.mark.parametrize("block", [[0, 0], [16]], ids=["zero", "one-number"])
+def test_a_weight_block_size_transformers_refuses(fp8, tmp_path: Path, block: list[int]) -> None:
+    """A quantization_config whose fp8 config transformers refuses: from_pretrained raises
+    (ValueError), so verify reports config.class_refused (an error, not a note); the static rules
+    alone say nothing."""
+    d = _copy(fp8, "llama", tmp_path)
+    _edit_config(d, quantization_config={**FP8, "weight_block_size": block})
+    with pytest.raises(ValueError, match="weight_block_size"):
+        cpu_load(d)
+    res = verify_path(d)
+    assert _codes(res)["config.class_refused"] == ERROR
+    refused = [f for f in res.findings if f.code == "config.class_refused"]
+    assert len(refused) == 1 and refused[0].severity == ERROR and "quantizer's config raises ValueError" in \
+        refused[0].message
+    _only_static_misses(d, "config.class_refused")

@@ -30,7 +30,7 @@ from ckptctl import layout as L
 from ckptctl.findings import ERROR, INFO, WARNING
 from ckptctl.format import names as N
 from ckptctl.format import small
-from ckptctl.verify.classes.outcome import NotChecked, Outcome
+from ckptctl.verify.classes.outcome import NotChecked, Outcome, Refused
 from ckptctl.verify.classes.quantized import method_name, not_built, quantization
 from ckptctl.verify.context import MAX_JSON_BYTES, STATIC_ASKED, Context, FamilyTensors
 from ckptctl.verify.weights import transformers_rank
@@ -175,6 +175,11 @@ def model_class_step(ctx: Context) -> str | None:
         outcome = _oracle(library, cfg, fam, cls, str(ctx.root))
     except NotChecked as exc:
         return _note(ctx, shown, library, exc.reason)
+    except Refused as exc:  # the loader raises the same: the static rules still run (class_checked stays False)
+        ctx.add("config.class_refused", ERROR, shown, f"{library} cannot build the model from config.json: "
+                f"{exc.reason}; its from_pretrained raises the same", "fix config.json to the model that was saved",
+                None, library=library, reason=exc.reason)
+        return None
     except Exception as exc:  # noqa: BLE001 -- a library failing on a config is a note, never a traceback
         first = (str(exc).strip().splitlines() or [""])[0][:300]
         return _note(ctx, shown, library, f"building the class failed: {type(exc).__name__}: {first}")

@@ -40,6 +40,16 @@ class NotChecked(Exception):
         self.reason = reason
 
 
+class Refused(Exception):
+    """The library itself refuses config.json, in a step its own loader runs the same way (its
+    config class, its quantizer's config, the model's constructor): ``reason`` names the step and
+    the library's error. The loader raises too: an error, not a note."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
 def deepest_module(modules: set[str], key: str) -> str:
     """The longest dotted prefix of ``key`` (its parameter name excluded) that names a module of
     the class (``""``: the root). ``modules`` holds every module path of the class."""

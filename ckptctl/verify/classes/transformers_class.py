@@ -23,13 +23,14 @@ Nothing is downloaded, no remote code runs, no tensor byte is read.
 
 from __future__ import annotations
 
+import contextlib
 import re
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 from ckptctl.format.tensor import TensorSpec
 from ckptctl.verify.classes.matching import match_keys
-from ckptctl.verify.classes.outcome import NotChecked, Outcome, split_unexpected
+from ckptctl.verify.classes.outcome import NotChecked, Outcome, Refused, split_unexpected
 from ckptctl.verify.classes.quantized import (
     make_quantizer,
     not_built,
@@ -184,22 +185,39 @@ def build_loaded(cfg: dict[str, Any], class_name: str | None = None) -> tuple[An
     reason = not_built(cfg)
     if reason is not None:
         raise NotChecked(reason)
-    config = _config(cfg)
+    with refusing("its config class"):
+        config = _config(cfg)
     if class_name is not None:
         cls = getattr(transformers, class_name, None) if class_name.isidentifier() else None
         if cls is None:
             raise NotChecked(f"the installed transformers {transformers.__version__} has no class {class_name!r}")
     else:
         cls = _model_class(cfg, config)
-    quantizer = make_quantizer(config) if quantization(cfg) is not None else None
+    with refusing("its quantizer's config"):
+        quantizer = make_quantizer(config) if quantization(cfg) is not None else None
     dtype = torch.float32  # shapes do not depend on it; every floating tensor is cast on load
     if quantizer is not None:
         dtype = quantizer.update_dtype(dtype)
-    with ContextManagers(cls.get_init_context(dtype, quantizer is not None, False, None)):
+    with refusing(f"{cls.__name__}'s constructor"), \
+            ContextManagers(cls.get_init_context(dtype, quantizer is not None, False, None)):
         model = cls(config)
         if quantizer is not None:
             quantize_meta(quantizer, model, dtype)
     return model, dtype, quantizer
+
+
+@contextlib.contextmanager
+def refusing(step: str) -> Iterator[None]:
+    """A step ``from_pretrained`` runs the same way: the library's own error there is
+    :class:`Refused` (its loader raises it too). What says "not here" passes on: NotChecked, and
+    a missing package or exhausted memory or recursion (a fact of this machine: a note)."""
+    try:
+        yield
+    except (NotChecked, ImportError, MemoryError, RecursionError):
+        raise
+    except Exception as exc:  # noqa: BLE001 -- the library's refusal, whatever its type
+        first = (str(exc).strip().splitlines() or [""])[0][:300]
+        raise Refused(f"{step} raises {type(exc).__name__}: {first}") from None
 
 
 def check_transformers(cfg: dict[str, Any], tensors: Mapping[str, TensorSpec], where: str,
