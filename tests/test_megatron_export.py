@@ -161,3 +161,21 @@ def test_pieces_equal_the_streamed_reference(megatron_ckpts, name, min_run):
             assert bytes(raw) == streamed, t.name
         else:
             assert b"".join(bytes(c) for c in fast.chunks(t)) == streamed, t.name
+
+
+def test_a_two_rank_export_is_byte_identical_to_one_process(megatron_ckpts, exported, tmp_path):
+    """The same export launched as 2 ranks (torchrun's environment, Gloo): the ranks share the
+    writing of one checkpoint, and every file equals the single-process export byte for byte."""
+    from ckptctl.manifest import sha256_file
+    from tests.test_distributed import _launch
+
+    one = exported["llama_tp2"][0]
+    many = tmp_path / "many"
+    outs = _launch(2, ["-m", "ckptctl", "export", str(megatron_ckpts["llama_tp2"]), str(many), "--json",
+                       "--no-fsync"])
+    assert all(rc == 0 for rc, _, _ in outs), outs
+    assert json.loads(outs[0][1])["ok"] and outs[1][1] == ""
+    assert sorted(os.listdir(one)) == sorted(os.listdir(many))
+    for name in os.listdir(one):
+        assert sha256_file(one / name) == sha256_file(many / name), name
+    assert staging_dirs(tmp_path) == []
