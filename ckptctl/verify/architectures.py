@@ -91,7 +91,8 @@ def _llama_dims(c: ConfigFields) -> Dims:
     d.v_head_dim = as_int(c.get("v_head_dim")) or d.head_dim
     nope, rope = as_int(c.get("qk_nope_head_dim")), as_int(c.get("qk_rope_head_dim"))
     d.q_head_dim = nope + rope if nope is not None and rope is not None else d.head_dim
-    if c.get("model_type") in GATED_QUERY_TYPES and d.q_head_dim:
+    mt = c.get("model_type")  # untrusted: any JSON value
+    if isinstance(mt, str) and mt in GATED_QUERY_TYPES and d.q_head_dim:
         d.q_head_dim *= 2
     return d
 
@@ -108,6 +109,8 @@ def _gpt2_dims(c: ConfigFields) -> Dims:
         d.inter = 4 * d.hidden
     d.kv = 1 if c.get("multi_query") is True else d.heads  # GPT-BigCode's multi-query attention
     mt = c.get("model_type")
+    if mt is not None and not isinstance(mt, str):
+        mt = ""  # untrusted: a list or a number is no model_type (unhashable for the sets)
     d.linear = True if mt in LINEAR_TYPES else False if mt in CONV1D_TYPES or mt is None else None
     return d
 
