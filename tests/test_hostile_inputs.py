@@ -132,18 +132,47 @@ def _configs(draw):
     if draw(st.booleans()):
         cfg[draw(st.sampled_from(_LAYER_KEYS))] = draw(st.integers(-3, 64) | st.floats() | _text)
     if draw(st.booleans()):
-        cfg["model_type"] = draw(st.sampled_from(["llama", "gpt2", "falcon", "mistral", "qwen2", "t5"]))
+        cfg["model_type"] = draw(st.sampled_from(["llama", "gpt2", "gpt_neo", "falcon", "mistral", "qwen2", "t5"]))
     if draw(st.booleans()):
         cfg["text_config"] = draw(st.dictionaries(st.sampled_from(_CFG_KEYS), _cfg_value, max_size=5))
     return draw(st.sampled_from([cfg, [cfg], "x", None, 3]))
 
 
-@FUZZ
-@given(_configs(), st.booleans())
-def test_config_check_never_raises(cfg, with_tokenizer):
+def _gpt2_tensors():
+    """GPT-2's names (Conv1D weights), the other rule family whose shapes depend on model_type."""
+    from ckptctl.format.tensor import TensorSpec
+
+    shapes = {"transformer.wte.weight": (128, 64), "transformer.wpe.weight": (32, 64), "transformer.ln_f.weight": (64,)}
+    for i in range(2):
+        for p, s in (("attn.c_attn", (64, 192)), ("attn.c_proj", (64, 64)), ("mlp.c_fc", (64, 256)),
+                     ("mlp.c_proj", (256, 64)), ("ln_1", (64,)), ("ln_2", (64,))):
+            shapes[f"transformer.h.{i}.{p}.weight"] = s
+    return {n: TensorSpec(n, "F32", s) for n, s in shapes.items()}
+
+
+@pytest.mark.parametrize("model_type", [["gpt2"], ["qwen3_next"], 3, 1.5, True, {"a": 1}], ids=repr)
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_a_model_type_that_is_not_a_string(family, model_type):
+    """config.json is untrusted: a model_type that is a list, a number or an object is no model
+    type the shape rules know (never a set lookup that raises TypeError)."""
     from ckptctl.verify.model import check_config
 
-    findings = check_config("config.json", cfg, _llama_tensors(), tokenizer_size=200 if with_tokenizer else None)
+    if family == "gpt2":
+        cfg, tensors = {"n_embd": 64, "n_head": 4, "n_layer": 2, "vocab_size": 128}, _gpt2_tensors()
+    else:
+        cfg, tensors = {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 1, "num_hidden_layers": 2,
+                        "intermediate_size": 96, "vocab_size": 128}, _llama_tensors()
+    findings = check_config("config.json", {**cfg, "model_type": model_type}, tensors)
+    assert all(isinstance(f.code, str) for f in findings)
+
+
+@FUZZ
+@given(_configs(), st.booleans(), st.booleans())
+def test_config_check_never_raises(cfg, with_tokenizer, gpt2):
+    from ckptctl.verify.model import check_config
+
+    tensors = _gpt2_tensors() if gpt2 else _llama_tensors()
+    findings = check_config("config.json", cfg, tensors, tokenizer_size=200 if with_tokenizer else None)
     if not isinstance(cfg, dict):
         assert any(f.severity == ERROR for f in findings)
 

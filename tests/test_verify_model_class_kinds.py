@@ -57,6 +57,7 @@ MODELS = {
         linear_value_head_dim=8, linear_conv_kernel_dim=2, layer_types=["linear_attention", "full_attention"])),
 }
 
+
 class Built:
     """``built(name) -> Path``: the model built and saved on first use, once per module;
     ``nonpersistent[name]``: its buffers that the state dict leaves out."""
