@@ -341,7 +341,7 @@ def _inspect(p: Path, *, only: str | None, name_filter: str | None, key: str | N
     if (mega := _megatron(p, name_filter, key)) is not None:
         return mega
     lay = L.scan(p)
-    from ckptctl.sources.dcp_hf import open_dcp_hf
+    from ckptctl.sources.dcp.hf import open_dcp_hf
 
     hf = None if lay.components else open_dcp_hf(p, only=only, key=key, reading=lay.reading)
     if hf is not None:  # torch's DCP-HF sharded save: the global tensors its shards make up
@@ -382,7 +382,7 @@ def _inspect(p: Path, *, only: str | None, name_filter: str | None, key: str | N
 def _zero(p: Path, name_filter: str | None) -> Inspection | None:
     """A DeepSpeed ZeRO root or step folder: its fp32 master weights (the ZeRO source's), stage,
     world size and rank files; None for anything else."""
-    from ckptctl.sources.zero_source import open_zero
+    from ckptctl.sources.zero.source import open_zero
 
     src = open_zero(p) if p.is_dir() else None
     if src is None or src.checkpoint is None:
@@ -407,8 +407,8 @@ def _zero(p: Path, name_filter: str | None) -> Inspection | None:
 def _megatron(p: Path, name_filter: str | None, key: str | None) -> Inspection | None:
     """A Megatron torch_dist checkpoint: the tensors the export would write (the mapping's HF
     names, or Megatron's when no mapping applies, saying why), the arguments and the config."""
-    from ckptctl.sources.megatron_files import find_megatron
-    from ckptctl.sources.megatron_source import MegatronSource
+    from ckptctl.sources.megatron.files import find_megatron
+    from ckptctl.sources.megatron.source import MegatronSource
 
     loc = find_megatron(p)
     if loc is None:
@@ -462,7 +462,7 @@ def _add_family(res: Inspection, p: Path, lay: L.Layout, fam: L.Family, *, only:
 
     if fam.container == L.DCP and not key:
         from ckptctl.format.dcp_metadata import is_training_state, state_summary
-        from ckptctl.sources.dcp_source import read_dcp_metadata
+        from ckptctl.sources.dcp.source import read_dcp_metadata
 
         meta = read_dcp_metadata(lay.root)
         if is_training_state(meta):  # {"model": ..., "optimizer": ..., "step": n}: its keys, --key picks one

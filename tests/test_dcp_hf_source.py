@@ -132,7 +132,7 @@ def test_streamed_reference_equals_pieces(saves):
     """The seam: a source with ``max_pieces=0`` streams every tensor through ``chunks`` (in
     windows of a few bytes here, so every window shape is taken); its bytes equal the pieces'
     tensors and torch's. Which tensors the kernel copies: row shards and 1 MiB column runs."""
-    from ckptctl.sources.dcp_hf import DcpHfSource
+    from ckptctl.sources.dcp.hf import DcpHfSource
 
     d = saves / "mixed" / "sharded"
     oracle = torch_load(d)

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from ckptctl.api import export
-from ckptctl.sources.dcp_chunks import run_start
+from ckptctl.sources.dcp.chunks import run_start
 from ckptctl.write.inputs import open_inputs
 from ckptctl.write.job import write_inputs
 from ckptctl.write.options import ExportOptions
@@ -180,7 +180,7 @@ def test_a_chunk_archive_that_does_not_say_what_the_metadata_says_streams(tmp_pa
         assert raw[at:at + 4] == b"PK\x03\x04"
         raw[at:at + 4] = b"XX\x03\x04"
     f.write_bytes(bytes(raw))
-    from ckptctl.sources.dcp_source import DcpSource
+    from ckptctl.sources.dcp.source import DcpSource
 
     with DcpSource.open(src) as s:
         assert [t.pieces for t in s.tensors] == [()]

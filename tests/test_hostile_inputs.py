@@ -359,7 +359,7 @@ def _metadata_blobs(draw, base: bytes, scratch: Path):
 
 
 def test_the_fuzzed_readers_accept_the_real_metadata(dcp_metadata, scratch):
-    from ckptctl.sources.dcp_source import read_dcp_metadata
+    from ckptctl.sources.dcp.source import read_dcp_metadata
     from ckptctl.format.dcp_metadata import read_dcp_metadata as verify_read
 
     d = scratch / "real"
@@ -373,7 +373,7 @@ def test_the_fuzzed_readers_accept_the_real_metadata(dcp_metadata, scratch):
 @FEW
 @given(st.data())
 def test_dcp_metadata_readers_never_raise_and_never_run_code(dcp_metadata, scratch, data):
-    from ckptctl.sources.dcp_source import read_dcp_metadata
+    from ckptctl.sources.dcp.source import read_dcp_metadata
     from ckptctl.format.dcp_metadata import read_dcp_metadata as verify_read
 
     blob = data.draw(_metadata_blobs(dcp_metadata, scratch))
@@ -413,7 +413,7 @@ def test_a_length_field_in_dcp_metadata_is_not_allocated(tmp_path, command):
         assert "Traceback" not in r.stderr, r.stderr[-500:]
         assert r.returncode == 2 and "error:" in r.stderr and not (tmp_path / "out").exists()
     # and nothing near the length field's size is allocated, in either reader
-    from ckptctl.sources.dcp_source import read_dcp_metadata
+    from ckptctl.sources.dcp.source import read_dcp_metadata
     from ckptctl.format.dcp_metadata import read_dcp_metadata as verify_read
 
     (d / ".metadata").write_bytes(b"\x80\x04\x8e" + struct.pack("<Q", 256 << 20) + b"abc")

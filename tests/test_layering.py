@@ -43,7 +43,7 @@ MAX_MODULE_LINES = 500
 MAX_CLASS_LINES = 250
 
 # Modules that may import torch when imported: none. The ones whose purpose is torch
-# (ckptctl/distributed.py, ckptctl/sources/torch_source.py, ckptctl/sources/dcp_source.py) import
+# (ckptctl/distributed.py, ckptctl/sources/torch_source.py, ckptctl/sources/dcp/source.py) import
 # it inside their functions, because the CLI imports them to register commands and options.
 TORCH_AT_IMPORT: dict[str, str] = {}
 HEAVY = ("torch", "numpy", "transformers")

@@ -27,7 +27,7 @@ import torch
 from ckptctl.api import save_state_dict
 from ckptctl.format import dtypes as dt
 from ckptctl.format.dcp_metadata import MetadataIndex
-from ckptctl.sources.dcp_source import read_dcp_metadata
+from ckptctl.sources.dcp.source import read_dcp_metadata
 from ckptctl.sources.torch_source import TorchSource, load_pickle
 from tests.test_dcp_zero_copy import _files, _save_script, _save_two_ranks, _streamed
 

@@ -1,4 +1,4 @@
-"""The ZeRO source's torch-free fp32 -> bf16 / fp16 conversion (``sources/zero_convert.py``) gives
+"""The ZeRO source's torch-free fp32 -> bf16 / fp16 conversion (``sources/zero/convert.py``) gives
 torch's bytes (the reference, ``base.convert_bytes``) on every kind of value, and the export is
 the same both ways (``CKPTCTL_FAST_CONVERT=0`` switches the fast path off)."""
 
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from ckptctl.sources.base import convert_bytes
-from ckptctl.sources.zero_convert import STEP, convert_chunks
+from ckptctl.sources.zero.convert import STEP, convert_chunks
 from tests.support import invoke
 from tests.test_layering import probe
 from tests.test_zero_build import NEEDS_DEEPSPEED, ckpt, zero_ckpts  # noqa: F401 - the fixture

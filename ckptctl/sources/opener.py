@@ -27,7 +27,7 @@ def open_source(path: str | os.PathLike[str], *, key: str | None = None, only: s
 
     p = Path(path)
     if only in (None, MEGATRON):  # a Megatron-core torch_dist save (root or iter_N folder)
-        from ckptctl.sources.megatron_source import open_megatron
+        from ckptctl.sources.megatron.source import open_megatron
 
         mega = open_megatron(p, key=key, names=names == MEGATRON)
         if mega is not None:
@@ -36,7 +36,7 @@ def open_source(path: str | os.PathLike[str], *, key: str | None = None, only: s
             raise UsageError(f"{p} is not a Megatron-core torch_dist checkpoint",
                              "pass its --save directory (with latest_checkpointed_iteration.txt) or an iter_N folder")
     if only in (None, "zero"):  # a DeepSpeed ZeRO root (``latest``) or step folder: its fp32 master weights
-        from ckptctl.sources.zero_source import open_zero
+        from ckptctl.sources.zero.source import open_zero
 
         zero = open_zero(p, key)
         if zero is not None:
@@ -44,7 +44,7 @@ def open_source(path: str | os.PathLike[str], *, key: str | None = None, only: s
         if only is not None:
             raise UsageError(f"{p} is not a DeepSpeed ZeRO checkpoint",
                              "pass its root (with latest) or a global_stepN folder")
-    from ckptctl.sources.dcp_hf import open_dcp_hf  # torch's HuggingFaceStorageWriter sharded/ output
+    from ckptctl.sources.dcp.hf import open_dcp_hf  # torch's HuggingFaceStorageWriter sharded/ output
 
     if only == DCP_HF:
         return _open_dcp_hf_only(p, key, reading)
@@ -71,7 +71,7 @@ def open_source(path: str | os.PathLike[str], *, key: str | None = None, only: s
 
         src = TorchSource.open(lay.root, fam.files, kind=fam.kind, key=key)
     elif fam.container == L.DCP:
-        from ckptctl.sources.dcp_source import DcpSource
+        from ckptctl.sources.dcp.source import DcpSource
 
         src = DcpSource.open(lay.root, key=key)
     else:  # pragma: no cover - layout only produces the three containers above
@@ -86,7 +86,7 @@ def _open_dcp_hf_only(p: Path, key: str | None, reading: "MetadataReading | None
     """``--only dcp-hf``: the DCP-HF ``sharded/`` save at ``p`` (even beside complete consolidated
     files), or a usage error when there is none."""
     from ckptctl import layout as L
-    from ckptctl.sources.dcp_hf import DcpHfSource, find_sharded
+    from ckptctl.sources.dcp.hf import DcpHfSource, find_sharded
 
     found = find_sharded(p)
     if found is None:

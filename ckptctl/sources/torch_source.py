@@ -23,7 +23,7 @@ from ckptctl.format.tensor import TensorSpec
 from ckptctl.format.torch_pickle import DISCARD_SUFFIXES, keep_name
 from ckptctl.sources.base import CHUNK_BYTES, Source, SourceTensor, changed, file_chunks, read_pinned, same_file
 from ckptctl.sources.torch_archive import ArchiveTensor, open_regular, read_archive, select
-from ckptctl.sources.zero_files import ZERO_HINT, is_states_file, refuse_placeholders
+from ckptctl.sources.zero.files import ZERO_HINT, is_states_file, refuse_placeholders
 
 # What torch.load raises on a corrupt zip or pickle besides the cases handled one by one: the
 # weights-only unpickler's stack and memo errors, truncated structs, bad rebuild arguments.

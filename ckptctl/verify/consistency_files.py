@@ -36,7 +36,7 @@ def trainer_state(ctx: Context) -> None:
         return
     if TRAINER_STATE_JSON not in ctx.names and not any(n.startswith(("optimizer.", "scheduler.")) for n in states):
         return
-    from ckptctl.sources.zero_files import find_zero
+    from ckptctl.sources.zero.files import find_zero
 
     try:
         if find_zero(ctx.root) is not None:
@@ -87,7 +87,7 @@ def leftover_sharded(ctx: Context) -> None:
     if SHARDED_DIR not in ctx.names or SHARDED_DIR in ctx.hidden or not any(
             f.container == L.SAFETENSORS for f in ctx.layout.families):
         return
-    from ckptctl.sources.dcp_hf import find_sharded, open_dcp_hf
+    from ckptctl.sources.dcp.hf import find_sharded, open_dcp_hf
 
     found = find_sharded(ctx.root)
     if found is None or not found[0]:

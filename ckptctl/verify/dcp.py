@@ -66,13 +66,13 @@ def check_dcp(ctx: Context, fam: L.Family) -> None:
 def check_dcp_hf(ctx: Context, fam: L.Family) -> FamilyTensors:
     """torch's DCP-HF shards (``HuggingFaceStorageWriter`` with ``save_distributed=True``): every
     header read like any safetensors file, then the sharding info of each read by the export
-    source's own reader (:class:`~ckptctl.sources.dcp_hf.DcpHfSource`): each tensor's shards must
+    source's own reader (:class:`~ckptctl.sources.dcp.hf.DcpHfSource`): each tensor's shards must
     tile it exactly. The family's tensors are the global ones (the shape torch's reader infers).
     ``dcp.hf_sharded`` (info) describes the save, ``dcp.hf_damaged`` (error)
     says why it cannot be assembled."""
     from ckptctl.errors import CkptctlError
     from ckptctl.format.tensor import TensorSpec
-    from ckptctl.sources.dcp_hf import DcpHfSource
+    from ckptctl.sources.dcp.hf import DcpHfSource
     from ckptctl.verify.weights import read_file
 
     reads = [read_file(ctx, n, L.SAFETENSORS) for n in fam.files]

@@ -1,6 +1,6 @@
 """A DeepSpeed ZeRO checkpoint (a root with ``latest``, or a step folder): every rank's files
 present, complete, of the same run, and their partitions what ``param_shapes`` needs, read by
-the ZeRO source's own reader (:mod:`ckptctl.sources.zero_source`; no torch, no deepspeed)."""
+the ZeRO source's own reader (:mod:`ckptctl.sources.zero.source`; no torch, no deepspeed)."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ from ckptctl.verify.context import Context
 def check_zero(ctx: Context) -> None:
     """``zero.checkpoint`` (info: stage, world size, parameters) or ``zero.damaged`` (error: a
     rank file missing, truncated, of another run, naming a global outside the allow-list)."""
-    from ckptctl.sources.zero_files import find_zero
-    from ckptctl.sources.zero_source import ZeroCheckpoint
+    from ckptctl.sources.zero.files import find_zero
+    from ckptctl.sources.zero.source import ZeroCheckpoint
 
     try:
         loc = find_zero(ctx.root)

@@ -5,12 +5,12 @@ The checkpoint is torch DCP with Megatron's extra planning records in ``.metadat
 data by :mod:`ckptctl.format.dcp_metadata`); :mod:`.megatron_files` finds it and reads the run's
 arguments from ``common.pt``. The model's tensors are the DCP tensors outside ``optimizer.``
 (Megatron's ``_extra_state`` and RNG entries are byte objects, not tensors). Every chunk of them
-is located in its ``.distcp`` file (:func:`ckptctl.sources.dcp_chunks.chunk_bytes_at`: the
+is located in its ``.distcp`` file (:func:`ckptctl.sources.dcp.chunks.chunk_bytes_at`: the
 chunk's ``torch.save`` archive read from its records, nothing imported) and the chunks of each
-tensor must tile its global shape (:func:`ckptctl.sources.dcp_hf.check_tiling`), so tensor- and
+tensor must tile its global shape (:func:`ckptctl.sources.dcp.hf.check_tiling`), so tensor- and
 pipeline-parallel degrees do not matter.
 
-Each exported tensor is a set of :class:`~ckptctl.sources.dcp_hf.Block` s, sub-blocks of those
+Each exported tensor is a set of :class:`~ckptctl.sources.dcp.hf.Block` s, sub-blocks of those
 chunks cut by the mapping (:mod:`.megatron_mapping`: a layer of a stacked tensor, the vocabulary
 without its padding, a query group's q/k/v rows, the gate or up half of ``linear_fc1``, one
 expert): this is the DCP-HF source's own representation, so the same code places them. Blocks
@@ -36,10 +36,10 @@ from ckptctl.format import dtypes as dt
 from ckptctl.format import names as N
 from ckptctl.format.dcp_metadata import DType, MetadataIndex, TensorStorageMetadata
 from ckptctl.sources.base import OpenFiles, Piece, SourceTensor, key_refused, read_pinned
-from ckptctl.sources.dcp_chunks import chunk_bytes_at
-from ckptctl.sources.dcp_hf import MAX_PIECES, Block, DcpHfSource, block_pieces, check_tiling, run_count, strides
-from ckptctl.sources.dcp_source import check_storage, read_dcp_metadata
-from ckptctl.sources.megatron_files import Common, MegatronLocation, backend, find_megatron, read_common
+from ckptctl.sources.dcp.chunks import chunk_bytes_at
+from ckptctl.sources.dcp.hf import MAX_PIECES, Block, DcpHfSource, block_pieces, check_tiling, run_count, strides
+from ckptctl.sources.dcp.source import check_storage, read_dcp_metadata
+from ckptctl.sources.megatron.files import Common, MegatronLocation, backend, find_megatron, read_common
 
 KIND = "megatron"
 OPTIMIZER = "optimizer."
@@ -63,7 +63,7 @@ class GeneratedFile(bytes):
 
 class RunPieces(Sequence[Piece]):
     """The pieces of an output tensor, made on demand from its blocks (each block's contiguous
-    runs of the output, :func:`~ckptctl.sources.dcp_hf.block_pieces`): a column-sharded layer is
+    runs of the output, :func:`~ckptctl.sources.dcp.hf.block_pieces`): a column-sharded layer is
     thousands of runs, and only its few blocks are kept. Iterated in destination order."""
 
     def __init__(self, blocks: list[Block], shape: tuple[int, ...], itemsize: int) -> None:
@@ -203,8 +203,8 @@ class MegatronSource(DcpHfSource):
         Raises InputError (a damaged checkpoint, an architecture no mapping covers; with
         ``fallback``, inspect's, the latter gives Megatron's names and ``mapping_error`` says why).
         ``max_pieces=0`` streams every tensor (the reference); ``min_run``: see :func:`pieces_of`."""
-        from ckptctl.sources.megatron_config import ArgsError, describe
-        from ckptctl.sources.megatron_mapping import MappingError, plan
+        from ckptctl.sources.megatron.config import ArgsError, describe
+        from ckptctl.sources.megatron.mapping import MappingError, plan
 
         root = loc.folder
         kind = backend(root)
@@ -278,7 +278,7 @@ class MegatronSource(DcpHfSource):
 
     def describe(self) -> dict[str, Any]:
         """What inspect shows: where, the iteration, the arguments and the mapping applied."""
-        from ckptctl.sources.megatron_config import summary
+        from ckptctl.sources.megatron.config import summary
 
         loc, common = self.location, self.common
         return {"folder": str(self.path), "root": str(loc.root) if loc and loc.root else None,

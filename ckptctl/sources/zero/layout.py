@@ -20,7 +20,7 @@ from typing import Iterable, Sequence
 
 from ckptctl.errors import InputError
 from ckptctl.sources.base import Piece
-from ckptctl.sources.zero_files import Flat
+from ckptctl.sources.zero.files import Flat
 
 _DAMAGED = "the checkpoint's partitions do not match its param_shapes: save it again"
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ckptctl.sources.megatron_mapping import FAMILIES, Dims, Family
+from ckptctl.sources.megatron.mapping import FAMILIES, Dims, Family
 
 
 class ArgsError(ValueError):

@@ -4,7 +4,7 @@
 it with the allow-list reader of :mod:`ckptctl.format.dcp_metadata` into records of its own, without
 importing torch. Every referenced ``.distcp`` byte range is checked to exist inside the checkpoint
 before anything is read. A tensor whose chunks are contiguous runs is copied by the kernel
-(:mod:`ckptctl.sources.dcp_chunks`, torch-free too); any other tensor (strided chunks, a dtype
+(:mod:`ckptctl.sources.dcp.chunks`, torch-free too); any other tensor (strided chunks, a dtype
 conversion) is loaded with ``dcp.load`` when it is written (torch imported then, and the metadata
 read again into torch's own classes for torch's FileSystemReader), one at a time, so peak memory
 is bounded by the largest tensor.
@@ -27,7 +27,7 @@ from ckptctl.format import names as N
 from ckptctl.format.dcp_metadata import read_dcp_metadata as read_allowed
 from ckptctl.format.dcp_metadata import DType, TensorStorageMetadata, storage_needs
 from ckptctl.sources.base import CHUNK_BYTES, FileId, OpenFiles, Source, SourceTensor, changed, read_pinned, same_file
-from ckptctl.sources.dcp_chunks import tensor_pieces
+from ckptctl.sources.dcp.chunks import tensor_pieces
 
 
 def read_dcp_metadata(root: Path, *, torch_classes: bool = False) -> Any:
@@ -140,7 +140,7 @@ class DcpSource(Source):
 
     def _list(self, meta: Any, prefix: str, open_fd: Callable[[str], int]) -> None:
         """List the tensors under ``prefix``, each with its pieces where its chunks are
-        contiguous runs (:mod:`ckptctl.sources.dcp_chunks`; ``open_fd`` opens a ``.distcp``)."""
+        contiguous runs (:mod:`ckptctl.sources.dcp.chunks`; ``open_fd`` opens a ``.distcp``)."""
         root = self.path
         for fqn, item in meta.state_dict_metadata.items():
             if not isinstance(item, TensorStorageMetadata) or not fqn.startswith(prefix):

@@ -1,7 +1,7 @@
 """A DeepSpeed ZeRO checkpoint (stages 1, 2, 3) as a source: the fp32 master weights.
 
 ``ckptctl export CKPT_DIR DST``, where CKPT_DIR is a DeepSpeed root (with ``latest``) or a step
-folder (``checkpoint-N/global_stepN/``). The rank files are read by :mod:`.zero_files` (no torch,
+folder (``checkpoint-N/global_stepN/``). The rank files are read by :mod:`.files` (no torch,
 no deepspeed: DeepSpeed's globals are data to the allow-list unpickler), the parameters placed by
 :mod:`.zero_layout` exactly as DeepSpeed's ``zero_to_fp32`` reconstructs them. Every parameter is
 a list of :class:`Piece` s of the ranks' flat fp32 partitions, so a same-dtype export is a kernel
@@ -23,9 +23,9 @@ from ckptctl.format import dtypes as dt
 from ckptctl.format.tensor import TensorSpec
 from ckptctl.format.torch_pickle import DISCARD_SUFFIXES
 from ckptctl.sources.base import CHUNK_BYTES, FileId, Piece, Source, SourceTensor, file_chunks, key_refused, read_pinned
-from ckptctl.sources.zero_files import (Flat, ModelStates, OptimStates, ZeroLocation, rank_files,
+from ckptctl.sources.zero.files import (Flat, ModelStates, OptimStates, ZeroLocation, rank_files,
                                         read_model_states, read_optim_states)
-from ckptctl.sources.zero_layout import frozen3_pieces, stage3_pieces, stage12_pieces
+from ckptctl.sources.zero.layout import frozen3_pieces, stage3_pieces, stage12_pieces
 
 _FLOATING = frozenset({"F16", "BF16", "F64", "F8_E4M3", "F8_E5M2"})
 _REBUILD = "save the checkpoint again (or copy the missing files from the training run)"
@@ -202,7 +202,7 @@ class ZeroSource(Source):
 
     def chunks(self, t: SourceTensor, target_dtype: str | None = None,
                chunk_bytes: int = CHUNK_BYTES) -> Iterator[Any]:
-        from ckptctl.sources.zero_convert import convert_chunks
+        from ckptctl.sources.zero.convert import convert_chunks
 
         stored = self._stored[t.name]
         out = target_dtype or t.dtype
@@ -226,14 +226,14 @@ def open_zero(path: Path, key: str | None = None) -> ZeroSource | None:
     InputError (UsageError for a ``key``: the fp32 weights are not a nested state dict)."""
     from ckptctl import layout as L
     from ckptctl.sources.torch_source import heads_tied, read_config
-    from ckptctl.sources.zero_files import find_zero
+    from ckptctl.sources.zero.files import find_zero
 
     loc = find_zero(path)
     if loc is None:
         return None
     if key:
         raise key_refused(path, "DeepSpeed ZeRO", key, "the export rebuilds the fp32 master weights from every rank")
-    from ckptctl.sources.zero_convert import fast_default
+    from ckptctl.sources.zero.convert import fast_default
 
     src = ZeroSource.open(loc, tie_heads=heads_tied(read_config(loc.root)), fast_convert=fast_default())
     lay = L.scan(loc.root)
