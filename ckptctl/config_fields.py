@@ -8,6 +8,7 @@ the order the table gives; ``verify``'s model rules and ``inspect``'s summary bo
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 # canonical (Llama-style) name -> every name it is stored under, preferred first
@@ -52,3 +53,17 @@ class ConfigFields:
     def summary(self, fields: tuple[str, ...]) -> dict[str, Any]:
         """``fields`` (canonical names) that have a value, in that order."""
         return {f: v for f in fields if (v := self.get(f)) is not None}
+
+
+def read_config(root: Path) -> dict[str, Any] | None:
+    """``root/config.json`` as a dict, or None when it is missing, unreadable, too large, not JSON
+    or not an object (the model's loader would not read it either). A link is followed (a Hugging
+    Face cache snapshot links every file); a FIFO is never waited on and the read is bounded."""
+    from ckptctl.format import names as N
+    from ckptctl.format import small
+
+    try:
+        cfg = small.read_json(root / N.CONFIG, follow=True)
+    except (OSError, ValueError, RecursionError):
+        return None
+    return cfg if isinstance(cfg, dict) else None

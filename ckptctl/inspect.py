@@ -21,11 +21,10 @@ from pathlib import Path
 from typing import Any, overload
 
 from ckptctl import layout as L
-from ckptctl.config_fields import ConfigFields
-from ckptctl.errors import InputError, UsageError
+from ckptctl.config_fields import ConfigFields, read_config
+from ckptctl.errors import InputError
 from ckptctl.findings import Finding
 from ckptctl.format import dtypes as dt
-from ckptctl.format import small
 from ckptctl.format.header import TensorTable, load_header
 from ckptctl.format.tensor import SpecFields, TensorSpec
 from ckptctl.gcpause import paused
@@ -217,6 +216,7 @@ class Inspection:
 
     path: str
     format: str
+    kind: str | None = None  # the source kind (sources/kinds.py) export reads here; None: a multi-component root
     files: list[dict[str, Any]] = field(default_factory=list)
     tensors: TensorRows = field(default_factory=TensorRows)
     config: dict[str, Any] = field(default_factory=dict)
@@ -267,6 +267,7 @@ class Inspection:
         doc: dict[str, Any] = {
             "path": self.path,
             "format": self.format,
+            "kind": self.kind,
             "files": self.files,
             "tensor_count": len(self.tensors),
             "parameters": parameters,
@@ -313,15 +314,6 @@ def config_summary(cfg: dict[str, Any]) -> dict[str, Any]:
     return ConfigFields(cfg).summary(CONFIG_FIELDS)
 
 
-def read_config(root: Path) -> dict[str, Any] | None:
-    """config.json as a dict, or None when it is missing, unreadable or not a JSON object."""
-    try:
-        cfg = small.read_json(root / "config.json", follow=True)
-    except (OSError, ValueError):
-        return None
-    return cfg if isinstance(cfg, dict) else None
-
-
 def inspect_path(path: str | os.PathLike[str], *, only: str | None = None,
                  name_filter: str | None = None, key: str | None = None) -> Inspection:
     """Describe the checkpoint at ``path``; a multi-component root (diffusers pipeline,
@@ -335,27 +327,25 @@ def inspect_path(path: str | os.PathLike[str], *, only: str | None = None,
 
 
 def _inspect(p: Path, *, only: str | None, name_filter: str | None, key: str | None) -> Inspection:
-    """:func:`inspect_path`'s steps."""
-    if (zero := _zero(p, name_filter)) is not None:
-        return zero
-    if (mega := _megatron(p, name_filter, key)) is not None:
-        return mega
-    lay = L.scan(p)
-    from ckptctl.sources.dcp.hf import open_dcp_hf
+    """:func:`inspect_path`'s steps: the located kind at ``p`` (``sources/kinds.locate``: its own
+    inspect hook), else the layout's families."""
+    from ckptctl.layout.reading import MetadataReading
+    from ckptctl.sources import kinds
 
-    hf = None if lay.components else open_dcp_hf(p, only=only, key=key, reading=lay.reading)
-    if hf is not None:  # torch's DCP-HF sharded save: the global tensors its shards make up
-        res = Inspection(path=str(p), format=hf.kind)
-        with hf:
-            res.files.extend(hf.file_rows(p))
-            for t in hf.tensors:
-                res.tensors.add(t.spec, hf.place(t, p), None)
-    elif not lay.components:
+    reading = MetadataReading()
+    found = kinds.locate(p, only=only)
+    if found is not None:
+        res = found.kind.hook("inspect")(found.location, p, only=only, name_filter=name_filter, key=key,
+                                         reading=reading)
+        if res is not None:  # None: DCP-HF beside the same consolidated files, which the layout reads
+            return res
+    lay = L.scan(p, reading=reading)
+    if not lay.components:
         fam = L.choose(lay, prefer=only) if lay.families else None
         if fam is None:
             raise InputError(f"{p} holds no checkpoint weights", "pass a checkpoint directory or a weights file")
-        res = Inspection(path=str(p), format=_format(fam), findings=list(lay.findings))
-        _add_family(res, p, lay, fam, only=only, key=key)
+        res = Inspection(path=str(p), format=_format(fam), kind=fam.kind, findings=list(lay.findings))
+        add_family(res, p, lay, fam, only=only, key=key)
     else:
         res = Inspection(path=str(p), format=lay.kind, findings=list(lay.findings))
         for comp in lay.components:
@@ -368,7 +358,7 @@ def _inspect(p: Path, *, only: str | None, name_filter: str | None, key: str | N
             if sub is not lay:
                 res.findings.extend(sub.findings)
             before = len(res.tensors)
-            _add_family(res, sub.root, sub, fam, only=only, component=comp.name, prefix=comp.path)
+            add_family(res, sub.root, sub, fam, only=only, component=comp.name, prefix=comp.path)
             added = range(before, len(res.tensors))
             row.tensors = len(added)
             row.parameters, row.total_bytes, _ = _tally(res.tensors, res.tensors.counts(added))
@@ -379,62 +369,13 @@ def _inspect(p: Path, *, only: str | None, name_filter: str | None, key: str | N
     return res
 
 
-def _zero(p: Path, name_filter: str | None) -> Inspection | None:
-    """A DeepSpeed ZeRO root or step folder: its fp32 master weights (the ZeRO source's), stage,
-    world size and rank files; None for anything else."""
-    from ckptctl.sources.zero.source import open_zero
-
-    src = open_zero(p) if p.is_dir() else None
-    if src is None or src.checkpoint is None:
-        return None
-    with src:
-        ck = src.checkpoint
-        info = ck.describe()
-        res = Inspection(path=str(p), format=f"deepspeed-zero{ck.stage}", aliases=dict(src.aliases),
-                         zero={k: info[k] for k in ("stage", "world_size", "tag", "ds_version")})
-        for f in [*ck.files, *src.extras]:
-            role = "optimizer-states" if f in ck.files[:ck.world] else "model-states" if f in ck.files else "extra"
-            res.files.append({"name": os.path.relpath(f, p), "size": f.stat().st_size, "role": role})
-        for t in src.tensors:  # a tensor split over the ranks' files is in "<tag>/*"
-            res.tensors.add(t.spec, f"{ck.loc.tag}/{Path(t.file).name if t.file else '*'}", None)
-    res.tensors.arrange(by_component=False, name_filter=name_filter)
-    cfg = read_config(ck.loc.root)
-    if cfg is not None:
-        res.config = config_summary(cfg)
-    return res
-
-
-def _megatron(p: Path, name_filter: str | None, key: str | None) -> Inspection | None:
-    """A Megatron torch_dist checkpoint: the tensors the export would write (the mapping's HF
-    names, or Megatron's when no mapping applies, saying why), the arguments and the config."""
-    from ckptctl.sources.megatron.files import find_megatron
-    from ckptctl.sources.megatron.source import MegatronSource
-
-    loc = find_megatron(p)
-    if loc is None:
-        return None
-    if key:
-        raise UsageError(f"{p} is a Megatron-core checkpoint: --key {key} selects nothing in it", "drop --key")
-    with MegatronSource.open_location(loc, fallback=True) as src:
-        res = Inspection(path=str(p), format="megatron-torch_dist", megatron=src.describe())
-        for f in sorted(os.listdir(loc.folder)):
-            role = "weights" if f.endswith(".distcp") else "metadata" if f.startswith((".", "metadata")) else "extra"
-            res.files.append({"name": os.path.relpath(loc.folder / f, p), "size": (loc.folder / f).stat().st_size,
-                              "role": role})
-        for t in src.tensors:
-            res.tensors.add(t.spec, src.place(t, p), None)
-    res.tensors.arrange(by_component=False, name_filter=name_filter)
-    res.config = config_summary(src.config) if src.config else {}
-    return res
-
-
 def _format(fam: L.Family) -> str:
     if fam.kind == L.SAFETENSORS:
         return "safetensors-sharded" if fam.index else "safetensors"
     return fam.kind
 
 
-def _add_family(res: Inspection, p: Path, lay: L.Layout, fam: L.Family, *, only: str | None,
+def add_family(res: Inspection, p: Path, lay: L.Layout, fam: L.Family, *, only: str | None,
                 component: str | None = None, prefix: str = "", key: str | None = None) -> None:
     """Add a family's files and tensors to ``res``; names are relative to the inspected root."""
     def rel(name: str) -> str:

@@ -107,7 +107,7 @@ def test_usage_errors_exit_2(cli, args: list[str]) -> None:
 def test_bad_only_value_is_usage_error(cli, st_dir: Path) -> None:
     res = cli("inspect", st_dir, "--only", "bogus")
     assert res.exit_code == 2 and res.stdout == ""
-    assert "--only must be one of safetensors, pytorch, peft, dcp" in res.stderr
+    assert "--only must be one of megatron, zero, dcp-hf, safetensors, pytorch, peft, dcp, index, single" in res.stderr
 
 
 def test_only_family_absent(cli, st_dir: Path) -> None:

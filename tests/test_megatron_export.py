@@ -138,7 +138,7 @@ def test_pieces_equal_the_streamed_reference(megatron_ckpts, name, min_run):
     """The seam of the kernel-copy fast path: each tensor's pieces (``min_run=1``: the column
     shards' short runs too, as a large model's are) hold exactly the bytes the windowed assembly
     (``max_pieces=0``, the reference) streams."""
-    from ckptctl.sources.megatron.files import find_megatron
+    from ckptctl.sources.megatron.locate import find_megatron
     from ckptctl.sources.megatron.source import MegatronSource
 
     loc = find_megatron(megatron_ckpts[name])

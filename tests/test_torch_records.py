@@ -124,7 +124,7 @@ def test_records_are_what_torch_loads(tmp_path, case):
     make, key, _ = CASES[case]
     torch.save(make(), tmp_path / "pytorch_model.bin")
     fast = TorchSource.open(tmp_path, ["pytorch_model.bin"], key=key)
-    slow = TorchSource._loaded(tmp_path, ["pytorch_model.bin"], "pytorch", key, True)
+    slow = TorchSource._loaded(tmp_path, ["pytorch_model.bin"], "pytorch", key, True, {})
     assert fast.torch_loaded == [] and slow.torch_loaded == [str(tmp_path / "pytorch_model.bin")]
     assert [t.spec for t in fast.tensors] == [t.spec for t in slow.tensors]
     assert fast.aliases == slow.aliases

@@ -90,7 +90,7 @@ def test_clean_corpus_checkpoints_pass(name: str, tmp_path: Path) -> None:
 
 
 def test_every_code_the_code_can_emit_is_documented() -> None:
-    pat = re.compile(r'"((?:header|index|layout|dir|config|adapter|manifest|pickle|dcp|deep|metadata|io|zero)'
+    pat = re.compile(r'"((?:header|index|layout|dir|config|adapter|manifest|pickle|dcp|deep|metadata|io|zero|megatron)'
                      r'\.[a-z_0-9]+)"')
     sources = sorted((REPO / "ckptctl" / "verify").rglob("*.py"))  # with verify/classes/
     sources += sorted((REPO / "ckptctl" / "layout").glob("*.py")) + [REPO / "ckptctl" / "manifest.py"]
@@ -113,6 +113,10 @@ ASSERTED_ELSEWHERE = {
     "zero.checkpoint": ("test_zero_inspect.py", "test_verify_reports_the_zero_checkpoint_and_passes"),
     "config.class_refused": ("test_verify_quantized.py", "test_a_weight_block_size_transformers_refuses"),
     "zero.damaged": ("test_zero_hostile.py", "test_broken_zero_checkpoint_is_refused_and_nothing_is_published"),
+    "megatron.checkpoint": ("test_source_kinds.py", "test_export_inspect_and_verify_choose_megatron_for_each_megatron_fixture"),
+    "megatron.not_mapped": ("test_source_kinds.py",
+                            "test_verify_of_a_megatron_checkpoint_no_mapping_covers_passes_with_a_note"),
+    "megatron.damaged": ("test_source_kinds.py", "test_verify_of_a_damaged_megatron_checkpoint_fails_naming_it"),
     "deep.zip_crc_mismatch": ("test_harden3_misc.py", "test_deep_checks_the_crc32_of_every_record_of_a_bin"),
     # root reads every file it can stat, so the one real read error is /proc/self/mem given as a
     # file (inside a directory it is a link that leaves the checkpoint); exit 3, not 1

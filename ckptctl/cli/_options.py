@@ -6,12 +6,16 @@ from typing import Annotated, Optional
 
 import typer
 
+from ckptctl.sources.kinds import SHAPES, only_help
+
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print exactly one JSON document on stdout.")]
 QuietOpt = Annotated[int, typer.Option("--quiet", "-q", count=True, help="Less output on stderr (no progress).")]
 VerboseOpt = Annotated[int, typer.Option("--verbose", "-v", count=True, help="More output on stderr.")]
 KeyOpt = Annotated[Optional[str], typer.Option(
     "--key", help="For training checkpoints: the key that holds the state dict (e.g. model, state_dict).")]
 DryRunOpt = Annotated[bool, typer.Option("--dry-run", help="Show the plan and change nothing.")]
+# --only: every source kind (sources/kinds.py), in probe order, then the layout's shapes.
+ONLY_HELP = only_help(*SHAPES)
 
 
 # Validated by the core (a UsageError inside Output.guard), so --json still gets its document.

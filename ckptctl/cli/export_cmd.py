@@ -10,7 +10,7 @@ from typing import Annotated, Iterator, Optional
 
 import typer
 
-from ckptctl.cli._options import (DryRunOpt, DtypeOpt, JsonOpt, KeyOpt, LabelOpt, ManifestOpt, NoFsyncOpt,
+from ckptctl.cli._options import (ONLY_HELP, DryRunOpt, DtypeOpt, JsonOpt, KeyOpt, LabelOpt, ManifestOpt, NoFsyncOpt,
                                   QuietOpt, TimeoutOpt, VerboseOpt)
 from ckptctl.cli._output import Output, ProgressReporter, human_size
 
@@ -23,7 +23,7 @@ def export(
     manifest: ManifestOpt = False,
     label: LabelOpt = None,
     key: KeyOpt = None,
-    only: Annotated[Optional[str], typer.Option("--only", help="Which weights in SRC: safetensors, pytorch, peft, dcp, dcp-hf, zero or megatron.")] = None,
+    only: Annotated[Optional[str], typer.Option("--only", help=ONLY_HELP)] = None,
     names: Annotated[Optional[str], typer.Option("--names", help="Tensor names to write: hf (default; a Megatron checkpoint is mapped to its HF family) or megatron (Megatron's own, unmapped).")] = None,
     no_fsync: NoFsyncOpt = False,
     timeout: TimeoutOpt = 300.0,

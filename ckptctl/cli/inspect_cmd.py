@@ -7,7 +7,7 @@ from typing import Annotated, Any, Optional
 
 import typer
 
-from ckptctl.cli._options import JsonOpt, KeyOpt, QuietOpt, VerboseOpt
+from ckptctl.cli._options import ONLY_HELP, JsonOpt, KeyOpt, QuietOpt, VerboseOpt
 from ckptctl.cli._output import JsonRows, Output, human_size
 
 
@@ -15,7 +15,7 @@ def inspect(
     path: Annotated[str, typer.Argument(metavar="PATH", help="Checkpoint directory, weights file, or repo id in the local HF cache.")],
     tensors: Annotated[bool, typer.Option("--tensors", help="List every tensor.")] = False,
     filter_: Annotated[Optional[str], typer.Option("--filter", help="Only tensors whose name matches this glob.")] = None,
-    only: Annotated[Optional[str], typer.Option("--only", help="Which weights family: safetensors, pytorch, peft, dcp.")] = None,
+    only: Annotated[Optional[str], typer.Option("--only", help=ONLY_HELP)] = None,
     key: KeyOpt = None,
     json_: JsonOpt = False,
     quiet: QuietOpt = 0,
@@ -24,16 +24,16 @@ def inspect(
     """Show what a checkpoint holds: files, tensors, parameters, dtypes, config. Reads headers only."""
     out = Output("inspect", json_mode=json_, quiet=quiet, verbose=verbose)
     with out.guard():
-        from ckptctl import layout as L
         from ckptctl.errors import UsageError
         from ckptctl.gcpause import paused
         from ckptctl.inspect import inspect_path
         from ckptctl.resolve import resolve
 
-        kinds = (L.SAFETENSORS, L.PYTORCH, L.PEFT, L.DCP)
-        if only is not None and only not in kinds:
-            raise UsageError(f"--only must be one of {', '.join(kinds)}, not {only!r}",
-                             f"run `ckptctl inspect {path}` to see which families it holds")
+        from ckptctl.write.options import ONLY_CHOICES
+
+        if only is not None and only not in ONLY_CHOICES:
+            raise UsageError(f"--only must be one of {', '.join(ONLY_CHOICES)}, not {only!r}",
+                             f"drop --only to see which kind `ckptctl inspect {path}` reads")
 
         if key is not None:
             from ckptctl.write.options import check_key

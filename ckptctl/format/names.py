@@ -230,10 +230,19 @@ def leftover_kind(name: str, *, is_dir: bool, beside_safetensors: bool = True) -
 
 INDEX_SUFFIXES = (".safetensors.index.json", ".bin.index.json")
 MANIFEST_NAME = "ckptctl.manifest.json"  # ckptctl's own manifest (ckptctl.manifest)
-WEIGHTS_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt")
+CONFIG = "config.json"  # the model's config (transformers, and a diffusers component's)
+SAFETENSORS_SUFFIX = f".{SAFETENSORS_EXT}"
+TORCH_SAVE_SUFFIXES = (".pt", ".pth")  # torch.save files under their own names (not a family's)
+PICKLE_SUFFIXES = (f".{BIN_EXT}", *TORCH_SAVE_SUFFIXES, ".ckpt")  # a torch pickle, by its name
+WEIGHTS_SUFFIXES = (SAFETENSORS_SUFFIX, *PICKLE_SUFFIXES)
 DCP_METADATA = ".metadata"
 DCP_SUFFIX = ".distcp"
 ADAPTER_CONFIG = "adapter_config.json"
+
+
+def is_safetensors(name: str) -> bool:
+    """Whether ``name`` is a safetensors file name."""
+    return name.endswith(SAFETENSORS_SUFFIX)
 
 
 def is_weights_like(name: str) -> bool:

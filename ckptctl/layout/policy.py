@@ -7,10 +7,8 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from ckptctl.errors import InputError, UnrepairableError, UsageError
-from ckptctl.layout.model import DCP, PEFT, PYTORCH, SAFETENSORS, Family, Layout
-
-KINDS = (SAFETENSORS, PYTORCH, PEFT, DCP)
-SHAPES = ("index", "single")
+from ckptctl.layout.model import PEFT, Family, Layout
+from ckptctl.sources.kinds import FAMILIES, SHAPES
 
 
 @dataclass(frozen=True)
@@ -60,8 +58,8 @@ def choose(lay: Layout, *, prefer: str | None = None, assess: Callable[[Family],
     ``--prefer`` to pass); none sound is a loss (:class:`UnrepairableError`). ``among`` narrows the
     candidates (default :func:`candidates`). Raises :class:`InputError` / :class:`UsageError` with
     the next step."""
-    fams = candidates(lay, twins=prefer in KINDS) if among is None else list(among)
-    if prefer in KINDS:
+    fams = candidates(lay, twins=prefer in FAMILIES) if among is None else list(among)
+    if prefer in FAMILIES:
         fams = [f for f in fams if f.kind == prefer]
         if not fams:
             raise InputError(f"{lay.root} holds no {prefer} weights",
@@ -74,7 +72,7 @@ def choose(lay: Layout, *, prefer: str | None = None, assess: Callable[[Family],
         if not named:
             known = sorted({label(f) for f in fams})
             raise UsageError(f"unknown preference {prefer!r}",
-                             "use " + ", ".join([*KINDS, *SHAPES]) + (" or a family: " + ", ".join(known)
+                             "use " + ", ".join([*FAMILIES, *SHAPES]) + (" or a family: " + ", ".join(known)
                                                                      if known else ""))
         fams = named
     if not fams:

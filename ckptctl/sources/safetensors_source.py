@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from itertools import repeat
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 from ckptctl.format.header import load_header
 from ckptctl.sources.base import CHUNK_BYTES, Source, SourceTensor, file_chunks, read_pinned
@@ -18,9 +18,11 @@ from ckptctl.sources.base import CHUNK_BYTES, Source, SourceTensor, file_chunks,
 
 class SafetensorsSource(Source):
     @classmethod
-    def open(cls, root: Path, files: list[str], *, kind: str = "safetensors", fast: bool = True) -> "SafetensorsSource":
-        """The tensors of ``files`` in ``root`` (``fast``: the typed header decoder may read them)."""
-        src = cls(path=root, kind=kind)
+    def open(cls, root: Path, files: list[str], *, kind: str = "safetensors", fast: bool = True,
+             **fields: Any) -> "SafetensorsSource":
+        """The tensors of ``files`` in ``root`` (``fast``: the typed header decoder may read them);
+        ``fields``: the rest of the source's identity (extras, stem, variant, is_adapter)."""
+        src = cls(path=root, kind=kind, **fields)
         for name in files:
             fpath = root / name
             file = str(fpath)

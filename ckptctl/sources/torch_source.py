@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Iterator, Mapping
 
 from ckptctl import _libc
+from ckptctl.config_fields import read_config
 from ckptctl.errors import InputError, from_oserror
 from ckptctl.format import dtypes as dt
 from ckptctl.format.tensor import TensorSpec
@@ -31,7 +32,6 @@ _CORRUPT = (EOFError, ValueError, KeyError, IndexError, TypeError, AttributeErro
 
 
 
-MAX_CONFIG_BYTES = 64 * 1024 * 1024  # as verify reads JSON files
 
 
 def heads_tied(config: Any) -> bool:
@@ -41,30 +41,6 @@ def heads_tied(config: Any) -> bool:
     from ckptctl.config_fields import ConfigFields
 
     return not isinstance(config, dict) or ConfigFields(config).get("tie_word_embeddings") is not False
-
-
-def read_config(root: Path) -> Any:
-    """``root/config.json`` parsed, or None when there is none (or it is not a regular file, or
-    not JSON: the model's loader would not read it either). A link is followed (a Hugging Face
-    cache snapshot links every file); a FIFO is never waited on and the read is bounded."""
-    import json
-    import stat
-
-    try:
-        fd = os.open(root / "config.json", os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError:
-        return None
-    with os.fdopen(fd, "rb") as f:
-        try:
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
-                return None
-            raw = f.read(MAX_CONFIG_BYTES + 1)
-        except OSError:
-            return None
-    try:
-        return json.loads(raw) if len(raw) <= MAX_CONFIG_BYTES else None
-    except (ValueError, RecursionError):
-        return None
 
 
 def load_pickle(path: Path, key: str | None) -> dict[str, Any]:
@@ -139,9 +115,11 @@ class TorchSource(Source):
         self._file_backed = False  # tensors are private, read-only mappings of the pickle files
 
     @classmethod
-    def open(cls, root: Path, files: list[str], *, kind: str = "pytorch", key: str | None = None
-             ) -> "TorchSource":
-        src = cls(path=root, kind=kind)
+    def open(cls, root: Path, files: list[str], *, kind: str = "pytorch", key: str | None = None,
+             **fields: Any) -> "TorchSource":
+        """The tensors of ``files`` in ``root``; ``fields``: the rest of the source's identity
+        (extras, stem, variant, is_adapter)."""
+        src = cls(path=root, kind=kind, **fields)
         src._key = key
         tie_heads = heads_tied(read_config(root))
         per_file = []
@@ -150,7 +128,7 @@ class TorchSource(Source):
             records, ident = read_pinned(root / name, lambda: _read_records(root / name, key))
             src.pin(root / name, ident)
             if records is None:  # torch must load the files: every tensor streams from its mapping
-                return cls._loaded(root, files, kind, key, tie_heads)
+                return cls._loaded(root, files, kind, key, tie_heads, fields)
             refuse_placeholders(root / name, [k for k, r in records.items() if 0 in r.shape])
             per_file.append((name, records))
         idents: dict[str, tuple[Any, ...]] = {}
@@ -166,8 +144,9 @@ class TorchSource(Source):
         return src
 
     @classmethod
-    def _loaded(cls, root: Path, files: list[str], kind: str, key: str | None, tie_heads: bool) -> "TorchSource":
-        src = cls(path=root, kind=kind)
+    def _loaded(cls, root: Path, files: list[str], kind: str, key: str | None, tie_heads: bool,
+                fields: dict[str, Any]) -> "TorchSource":
+        src = cls(path=root, kind=kind, **fields)
         state: dict[str, Any] = {}
         origin: dict[str, str] = {}
         for name in files:

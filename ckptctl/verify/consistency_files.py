@@ -8,6 +8,7 @@ from __future__ import annotations
 from ckptctl import layout as L
 from ckptctl.errors import CkptctlError
 from ckptctl.findings import ERROR, WARNING
+from ckptctl.format import names as N
 from ckptctl.format.dcp_hf_names import SHARDED_DIR
 from ckptctl.layout.native import TRAINER_STATE
 from ckptctl.verify.context import Context
@@ -22,7 +23,7 @@ def native_headers(ctx: Context) -> None:
     """The headers of a model's native safetensors files (``layout.native_weights``)."""
     assert ctx.layout is not None
     for n in ctx.layout.native:
-        if n.endswith(".safetensors") and ctx.inside(n) is not None:
+        if N.is_safetensors(n) and ctx.inside(n) is not None:
             read_file(ctx, n, L.SAFETENSORS)
 
 
@@ -36,7 +37,7 @@ def trainer_state(ctx: Context) -> None:
         return
     if TRAINER_STATE_JSON not in ctx.names and not any(n.startswith(("optimizer.", "scheduler.")) for n in states):
         return
-    from ckptctl.sources.zero.files import find_zero
+    from ckptctl.sources.zero.locate import find_zero
 
     try:
         if find_zero(ctx.root) is not None:
@@ -55,7 +56,7 @@ def placeholders(ctx: Context) -> None:
     elements while a config.json describes the model (what a ZeRO-3 model's parameters are on a
     rank before they are gathered: ``save_pretrained`` under ZeRO-3 without gathering writes
     them)."""
-    if "config.json" not in ctx.names:
+    if N.CONFIG not in ctx.names:
         return
     for table in ctx.tables:
         if table.family.kind not in (L.SAFETENSORS, L.PYTORCH) or not table.tensors:

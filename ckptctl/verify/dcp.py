@@ -63,6 +63,12 @@ def check_dcp(ctx: Context, fam: L.Family) -> None:
                     "remove it: it is not part of this checkpoint")
 
 
+def dcp_hf_located(ctx: Context, found: object) -> None:
+    """The DCP-HF kind's verify hook (``sources/kinds.py``): nothing of its own. The layout lists
+    the same ``sharded/`` files as a DCP-HF family, which the weights step checks with
+    :func:`check_dcp_hf`, through the export source's own reader."""
+
+
 def check_dcp_hf(ctx: Context, fam: L.Family) -> FamilyTensors:
     """torch's DCP-HF shards (``HuggingFaceStorageWriter`` with ``save_distributed=True``): every
     header read like any safetensors file, then the sharding info of each read by the export

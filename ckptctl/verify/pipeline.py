@@ -81,10 +81,6 @@ def layout_findings(ctx: Context) -> str | None:
                     f"{n} is {size:,} bytes, over the Hub's per-file limit of {HUB_MAX_FILE_BYTES:,} bytes (50 GB): "
                     "the upload is refused", "re-shard the checkpoint (ckptctl resave --max-shard-size 5GB)",
                     size=size, limit=HUB_MAX_FILE_BYTES)
-    if ctx.needs_weights and not ctx.layout.families and not any(c.has_weights for c in ctx.layout.components):
-        ctx.add("dir.no_weights", ERROR, ctx.disp(),
-                f"{ctx.disp()} holds no checkpoint weights (no safetensors, .bin, adapter or DCP files)",
-                "export the checkpoint again; an interrupted save may have removed the old files first")
     return None
 
 
@@ -102,10 +98,7 @@ def _kind(families: list[L.Family]) -> str:
 def weights_step(ctx: Context) -> str | None:
     """Every family layout found: its tensors (and index), or its DCP files."""
     assert ctx.layout is not None
-    if ctx.layout.single_file is None and not ctx.prefix:  # a DeepSpeed ZeRO root or step folder
-        from ckptctl.verify.zero import check_zero
-
-        check_zero(ctx)
+    located = _located(ctx) if ctx.layout.single_file is None and not ctx.prefix else False
     for fam in ctx.layout.families:
         if fam.container == L.DCP:
             check_dcp(ctx, fam)
@@ -114,7 +107,29 @@ def weights_step(ctx: Context) -> str | None:
     if not ctx.prefix:
         ctx.result.kind = ctx.layout.kind if ctx.layout.components else _kind(ctx.layout.families)
     ctx.result.tensors += sum(len(t.tensors) for t in ctx.tables)
-    return None if ctx.layout.families else "no weights files"
+    if ctx.needs_weights and not located and not ctx.layout.families \
+            and not any(c.has_weights for c in ctx.layout.components):
+        ctx.add("dir.no_weights", ERROR, ctx.disp(),
+                f"{ctx.disp()} holds no checkpoint weights (no safetensors, .bin, adapter, DCP, ZeRO or Megatron files)",
+                "pass a checkpoint directory; if its weights belong here, export or copy them again")
+    return None if ctx.layout.families or located else "no weights files"
+
+
+def _located(ctx: Context) -> bool:
+    """The located source kind at the root (``sources/kinds.locate``: a Megatron, ZeRO or DCP-HF
+    checkpoint), checked by its own verify hook; a probe that finds its kind damaged (a tracker
+    naming a missing step) is that kind's ``damaged`` finding. True when a kind was there."""
+    from ckptctl.sources import kinds
+
+    try:
+        found = kinds.locate(ctx.root)
+    except kinds.KindError as exc:
+        ctx.add(exc.kind.codes[-1], ERROR, ctx.disp(), exc.message, exc.hint)
+        return True
+    if found is None:
+        return False
+    found.kind.hook("verify")(ctx, found.location)
+    return True
 
 
 def components_step(ctx: Context) -> str | None:
@@ -131,7 +146,7 @@ def components_step(ctx: Context) -> str | None:
         sub.declared_class = (comp.library, comp.cls)
         # A model component (diffusers or transformers, saved with its config.json) must hold
         # weights; a scheduler, tokenizer or pooling module need not.
-        sub.needs_weights = comp.library in MODEL_LIBRARIES and "config.json" in comp.layout.extras
+        sub.needs_weights = comp.library in MODEL_LIBRARIES and N.CONFIG in comp.layout.extras
         if comp.library == "transformers":
             _run(sub, COMPONENT_STEPS)
         else:

@@ -8,19 +8,17 @@ import math
 
 from ckptctl.errors import CkptctlError
 from ckptctl.findings import ERROR, INFO
+from ckptctl.sources.zero.locate import ZeroLocation
 from ckptctl.verify.context import Context
 
 
-def check_zero(ctx: Context) -> None:
-    """``zero.checkpoint`` (info: stage, world size, parameters) or ``zero.damaged`` (error: a
-    rank file missing, truncated, of another run, naming a global outside the allow-list)."""
-    from ckptctl.sources.zero.files import find_zero
+def check_zero(ctx: Context, loc: ZeroLocation) -> None:
+    """The ZeRO kind's verify hook (``sources/kinds.py``): ``zero.checkpoint`` (info: stage, world
+    size, parameters) or ``zero.damaged`` (error: a rank file missing, truncated, of another run,
+    naming a global outside the allow-list)."""
     from ckptctl.sources.zero.source import ZeroCheckpoint
 
     try:
-        loc = find_zero(ctx.root)
-        if loc is None:
-            return
         ck = ZeroCheckpoint(loc)
         params = [*ck.frozen(), *ck.parameters()]
     except CkptctlError as exc:  # a rank file missing, truncated, unreadable, of another run

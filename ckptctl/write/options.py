@@ -12,20 +12,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from ckptctl import layout as L
 from ckptctl.errors import UsageError
 from ckptctl.format import dtypes as dt
 from ckptctl.format import names as N
 from ckptctl.sizes import parse_size
 from ckptctl.sources.base import CHUNK_BYTES
+from ckptctl.sources.kinds import NAMES as KIND_NAMES, SHAPES
 
 DEFAULT_MAX_SHARD_SIZE = "5GB"
 KEEP = "keep"  # --max-shard-size keep: one output shard per source file, same tensors
-# What --only may name: a kind of weights, or (between a single file and a sharded family of one
-# kind) index or single; layout.choose applies it.
-# Besides them, the sources the opener asks before the layout: a DeepSpeed ZeRO checkpoint, torch's
-# DCP-HF sharded output, a Megatron-core torch_dist checkpoint (sources/opener.py).
-ONLY_CHOICES = (L.SAFETENSORS, L.PYTORCH, L.PEFT, L.DCP, "index", "single", "zero", "dcp-hf", "megatron")
+# What --only may name: a source kind (sources/kinds.py), or (between a single file and a sharded
+# family of one kind) index or single, which layout.choose applies.
+ONLY_CHOICES = (*KIND_NAMES, *SHAPES)
 # --names: the names an export writes. hf (the default): the library's own, mapped where the
 # source is a training framework's (Megatron); megatron: a Megatron checkpoint's names as they are.
 NAMES_CHOICES = ("hf", "megatron")

@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from ckptctl.errors import CkptctlError, InputError, from_oserror
 from ckptctl.format import dtypes as dt
+from ckptctl.format import names as N
 from ckptctl.format.dcp_hf_names import SHARD_NAME, SHARDED_DIR, absent_shard, missing_models
 from ckptctl.format.header import DuplicateKey, no_duplicate_keys
 from ckptctl.sources.base import (CHUNK_BYTES, FileId, Piece, Source, SourceTensor, changed, convert_bytes,
@@ -89,7 +90,7 @@ def _safetensors_in(d: Path) -> list[str]:
         names = os.listdir(d)
     except OSError as exc:
         raise from_oserror(exc, "cannot list the DCP-HF shards") from None
-    return sorted(n for n in names if n.endswith(".safetensors") and _regular(d / n))
+    return sorted(n for n in names if N.is_safetensors(n) and _regular(d / n))
 
 
 def _sharding_info(hdr: Any, shown: str) -> dict[str, Any] | None:
@@ -445,21 +446,20 @@ def _consolidated(root: Path, reading: "MetadataReading") -> dict[str, tuple[str
     return specs
 
 
-def open_dcp_hf(p: Path, *, only: str | None = None, key: str | None = None,
-                reading: "MetadataReading | None" = None, max_pieces: int = MAX_PIECES) -> DcpHfSource | None:
-    """The DCP-HF source at ``p`` (the output root or its ``sharded/`` directory), or None when
-    ``p`` is none (or ``only`` names a kind: the family it names is read), or when ``p`` is a
-    root whose complete consolidated files hold the same tensors (read as safetensors).
-    Raises InputError (a damaged save; consolidated files that disagree with ``sharded/``)."""
+def open_location(found: tuple[bool, Path], p: Path, *, only: str | None = None, key: str | None = None,
+                  reading: "MetadataReading | None" = None, max_pieces: int = MAX_PIECES, **_: Any) -> DcpHfSource | None:
+    """The registry's open hook (``sources/kinds.py``): the DCP-HF save :func:`find_sharded` found
+    at ``p`` (``found``), or None when ``p`` is a root whose complete consolidated files hold the
+    same tensors (read as safetensors), unless ``only`` names this kind (``--only dcp-hf``: the
+    sharded save is read even beside them). Raises InputError (a damaged save; consolidated files
+    that disagree with ``sharded/``)."""
     from ckptctl import layout as L
     from ckptctl.layout.reading import MetadataReading
 
-    found = None if only is not None else find_sharded(p)
-    if found is None:
-        return None
     is_root, d = found
     reading = reading if reading is not None else MetadataReading()
-    consolidated = _consolidated(p, reading) if is_root and not key else None  # --key: a DCP notion
+    forced = only is not None
+    consolidated = _consolidated(p, reading) if is_root and not key and not forced else None  # --key: a DCP notion
     try:
         src = DcpHfSource.open(d, reading=reading, key=key, max_pieces=max_pieces)
     except InputError:
@@ -476,6 +476,14 @@ def open_dcp_hf(p: Path, *, only: str | None = None, key: str | None = None,
                          "which one is the checkpoint is not certain",
                          f"export one: `ckptctl export {d} DST` (the sharded save) or `--only safetensors` "
                          "(the consolidated files); nothing was changed")
-    lay = L.scan(p, reading=reading)
-    src.extras = [lay.root / n for n in lay.extras if n in L.COPIED_EXTRAS]
+    if is_root or not forced:
+        lay = L.scan(p, reading=reading)
+        src.extras = [lay.root / n for n in lay.extras if n in L.COPIED_EXTRAS]
     return src
+
+
+def open_dcp_hf(p: Path, *, key: str | None = None, reading: "MetadataReading | None" = None,
+                max_pieces: int = MAX_PIECES) -> DcpHfSource | None:
+    """:func:`open_location` of whatever :func:`find_sharded` finds at ``p``; None when nothing."""
+    found = find_sharded(p)
+    return None if found is None else open_location(found, p, key=key, reading=reading, max_pieces=max_pieces)

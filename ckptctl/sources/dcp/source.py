@@ -116,8 +116,10 @@ class DcpSource(Source):
         self._files_of: dict[str, set[str]] | None = None  # fqn -> the .distcp files dcp.load reads for it
 
     @classmethod
-    def open(cls, root: Path, *, key: str | None = None) -> "DcpSource":
-        src = cls(path=root, kind="dcp")
+    def open(cls, root: Path, *, key: str | None = None, **fields: Any) -> "DcpSource":
+        """The DCP checkpoint at ``root`` (``key``: one state dict of a training state);
+        ``fields``: the rest of the source's identity (extras, stem, variant)."""
+        src = cls(path=root, kind="dcp", **fields)
         meta, ident = read_pinned(root / N.DCP_METADATA, lambda: read_dcp_metadata(root))
         src.pin(root / N.DCP_METADATA, ident)
         check_storage(root, meta, src.pin)

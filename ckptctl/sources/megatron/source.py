@@ -39,7 +39,8 @@ from ckptctl.sources.base import OpenFiles, Piece, SourceTensor, key_refused, re
 from ckptctl.sources.dcp.chunks import chunk_bytes_at
 from ckptctl.sources.dcp.hf import MAX_PIECES, Block, DcpHfSource, block_pieces, check_tiling, run_count, strides
 from ckptctl.sources.dcp.source import check_storage, read_dcp_metadata
-from ckptctl.sources.megatron.files import Common, MegatronLocation, backend, find_megatron, read_common
+from ckptctl.sources.megatron.files import Common, backend, read_common
+from ckptctl.sources.megatron.locate import MegatronLocation
 
 KIND = "megatron"
 OPTIMIZER = "optimizer."
@@ -257,7 +258,7 @@ class MegatronSource(DcpHfSource):
             parts = [b for s in o.slabs for b in cut(blocks[s.fqn], s.prefix, s.start, s.stop, s.dst, size)]
             src._add(o.name, o.source, dtypes[o.source], o.shape, parts, max_pieces)
         src.family, src.config = desc.family.name, desc.config
-        src.extras = [GeneratedFile("config.json", (json.dumps(desc.config, indent=2) + "\n").encode())]  # type: ignore[list-item]
+        src.extras = [GeneratedFile(N.CONFIG, (json.dumps(desc.config, indent=2) + "\n").encode())]  # type: ignore[list-item]
         return src
 
     def _add(self, name: str, fqn: str, dtype: str, shape: tuple[int, ...], blocks: list[Block],
@@ -289,13 +290,11 @@ class MegatronSource(DcpHfSource):
                 "inert_globals": common.stubs if common else []}
 
 
-def open_megatron(p: Path, *, key: str | None = None, names: bool = False,
-                  max_pieces: int = MAX_PIECES) -> MegatronSource | None:
-    """``p`` as a Megatron source when it is a Megatron ``torch_dist`` checkpoint (the ``--save``
-    root or an iteration folder), else None. Raises InputError (UsageError for a ``key``)."""
-    loc = find_megatron(p)
-    if loc is None:
-        return None
+def open_location(loc: MegatronLocation, path: Path, *, key: str | None = None, names: str | None = None,
+                  max_pieces: int = MAX_PIECES, **_: Any) -> MegatronSource:
+    """The registry's open hook (``sources/kinds.py``): the Megatron checkpoint ``find_megatron``
+    found at ``path``, under HF names through the mapping, or Megatron's own with ``names``
+    ``megatron``. Raises InputError (UsageError for a ``key``)."""
     if key:
-        raise key_refused(p, "Megatron-core", key, "the model's tensors are read (the optimizer state is left out)")
-    return MegatronSource.open_location(loc, names=names, max_pieces=max_pieces)
+        raise key_refused(path, "Megatron-core", key, "the model's tensors are read (the optimizer state is left out)")
+    return MegatronSource.open_location(loc, names=names == "megatron", max_pieces=max_pieces)

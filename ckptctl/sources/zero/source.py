@@ -23,7 +23,8 @@ from ckptctl.format import dtypes as dt
 from ckptctl.format.tensor import TensorSpec
 from ckptctl.format.torch_pickle import DISCARD_SUFFIXES
 from ckptctl.sources.base import CHUNK_BYTES, FileId, Piece, Source, SourceTensor, file_chunks, key_refused, read_pinned
-from ckptctl.sources.zero.files import (Flat, ModelStates, OptimStates, ZeroLocation, rank_files,
+from ckptctl.sources.zero.locate import ZeroLocation
+from ckptctl.sources.zero.files import (Flat, ModelStates, OptimStates, rank_files,
                                         read_model_states, read_optim_states)
 from ckptctl.sources.zero.layout import frozen3_pieces, stage3_pieces, stage12_pieces
 
@@ -220,21 +221,17 @@ class ZeroSource(Source):
         self._where.clear()
 
 
-def open_zero(path: Path, key: str | None = None) -> ZeroSource | None:
-    """``path`` as a ZeRO source when it is a DeepSpeed checkpoint root or step folder (else
-    None), with the config and tokenizer files of the root beside the step folder. Raises
+def open_location(loc: ZeroLocation, path: Path, *, key: str | None = None, **_: Any) -> ZeroSource:
+    """The registry's open hook (``sources/kinds.py``): the ZeRO checkpoint ``find_zero`` found at
+    ``path``, with the config and tokenizer files of the root beside the step folder. Raises
     InputError (UsageError for a ``key``: the fp32 weights are not a nested state dict)."""
     from ckptctl import layout as L
-    from ckptctl.sources.torch_source import heads_tied, read_config
-    from ckptctl.sources.zero.files import find_zero
-
-    loc = find_zero(path)
-    if loc is None:
-        return None
-    if key:
-        raise key_refused(path, "DeepSpeed ZeRO", key, "the export rebuilds the fp32 master weights from every rank")
+    from ckptctl.config_fields import read_config
+    from ckptctl.sources.torch_source import heads_tied
     from ckptctl.sources.zero.convert import fast_default
 
+    if key:
+        raise key_refused(path, "DeepSpeed ZeRO", key, "the export rebuilds the fp32 master weights from every rank")
     src = ZeroSource.open(loc, tie_heads=heads_tied(read_config(loc.root)), fast_convert=fast_default())
     lay = L.scan(loc.root)
     src.extras = [loc.root / n for n in lay.extras if n in L.COPIED_EXTRAS]
