@@ -14,6 +14,7 @@ from typing import Any, Iterable
 
 from ckptctl import staging
 from ckptctl.errors import UsageError
+from ckptctl.format import names as N
 from ckptctl.format.names import PRESETS, parse_staging_name
 from ckptctl.gc.judge import judge_foreign, judge_staging
 from ckptctl.gc.model import Candidate, Decision, GcOptions, GcProblem, GcResult, Kind
@@ -230,7 +231,7 @@ def scan(roots: Iterable[Path], opts: GcOptions, result: GcResult | None = None)
                 res.problems.append(GcProblem(str(d), f"cannot list: {exc.strerror}"))
                 continue
             res.scanned += len(entries)
-            beside = any(e.name.endswith(".safetensors") for e in entries)
+            beside = any(N.is_safetensors(e.name) for e in entries)
             for e in entries:
                 # d_type answers is_dir without a syscall; only candidates are stat'ed
                 try:

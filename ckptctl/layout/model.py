@@ -27,7 +27,7 @@ ST_INDEX = N.index_name("model", N.SAFETENSORS_EXT)
 PT_INDEX = N.index_name("pytorch_model", N.BIN_EXT)
 
 EXTRA_NAMES = frozenset({
-    "config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+    N.CONFIG, "generation_config.json", "tokenizer.json", "tokenizer_config.json",
     "special_tokens_map.json", "tokenizer.model", "vocab.json", "merges.txt", "vocab.txt",
     "added_tokens.json", "chat_template.jinja", "chat_template.json", "preprocessor_config.json",
     "processor_config.json", "spiece.model", "sentencepiece.bpe.model", "adapter_config.json",

@@ -68,10 +68,10 @@ def _regular(path: Path) -> bool:
 def _scan_file(p: Path, reading: MetadataReading) -> Layout:
     lay = Layout(root=p.parent, single_file=p.name, reading=reading)
     name = p.name
-    if name.endswith(".safetensors"):
+    if N.is_safetensors(name):
         w = N.parse_weights_name(name)
         lay.families.append(Family(SAFETENSORS, [name], stem=w.stem if w else None, variant=w.variant if w else None))
-    elif name.endswith((".bin", ".pt", ".pth", ".ckpt")):
+    elif name.endswith(N.PICKLE_SUFFIXES):
         lay.families.append(Family(PYTORCH, [name], container=PYTORCH))
     elif N.parse_index_name(name) or name.endswith(N.INDEX_SUFFIXES):
         return scan(p.parent, reading=reading)
@@ -120,7 +120,7 @@ class _Scanner:
 
     def _leftovers(self) -> None:
         """First: a temp shard must never count as a weights file."""
-        beside = any(n.endswith(".safetensors") for n in self.names)
+        beside = any(N.is_safetensors(n) for n in self.names)
         for n in self.names:
             kind = N.leftover_kind(n, is_dir=self._is_dir(n), beside_safetensors=beside)
             if kind:
@@ -273,7 +273,7 @@ class _Scanner:
         for n in self.names:
             if n in self.claimed or n in EXTRA_NAMES:
                 continue
-            if n.endswith(".safetensors") and _regular(self.root / n):
+            if N.is_safetensors(n) and _regular(self.root / n):
                 has_st = lay.family(SAFETENSORS) is not None
                 _add(lay, "layout.unrecognised_weights", ERROR if has_st else WARNING, str(self.root / n),
                      f"{n} is a safetensors file outside the checkpoint's naming scheme",
@@ -281,7 +281,7 @@ class _Scanner:
                 if not has_st:
                     lay.families.append(Family(SAFETENSORS, [n]))
                     self.claimed.add(n)
-            elif (n.endswith((".pt", ".pth")) and _regular(self.root / n) and not lay.families
+            elif (n.endswith(N.TORCH_SAVE_SUFFIXES) and _regular(self.root / n) and not lay.families
                   and not NV.TRAINER_STATE.fullmatch(n)):  # an optimizer state is not a model
                 lay.families.append(Family(PYTORCH, [n], container=PYTORCH))
                 self.claimed.add(n)

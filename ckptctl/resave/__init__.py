@@ -80,7 +80,7 @@ def _check_prefer(prefer: str | None) -> None:
     if prefer is None or prefer in PREFER:
         return
     if "/" in prefer or not (N.parse_weights_name(prefer) or N.parse_index_name(prefer)
-                             or prefer.endswith(".safetensors")):
+                             or N.is_safetensors(prefer)):
         raise UsageError(f"unknown --prefer {prefer!r}",
                          f"use {', '.join(PREFER)}, or the file name of a family as `resave --repair` lists them")
 
@@ -152,8 +152,8 @@ def _resave(root: Path, opts: ExportOptions, *, output: str | os.PathLike[str] |
     dest = Path(output) if output else root
     check = _verified(dest, static) if repair else None
     extras: dict[str, Path | bytes] = {}
-    if opts.dtype not in (None, "keep") and (root / "config.json").is_file():
-        extras["config.json"] = root / "config.json"  # rewritten with the new dtype
+    if opts.dtype not in (None, "keep") and (root / N.CONFIG).is_file():
+        extras[N.CONFIG] = root / N.CONFIG  # rewritten with the new dtype
     if output:
         for n in sorted(os.listdir(root)):
             if n in L.COPIED_EXTRAS and n not in extras:

@@ -107,7 +107,7 @@ def analyze(root: Path, *, prefer: str | None = None, repair: bool = False,
     chosen, headers = _choose_save(root, lay, fams, prefer, rep)
     # stray weights outside the naming scheme that a glob-loader would pick up; never a named
     # family of another slot (a variant, a diffusers or PEFT family beside the model)
-    unref = [n for n in sorted(os.listdir(root)) if n.endswith(".safetensors") and n not in chosen.files
+    unref = [n for n in sorted(os.listdir(root)) if N.is_safetensors(n) and n not in chosen.files
              and n not in lay.leftovers and n not in lay.native and _stray_or_same_slot(n, chosen)
              and n not in rep.dropped]
     if unref:
@@ -125,7 +125,7 @@ def _choose_save(root: Path, lay: L.Layout, fams: list[L.Family], prefer: str | 
                  rep: Repair) -> tuple[L.Family, dict[str, Header]]:
     """The save the repair keeps, among every save of the slot, with the headers of its files;
     refused (nothing changed) when it is not complete."""
-    from ckptctl.inspect import read_config
+    from ckptctl.config_fields import read_config
 
     cfg = read_config(root)
     names = sorted(os.listdir(root))

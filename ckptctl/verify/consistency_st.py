@@ -12,6 +12,7 @@ from typing import Any
 
 from ckptctl.config_fields import ConfigFields, as_int
 from ckptctl.findings import ERROR
+from ckptctl.format import names as N
 from ckptctl.format import small
 from ckptctl.layout.model import MODULES_JSON, SENTENCE_TRANSFORMERS
 from ckptctl.verify.context import MAX_JSON_BYTES, Context
@@ -61,8 +62,8 @@ def st_dimensions(ctx: Context) -> None:
         if not isinstance(m, dict) or not isinstance(m.get("path", ""), str) or not isinstance(m.get("type"), str):
             return
         path, kind = m.get("path", ""), m["type"].rsplit(".", 1)[-1]
-        cfg = _json(ctx, _in(path, "config.json"))
-        shown = ctx.disp(_in(path, "config.json"))
+        cfg = _json(ctx, _in(path, N.CONFIG))
+        shown = ctx.disp(_in(path, N.CONFIG))
         if not isinstance(cfg, dict):
             token_dim = dim = None
             continue

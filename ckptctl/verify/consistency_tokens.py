@@ -11,6 +11,7 @@ from typing import Any
 
 from ckptctl.config_fields import ConfigFields, as_int
 from ckptctl.findings import ERROR
+from ckptctl.format import names as N
 from ckptctl.format import small
 from ckptctl.verify.context import MAX_JSON_BYTES, Context
 
@@ -35,7 +36,7 @@ def quiet_json(ctx: Context, name: str) -> tuple[bool, Any]:
 
 def vocab_size(ctx: Context) -> int | None:
     """config.json's ``vocab_size`` (its text config's, for a multimodal model), or None."""
-    ok, cfg = quiet_json(ctx, "config.json")
+    ok, cfg = quiet_json(ctx, N.CONFIG)
     if not ok or not isinstance(cfg, dict):
         return None
     v = as_int(ConfigFields(cfg).get("vocab_size"))

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any, BinaryIO, Callable, Iterator, Sequence
 
 from ckptctl.findings import ERROR, INFO, WARNING, Finding
+from ckptctl.format import names as N
 from ckptctl.format.header import Header, TensorInfo
 from ckptctl.threads import WORKERS, Buffers, HelpingPool, check, ordered_map
 from ckptctl.verify.context import DEEP_NOT_ASKED, Context
@@ -363,7 +364,7 @@ def deep_step(ctx: Context, *, fast: bool | None = None) -> str | None:
         ctx.extend(dr.findings)
         _compare(ctx, name, dr.sha256, manifest)
         _compare_blob(ctx, name, dr.sha256)
-        if queue[name] is None and name.endswith((".bin", ".pt", ".pth")):  # torch.load never checks CRCs
+        if queue[name] is None and name.endswith(N.PICKLE_SUFFIXES):  # torch.load never checks CRCs
             ctx.extend(_zip_crcs(ctx, name))
     return None
 

@@ -24,6 +24,7 @@ from typing import Any
 from ckptctl import layout as L
 from ckptctl.config_fields import ConfigFields, as_int
 from ckptctl.findings import ERROR, INFO, WARNING, Finding, PathFindings
+from ckptctl.format import names as N
 from ckptctl.format.tensor import TensorSpec
 from ckptctl.verify.architectures import GENERATIVE, SPECS, Dims, Spec
 from ckptctl.verify.context import Context
@@ -335,14 +336,14 @@ def config_step(ctx: Context) -> str | None:
         if ctx.layout is not None and ctx.layout.components:
             return "no component that transformers loads"
         return "no model weights: no safetensors or .bin family"
-    if "config.json" not in ctx.names:
+    if N.CONFIG not in ctx.names:
         ctx.add("config.missing", INFO, ctx.disp(), f"{ctx.disp()} has no config.json; config checks skipped",
                 "copy config.json from the source model (transformers needs it)")
         return "no config.json"
-    present, cfg = ctx.open_json("config.json", "config", "config.bad_json")
+    present, cfg = ctx.open_json(N.CONFIG, "config", "config.bad_json")
     if not present:
         return "config.json could not be read as JSON: see its finding"
-    shown = ctx.disp("config.json")
+    shown = ctx.disp(N.CONFIG)
     loaded = min(models, key=lambda t: transformers_rank(t.family))
     tok, tok_shown = None, None
     ok, doc = ctx.open_json("tokenizer.json", "config", "config.bad_json")

@@ -14,6 +14,7 @@ from contextlib import ExitStack
 
 from ckptctl.config_fields import ConfigFields
 from ckptctl.findings import ERROR, INFO
+from ckptctl.format import names as N
 from ckptctl.format.header import TensorInfo
 from ckptctl.verify.architectures import SPECS
 from ckptctl.verify.context import Context, FamilyTensors
@@ -62,7 +63,7 @@ def tied_bytes_step(ctx: Context, cfg: dict, loaded: FamilyTensors) -> None:
     head = heads[0]
     embed = min(embeds, key=len)
     where_h, where_e = _locate(ctx, head), _locate(ctx, embed)
-    shown = ctx.disp("config.json")
+    shown = ctx.disp(N.CONFIG)
     if where_h is None or where_e is None:
         ctx.add("config.not_checked", INFO, shown, f"{head!r} is not in a safetensors file; its bytes are not "
                 "compared with the tied embedding")

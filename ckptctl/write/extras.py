@@ -13,6 +13,7 @@ from typing import Iterable
 
 from ckptctl.errors import from_oserror
 from ckptctl.format import dtypes as dt
+from ckptctl.format import names as N
 from ckptctl.format import small
 from ckptctl.write.inputs import Entry
 
@@ -32,7 +33,7 @@ def read_extras(extras: dict[str, Path | bytes], entries: list[Entry]) -> dict[s
                 blob = small.read_small(src, limit=EXTRA_LIMIT, follow=True)  # a cache snapshot links
             except OSError as exc:
                 raise from_oserror(exc, f"cannot read {name}", phase="plan") from None
-        if name == "config.json" and stored:
+        if name == N.CONFIG and stored:
             blob = sync_config_dtype(blob, stored)
         out[name] = blob
     return out

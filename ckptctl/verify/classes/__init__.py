@@ -154,14 +154,14 @@ def model_class_step(ctx: Context) -> str | None:
         if adapter is not None:
             return adapter_class_step(ctx, adapter)
         return "no model weights: no safetensors or .bin family"
-    if "config.json" not in ctx.names:
+    if N.CONFIG not in ctx.names:
         return "no config.json"
-    present, cfg = ctx.open_json("config.json", "config", "config.bad_json")
+    present, cfg = ctx.open_json(N.CONFIG, "config", "config.bad_json")
     if not present or not isinstance(cfg, dict):
         return "config.json could not be read as a JSON object: see its finding"
     if not fam.complete:
         return "some weights files are missing or unreadable"
-    shown = ctx.disp("config.json")
+    shown = ctx.disp(N.CONFIG)
     library, cls = _library(ctx, cfg)
     try:
         precheck(library, cfg, cls, quantized=True)
@@ -222,7 +222,7 @@ def adapter_class_step(ctx: Context, fam: FamilyTensors) -> str | None:
         return "the adapter's base model is not available locally (--base DIR)"
     shown = ctx.disp(N.ADAPTER_CONFIG)
     try:
-        base_cfg = small.loads(small.read_small(root / "config.json", limit=MAX_JSON_BYTES, follow=True).decode())
+        base_cfg = small.loads(small.read_small(root / N.CONFIG, limit=MAX_JSON_BYTES, follow=True).decode())
     except (OSError, ValueError) as exc:
         return _note(ctx, shown, "peft", f"the base model's config.json cannot be read ({type(exc).__name__})")
     if not fam.complete:
