@@ -174,18 +174,7 @@ class Stage:
         try:
             if not exists:
                 how = "rename"
-                try:
-                    _faults.point("rename-noreplace")
-                    _renameat2(data, dest, RENAME_NOREPLACE)
-                except OSError as exc:
-                    if exc.errno in (errno.EEXIST, errno.ENOTEMPTY):
-                        raise _appeared(dest) from None
-                    if exc.errno in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP):
-                        if os.path.lexists(dest):  # no NOREPLACE here: check, then rename (a small race)
-                            raise _appeared(dest) from None
-                        staging.rename(data, dest)
-                    elif not staging.moved(data, dest):  # else: done, its reply lost
-                        raise
+                rename_into_place(data, dest)
             else:
                 how = "exchange"
                 try:
@@ -248,32 +237,14 @@ class Stage:
         staging.rename(self.data, self.dest)
 
     def _undo_half_publish(self) -> None:
-        """After a failed (or interrupted) exchange-less publish, put the previous version back, as
-        the directories themselves show it (``staging.phase``). Raises :class:`OperationalError`
-        when that cannot be done: the staging directory then stays, ``old/`` and ``data/`` intact,
-        for the next run or gc-tmp (it is refused removal), and :meth:`abort` does not try again."""
+        """:func:`undo_half_publish` of this staging directory; when that cannot be done the
+        staging directory stays for the next run or gc-tmp, and :meth:`abort` does not try again."""
         assert self.dir is not None
         try:
-            state = staging.phase(self.dir)
-        except OSError as exc:
-            raise self._left_for_recovery(exc, f"{self.dir} cannot be read to tell how far it got") from None
-        if state is staging.State.CONFLICT:
+            undo_half_publish(self.dir, self.dest, fsync=self.fsync)
+        except OperationalError:
             self.kept = True
-            raise OperationalError(*staging.conflict_message(self.dest, self.dir), phase="publish")
-        if state.half_published:
-            try:
-                staging.roll(self.dir, self.dest, forward=False, fsync=self.fsync)
-            except OSError as exc:
-                raise self._left_for_recovery(exc, f"the previous version could not be put back from "
-                                                   f"{self.dir / staging.OLD}") from None
-
-    def _left_for_recovery(self, exc: OSError, what: str) -> OperationalError:
-        self.kept = True
-        cause = exc.strerror or str(exc)
-        return OperationalError(
-            f"publishing {self.dest} failed half-way, and {what} ({cause}); nothing was deleted",
-            f"run `ckptctl gc-tmp {self.parent} --min-age 0` (or this command again) once the storage "
-            "answers: it finishes the publish from the staging directory", phase="publish")
+            raise
 
     def finish(self) -> None:
         """Remove the staging directory (with the old version) and drop the lock (closed before
@@ -420,3 +391,47 @@ def check_writable(parent: Path) -> None:
 def free_space(path: Path) -> int:
     st = os.statvfs(path)
     return st.f_bavail * st.f_frsize
+
+
+def rename_into_place(data: Path, dest: Path) -> None:
+    """Rename the staged ``data`` to ``dest``, which must not exist: never replacing anything (a
+    directory that appeared meanwhile is :func:`_appeared`). Where the filesystem has no
+    ``RENAME_NOREPLACE``, a check then a rename (a small race); a rename done whose reply was lost
+    counts as done."""
+    try:
+        _faults.point("rename-noreplace")
+        _renameat2(data, dest, RENAME_NOREPLACE)
+    except OSError as exc:
+        if exc.errno in (errno.EEXIST, errno.ENOTEMPTY):
+            raise _appeared(dest) from None
+        if exc.errno in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP):
+            if os.path.lexists(dest):
+                raise _appeared(dest) from None
+            staging.rename(data, dest)
+        elif not staging.moved(data, dest):
+            raise
+
+
+def undo_half_publish(stage_dir: Path, dest: Path, *, fsync: bool) -> None:
+    """After a failed (or interrupted) exchange-less publish, put the previous version back, as
+    the directories themselves show it (``staging.phase``). Raises :class:`OperationalError` when
+    that cannot be done (``old/`` and ``data/`` are left intact for the next run or gc-tmp, which
+    refuses to remove them) or when the directories are in conflict."""
+    def left_for_recovery(exc: OSError, what: str) -> OperationalError:
+        return OperationalError(
+            f"publishing {dest} failed half-way, and {what} ({exc.strerror or exc}); nothing was deleted",
+            f"run `ckptctl gc-tmp {dest.parent} --min-age 0` (or this command again) once the storage "
+            "answers: it finishes the publish from the staging directory", phase="publish")
+
+    try:
+        state = staging.phase(stage_dir)
+    except OSError as exc:
+        raise left_for_recovery(exc, f"{stage_dir} cannot be read to tell how far it got") from None
+    if state is staging.State.CONFLICT:
+        raise OperationalError(*staging.conflict_message(dest, stage_dir), phase="publish")
+    if state.half_published:
+        try:
+            staging.roll(stage_dir, dest, forward=False, fsync=fsync)
+        except OSError as exc:
+            raise left_for_recovery(exc, f"the previous version could not be put back from "
+                                         f"{stage_dir / staging.OLD}") from None

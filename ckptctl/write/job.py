@@ -31,15 +31,14 @@ from ckptctl.plan import Locate, Plan, make_plan, place_for_clone, with_alias_re
 from ckptctl.publish import Stage, check_destination, check_writable, free_space
 from ckptctl.staging import recover_destination
 from ckptctl.staging.keep import entries
-from ckptctl.threads import WORKERS
 from ckptctl.write.extras import read_extras
-from ckptctl.write.digest import ShardDigest
 from ckptctl.write.inputs import Entry, ExportInputs, build_inputs
 from ckptctl.write.options import ExportOptions, ProgressEvent, validate
 from ckptctl.write.result import ExportResult
-from ckptctl.write.files import clone_block, copy_file, fsync_and_close, link_or_copy
-from ckptctl.write.shards import TensorWriter, source_range, write_shard
-from ckptctl.write.superseded import superseded
+from ckptctl.write.files import clone_block, copy_file, link_or_copy
+from ckptctl.write.filling import fill_shards
+from ckptctl.write.shards import source_range
+from ckptctl.write.superseded import replacement
 
 BLOCK_MARGIN = 4096  # per file written: the last partial block, directory entries
 
@@ -118,7 +117,6 @@ class ExportJob:
         self.dest_existed = check_destination(dest, overwrite=opts.overwrite)
         # Listed before the plan's own listing: whatever appears later is carried at publish.
         self.known = entries(dest) if self.dest_existed else {}
-        removed, carried = superseded(dest, slot=L.slot_of(opts.prefix, opts.variant)) if self.dest_existed else ([], [])
         self.extra_blobs = read_extras(self.inputs.extras, self.entries)
         result.index = plan.index_name
         result.tensors = len(self.entries)
@@ -130,16 +128,11 @@ class ExportJob:
                          "linked_from": s.link_from} for s in plan.shards]
         result.linked = [s.name for s in plan.shards if s.link_from]
         result.extras = sorted(self.extra_blobs)
-        variants = self.inputs.variants
-        result.variants = sorted(variants)
-        # the source's variants replace the old version's families of the same slots whole
-        # (never a variant index kept beside shards it no longer names)
-        replaced = set(self.extra_blobs) | {n for n in carried if L.named_slot(n) in
-                                            {L.named_slot(v) for v in variants}} | set(variants)
-        result.carried = [n for n in carried if n not in replaced]
-        # the old version's files that the new one does not replace by name
-        result.removed = sorted((set(removed) | (set(carried) & replaced)) - set(plan.files)
-                                - set(self.extra_blobs) - set(variants))
+        result.variants = sorted(self.inputs.variants)
+        if self.dest_existed:
+            result.removed, result.carried = replacement(
+                dest, slot=L.slot_of(opts.prefix, opts.variant), written=[*plan.files, *self.extra_blobs],
+                variants=self.inputs.variants)
         result.converted = sum(1 for e in self.entries if e.converted)
         result.manifest = MANIFEST_NAME if opts.manifest else None
         result.space_available = _free_space_near(dest)
@@ -174,83 +167,10 @@ class ExportJob:
                             files=len(self.plan.files) + len(self.extra_blobs) + 4)
 
     def write_shards(self, data: Path) -> None:
-        """Create and fill (or link) every shard. Each written shard is fsynced on a background
-        thread while the next one is written; every fsync has finished (and any error raised) on
-        return."""
-        from concurrent.futures import ThreadPoolExecutor
-
+        """Create and fill (or link) every shard in ``data`` (:func:`~ckptctl.write.filling.fill_shards`)."""
         assert self.plan is not None
-        tw = TensorWriter(self.opts.chunk_bytes, hashing=self.opts.manifest, allocate=not self.clones,
-                          writeback=self.opts.fsync)
-        progress = self.opts.progress
-        done, total = 0, self.plan.total_size
-
-        def wrote(n: int) -> None:
-            nonlocal done
-            done += n
-            if progress:
-                progress(ProgressEvent("write", shard.name, done, total))
-
-        syncer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckptctl-fsync")
-        hasher = ThreadPoolExecutor(max_workers=WORKERS, thread_name_prefix="ckptctl-hash")  # two shards at once
-        hashing: list[ShardDigest] = []
-        stop = self._hash_stop  # set on failure: a shard being hashed stops at its next chunk
-        pending = []
-        try:
-            for shard in self.plan.shards:
-                _faults.point("shard-start")
-                try:
-                    if shard.link_from:
-                        tw.count(link_or_copy(Path(shard.link_from), data / shard.name, fsync=self.opts.fsync,
-                                              link=self.opts.link_unchanged), shard.file_size)
-                        done += shard.data_bytes
-                    else:
-                        fd = write_shard(data / shard.name, shard, self.by_name, tw, on_tensor=wrote,
-                                         locate=self.locate())
-                        digest, tw.digest = tw.digest, None
-                        try:
-                            _faults.point("fsync-shard")
-                        except BaseException:
-                            os.close(fd)
-                            if digest is not None:
-                                digest.close()
-                            raise
-                        if digest is not None:  # reads back what the kernel copied, beside the fsync
-                            hashing.append(digest)
-                            self.digests[shard.name] = (shard.file_size,
-                                                        hasher.submit(digest.finish, shard.file_size, stop))
-                        if self.opts.fsync:
-                            pending.append((shard.name, syncer.submit(fsync_and_close, fd)))
-                        else:
-                            os.close(fd)
-                except OSError as exc:
-                    raise from_oserror(exc, f"cannot write {shard.name}", phase="write") from None
-                if progress:
-                    progress(ProgressEvent("shard-done", shard.name, done, total,
-                                           message="linked" if shard.link_from else "wrote"))
-            for name, fut in pending:
-                try:
-                    fut.result()  # never retried: a failed fsync aborts the publish
-                except OSError as exc:
-                    raise from_oserror(exc, f"cannot make {name} durable", phase="write") from None
-        except BaseException:
-            stop.set()
-            hasher.shutdown(wait=True, cancel_futures=True)
-            for digest in hashing:
-                digest.close()  # those never started keep their descriptor until here
-            raise
-        finally:
-            syncer.shutdown(wait=True)
-            hasher.shutdown(wait=False)  # the digests finish on their own; finalize waits for them
-            tw.close()
-            self.count_bytes(tw)
-        _faults.point("shards-written")
-
-    def count_bytes(self, tw: TensorWriter) -> None:
-        """Add what ``tw`` wrote to the result's byte counts."""
-        self.result.bytes_cloned += tw.cloned
-        self.result.bytes_copied_by_kernel += tw.copied
-        self.result.bytes_streamed += tw.streamed
+        fill_shards(self.plan, self.by_name, data, self.opts, result=self.result, locate=self.locate,
+                    allocate=not self.clones, digests=self.digests, stop=self._hash_stop)
 
     def finalize(self) -> None:
         """Index, extras, the old version's kept files, manifest; then fsync and mark ready."""
