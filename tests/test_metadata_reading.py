@@ -23,12 +23,15 @@ from ckptctl import layout as L
 from ckptctl.errors import CkptctlError
 from ckptctl.format.index import encode_index
 from ckptctl.inspect import inspect_path
-from ckptctl.layout.reading import FAST_ENV, MetadataReading
+from ckptctl.fastpaths import FAST_PATHS
+from ckptctl.layout.reading import MetadataReading
 from ckptctl.resave import resave
 from ckptctl.sizes import parse_size
 from ckptctl.verify import VerifyOptions, verify_paths
 from ckptctl.write.options import ExportOptions
 from tests.support import run_cli_subprocess
+
+FAST_ENV = FAST_PATHS["metadata"].env
 
 
 def _write_index(p: Path, weight_map: dict[str, str]) -> None:

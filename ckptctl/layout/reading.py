@@ -23,18 +23,18 @@ from __future__ import annotations
 
 import os
 
+from ckptctl.fastpaths import enabled
 from ckptctl.format.header import Header, read_header
 from ckptctl.format.index import Index, parse_index, read_index_bytes
 
 
-FAST_ENV = "CKPTCTL_FAST_METADATA"
 
 
 class MetadataReading:
     """One command's reading of checkpoint metadata (see the module's docstring)."""
 
     def __init__(self, *, fast: bool | None = None) -> None:
-        self.fast = os.environ.get(FAST_ENV, "1") != "0" if fast is None else fast
+        self.fast = enabled("metadata") if fast is None else fast
         # (path, display) -> (the bytes read, the Index parsed from them)
         self._indexes: dict[tuple[str, str], tuple[bytes, Index]] = {}
 

@@ -447,17 +447,23 @@ def _consolidated(root: Path, reading: "MetadataReading") -> dict[str, tuple[str
 
 
 def open_location(found: tuple[bool, Path], p: Path, *, only: str | None = None, key: str | None = None,
-                  reading: "MetadataReading | None" = None, max_pieces: int = MAX_PIECES, **_: Any) -> DcpHfSource | None:
+                  reading: "MetadataReading | None" = None, max_pieces: int | None = None,
+                  **_: Any) -> DcpHfSource | None:
     """The registry's open hook (``sources/kinds.py``): the DCP-HF save :func:`find_sharded` found
     at ``p`` (``found``), or None when ``p`` is a root whose complete consolidated files hold the
     same tensors (read as safetensors), unless ``only`` names this kind (``--only dcp-hf``: the
-    sharded save is read even beside them). Raises InputError (a damaged save; consolidated files
-    that disagree with ``sharded/``)."""
+    sharded save is read even beside them). ``max_pieces``: :meth:`DcpHfSource.open`'s; unset, the
+    ``pieces`` fast path's switch (``ckptctl.fastpaths``). Raises InputError (a damaged save;
+    consolidated files that disagree with ``sharded/``)."""
     from ckptctl import layout as L
     from ckptctl.layout.reading import MetadataReading
 
+    from ckptctl.fastpaths import enabled
+
     is_root, d = found
     reading = reading if reading is not None else MetadataReading()
+    if max_pieces is None:
+        max_pieces = MAX_PIECES if enabled("pieces") else 0
     forced = only is not None
     consolidated = _consolidated(p, reading) if is_root and not key and not forced else None  # --key: a DCP notion
     try:
@@ -483,7 +489,7 @@ def open_location(found: tuple[bool, Path], p: Path, *, only: str | None = None,
 
 
 def open_dcp_hf(p: Path, *, key: str | None = None, reading: "MetadataReading | None" = None,
-                max_pieces: int = MAX_PIECES) -> DcpHfSource | None:
+                max_pieces: int | None = None) -> DcpHfSource | None:
     """:func:`open_location` of whatever :func:`find_sharded` finds at ``p``; None when nothing."""
     found = find_sharded(p)
     return None if found is None else open_location(found, p, key=key, reading=reading, max_pieces=max_pieces)

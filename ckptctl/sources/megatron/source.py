@@ -291,10 +291,15 @@ class MegatronSource(DcpHfSource):
 
 
 def open_location(loc: MegatronLocation, path: Path, *, key: str | None = None, names: str | None = None,
-                  max_pieces: int = MAX_PIECES, **_: Any) -> MegatronSource:
+                  max_pieces: int | None = None, **_: Any) -> MegatronSource:
     """The registry's open hook (``sources/kinds.py``): the Megatron checkpoint ``find_megatron``
     found at ``path``, under HF names through the mapping, or Megatron's own with ``names``
-    ``megatron``. Raises InputError (UsageError for a ``key``)."""
+    ``megatron``. ``max_pieces`` unset: the ``pieces`` fast path's switch (``ckptctl.fastpaths``).
+    Raises InputError (UsageError for a ``key``)."""
+    from ckptctl.fastpaths import enabled
+
+    if max_pieces is None:
+        max_pieces = MAX_PIECES if enabled("pieces") else 0
     if key:
         raise key_refused(path, "Megatron-core", key, "the model's tensors are read (the optimizer state is left out)")
     return MegatronSource.open_location(loc, names=names == "megatron", max_pieces=max_pieces)

@@ -18,19 +18,12 @@ off).
 
 from __future__ import annotations
 
-import os
 from typing import Any, Iterator
 
 from ckptctl.sources.base import convert_bytes
 
 FAST_PAIRS = frozenset({("F32", "BF16"), ("F32", "F16")})
 STEP = 1 << 20  # elements converted at once (4 MiB in, 2 MiB out)
-ENV = "CKPTCTL_FAST_CONVERT"
-
-
-def fast_default() -> bool:
-    """Whether the fast path is on: unless ``CKPTCTL_FAST_CONVERT=0``."""
-    return os.environ.get(ENV, "1") != "0"
 
 
 def convert_chunks(raw: Any, src: str, dst: str, *, fast: bool = True) -> Iterator[Any]:

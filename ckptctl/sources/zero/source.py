@@ -228,11 +228,11 @@ def open_location(loc: ZeroLocation, path: Path, *, key: str | None = None, **_:
     from ckptctl import layout as L
     from ckptctl.config_fields import read_config
     from ckptctl.sources.torch_source import heads_tied
-    from ckptctl.sources.zero.convert import fast_default
+    from ckptctl.fastpaths import enabled
 
     if key:
         raise key_refused(path, "DeepSpeed ZeRO", key, "the export rebuilds the fp32 master weights from every rank")
-    src = ZeroSource.open(loc, tie_heads=heads_tied(read_config(loc.root)), fast_convert=fast_default())
+    src = ZeroSource.open(loc, tie_heads=heads_tied(read_config(loc.root)), fast_convert=enabled("convert"))
     lay = L.scan(loc.root)
     src.extras = [loc.root / n for n in lay.extras if n in L.COPIED_EXTRAS]
     return src

@@ -221,10 +221,15 @@ def refusing(step: str) -> Iterator[None]:
 
 
 def check_transformers(cfg: dict[str, Any], tensors: Mapping[str, TensorSpec], where: str,
-                       class_name: str | None = None, *, fast: bool = True) -> Outcome:
+                       class_name: str | None = None, *, fast: bool | None = None) -> Outcome:
     """The loader's missing, unexpected and mismatched keys for the class config.json names
     (``class_name``: the class a pipeline's model_index.json names instead); ``fast``: the
-    matching of :func:`match_keys` rather than the library's function."""
+    matching of :func:`match_keys` rather than the library's function (unset: the
+    ``class-match`` fast path's switch, ``ckptctl.fastpaths``)."""
+    from ckptctl.fastpaths import enabled
+
+    if fast is None:
+        fast = enabled("class-match")
     from transformers.conversion_mapping import get_model_conversion_mapping
     from transformers.core_model_loading import convert_and_load_state_dict_in_model
     from transformers.modeling_utils import LoadStateDictConfig
