@@ -117,7 +117,7 @@ ASSERTED_ELSEWHERE = {
     "megatron.not_mapped": ("test_source_kinds.py",
                             "test_verify_of_a_megatron_checkpoint_no_mapping_covers_passes_with_a_note"),
     "megatron.damaged": ("test_source_kinds.py", "test_verify_of_a_damaged_megatron_checkpoint_fails_naming_it"),
-    "deep.zip_crc_mismatch": ("test_harden3_misc.py", "test_deep_checks_the_crc32_of_every_record_of_a_bin"),
+    "deep.zip_crc_mismatch": ("test_verify_deep.py", "test_deep_checks_the_crc32_of_every_record_of_a_bin"),
     # root reads every file it can stat, so the one real read error is /proc/self/mem given as a
     # file (inside a directory it is a link that leaves the checkpoint); exit 3, not 1
     "io.error": ("test_verify_cli.py", "test_io_error_exits_three_even_with_other_findings"),

@@ -165,3 +165,45 @@ def test_a_small_file_does_not_pay_for_full_size_buffers(tmp_path: Path, way: st
     assert res.bytes_read == path.stat().st_size and not res.findings
     assert res.sha256 == hashlib.sha256(path.read_bytes()).hexdigest()
     assert peak < 1 << 20, f"peak traced memory {peak} bytes"
+
+
+def _flip_in_record(path, suffix: str) -> None:
+    """Flip one bit in the data of the archive's record ending with ``suffix`` (a real torch.save
+    file: stored records, the local header before each)."""
+    import struct
+    import zipfile
+
+    with zipfile.ZipFile(path) as zf:
+        rec = next(i for i in zf.infolist() if i.filename.endswith(suffix))
+    raw = bytearray(path.read_bytes())
+    lh = rec.header_offset
+    n, m = struct.unpack("<HH", raw[lh + 26:lh + 30])
+    raw[lh + 30 + n + m + 41] ^= 0x40
+    path.write_bytes(bytes(raw))
+
+
+def test_deep_checks_the_crc32_of_every_record_of_a_bin(tmp_path, run_cli):
+    import json
+
+    import torch
+
+    good = tmp_path / "good"
+    good.mkdir()
+    torch.save({"model.embed.weight": torch.arange(1000, dtype=torch.float32).reshape(100, 10)},
+               good / "pytorch_model.bin")
+    (good / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 10}))
+    rc, out, err = run_cli("verify", "--deep", "--json", good)
+    codes = {f["code"] for c in json.loads(out)["results"] for f in c["findings"]}
+    assert "deep.zip_crc_mismatch" not in codes, out
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    for p in good.iterdir():
+        (bad / p.name).write_bytes(p.read_bytes())
+    _flip_in_record(bad / "pytorch_model.bin", "data/0")
+    assert torch.load(bad / "pytorch_model.bin")["model.embed.weight"].flatten()[10] != 10  # loads, changed
+    rc, out, err = run_cli("verify", "--json", bad)
+    assert rc == 0, out  # the static checks cannot see it
+    rc, out, err = run_cli("verify", "--deep", "--json", bad)
+    found = [f for c in json.loads(out)["results"] for f in c["findings"] if f["code"] == "deep.zip_crc_mismatch"]
+    assert rc == 1 and len(found) == 1 and found[0]["severity"] == "error", out
+    assert found[0]["code"] == "deep.zip_crc_mismatch" and "data/0" in found[0]["message"]
