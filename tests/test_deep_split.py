@@ -150,6 +150,7 @@ def test_one_file_split_across_both_workers_equals_one_worker_and_the_reference(
     sha = hashlib.sha256(path.read_bytes()).hexdigest()
     assert ref.sha256 == sha
 
+    calls: dict[int, int] = {}
     for workers in (1, 2):
         scanned_by: dict[str, int] = {}
         lock = threading.Lock()
@@ -170,7 +171,10 @@ def test_one_file_split_across_both_workers_equals_one_worker_and_the_reference(
         assert s.outcome.sha256 == sha
         from ckptctl.verify.deep import _findings
         assert [f.__dict__ for f in _findings(str(path), s.plan, s.scanners, hdr)] == _as_dicts(ref)
-        assert len(scanned_by) == workers, scanned_by  # two workers: each scanned windows of the one file
+        # the same checks made whoever made them: which worker took which window is the scheduler's choice
+        assert 1 <= len(scanned_by) <= workers, scanned_by
+        calls[workers] = sum(scanned_by.values())
+    assert calls[1] == calls[2] > 1, calls
 
 
 def test_several_files_of_uneven_sizes_in_order(tmp_path: Path, split_file) -> None:
@@ -261,16 +265,14 @@ def test_helping_pool_stops_on_the_first_error() -> None:
     def job(i: int) -> None:
         if i == 1:
             raise ValueError("boom")
-        for _ in range(1000):
-            if pool.stop.is_set():
-                raise Stopped
-            threading.Event().wait(0.001)
+        if pool.stop.wait(120):  # every other job waits for the stop the error sets, however late it comes
+            raise Stopped
         seen.append(i)
 
     pool = HelpingPool(2)
     with pytest.raises(ValueError, match="boom"):
         pool.run(job, list(range(6)))
-    assert pool.stop.is_set() and len(seen) <= 1
+    assert pool.stop.is_set() and seen == []
 
 
 def test_buffers_never_more_than_most() -> None:
