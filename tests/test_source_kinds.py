@@ -164,6 +164,23 @@ def test_export_inspect_and_verify_choose_zero_for_each_zero_fixture(zero_ckpts)
             assert "zero.checkpoint" in codes and "dir.no_weights" not in codes, (name, path, res.findings)
 
 
+@NEEDS_DEEPSPEED
+def test_verify_recursive_finds_a_zero_checkpoint_without_hf_weights_once(zero_ckpts, tmp_path):
+    """A Trainer output whose checkpoint-N holds only the ZeRO state (ZeRO-3 without a gathered
+    model.safetensors): --recursive finds checkpoint-N, verifies it as ZeRO, and does not verify
+    its step folder again on its own."""
+    import shutil
+
+    out = tmp_path / "output"
+    shutil.copytree(ckpt(zero_ckpts["s3_fp32"]), out / "checkpoint-3")
+    (out / "checkpoint-3" / "model.safetensors").unlink()
+    r = invoke("verify", "--recursive", "--static", "--json", out)
+    doc = json.loads(r.stdout)
+    assert [res["path"] for res in doc["results"]] == [str(out / "checkpoint-3")], r.stdout
+    codes = {f["code"] for res in doc["results"] for f in res["findings"]}
+    assert r.exit_code == 0 and "zero.checkpoint" in codes and "dir.no_weights" not in codes, r.stdout
+
+
 @NEEDS_MEGATRON
 def test_export_inspect_and_verify_choose_megatron_for_each_megatron_fixture(megatron_ckpts):
     for name, root in sorted(megatron_ckpts.items()):

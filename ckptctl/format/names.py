@@ -247,6 +247,6 @@ def is_safetensors(name: str) -> bool:
 
 def is_weights_like(name: str) -> bool:
     """A name that marks a directory as holding checkpoint weights (for ``verify --recursive``)."""
-    if name.endswith((".safetensors", DCP_SUFFIX)) or name in (DCP_METADATA, ADAPTER_CONFIG):
+    if name.endswith((SAFETENSORS_SUFFIX, DCP_SUFFIX)) or name in (DCP_METADATA, ADAPTER_CONFIG):
         return True
     return parse_weights_name(name) is not None or parse_index_name(name) is not None

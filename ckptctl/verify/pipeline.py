@@ -256,10 +256,15 @@ def verify_paths(paths: list[str], *, recursive: bool = False, options: VerifyOp
 
 
 def discover(root: Path, unreadable: list[tuple[Path, OSError]] | None = None) -> list[Path]:
-    """Every directory at or below ``root`` that holds checkpoint weights (symlinks not followed;
-    hidden and staging directories skipped). A directory that cannot be listed is appended to
-    ``unreadable`` with its error (never silently skipped)."""
+    """Every directory at or below ``root`` that holds checkpoint weights, or that a located
+    source kind is (``sources/kinds.locate``: a ZeRO root, a Megatron ``--save`` root, even
+    without HF weights beside them; the folder such a root points to is verified with it, not
+    again on its own). Symlinks not followed; hidden and staging directories skipped. A directory
+    that cannot be listed is appended to ``unreadable`` with its error (never silently skipped)."""
+    from ckptctl.sources import kinds
+
     out: list[Path] = []
+    part_of: set[Path] = set()  # folders a located root found above them reads
 
     def onerror(exc: OSError) -> None:
         if unreadable is not None:
@@ -267,8 +272,18 @@ def discover(root: Path, unreadable: list[tuple[Path, OSError]] | None = None) -
 
     for dirpath, dirnames, filenames in os.walk(root, onerror=onerror):
         dirnames[:] = sorted(d for d in dirnames if not d.startswith(".") and not N.leftover_kind(d, is_dir=True))
-        if any(N.is_weights_like(n) and not N.leftover_kind(n, is_dir=False) for n in filenames):
-            out.append(Path(dirpath))
+        here = Path(dirpath)
+        if here in part_of:
+            continue
+        try:
+            found = kinds.locate(here)
+            located = found is not None
+        except kinds.KindError:  # damaged: verify says how
+            found, located = None, True
+        if found is not None and getattr(found.location, "folder", here) != here:
+            part_of.add(found.location.folder)
+        if located or any(N.is_weights_like(n) and not N.leftover_kind(n, is_dir=False) for n in filenames):
+            out.append(here)
     return sorted(out)
 
 
