@@ -16,7 +16,7 @@ from ckptctl.sources.base import dir_names
 TRACKER = "latest_checkpointed_iteration.txt"
 COMMON = "common.pt"
 META_JSON = "metadata.json"
-_ITER = re.compile(r"^iter_(\d{7,})$")
+_ITER = re.compile(r"^iter_([0-9]{7,})$")
 
 
 @dataclass(frozen=True)
@@ -65,7 +65,8 @@ def find_megatron(p: Path) -> MegatronLocation | None:
     if it is None:
         raise InputError(f"{p / TRACKER} does not name an iteration",
                          f"pass an iteration folder instead (present: {', '.join(iters[:5]) or 'none'})")
-    folder_name = "release" if it == "release" else (f"iter_{int(it):07d}" if it.isdigit() else None)
+    digits = it.isascii() and it.isdigit()  # str.isdigit alone takes "²", which int() refuses
+    folder_name = "release" if it == "release" else (f"iter_{int(it):07d}" if digits else None)
     if folder_name is None or folder_name not in names or not (p / folder_name).is_dir():
         raise InputError(f"{p / TRACKER} names iteration {it!r}, whose folder is not in {p}",
                          f"pass an iteration folder instead (present: {', '.join(iters[:5]) or 'none'}), "
