@@ -34,12 +34,14 @@ MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux 5.14; Py
 @dataclass
 class Command:
     """One command line. A ``str`` runs under ``sh -c`` (for globs); stdout goes to /dev/null.
-    ``setup``/``teardown`` run around every timed run and are not timed."""
+    ``setup``/``teardown`` run around every timed run and are not timed; ``env``: variables set
+    for it on top of the runner's environment."""
 
     name: str
     argv: Sequence[str] | str
     setup: Hook | None = None
     teardown: Hook | None = None
+    env: dict[str, str] | None = None
 
     def args(self) -> list[str]:
         return ["sh", "-c", self.argv] if isinstance(self.argv, str) else list(self.argv)
@@ -144,7 +146,8 @@ def measure(cmd: Command) -> tuple[float, float, int, int, str]:
     """Run once through ``spawn.py``: (wall s, cpu s, peak RSS bytes, exit status, stderr tail)."""
     with tempfile.TemporaryFile() as err:
         out = subprocess.run([sys.executable, "-I", "-S", str(SPAWN), *cmd.args()], stdin=subprocess.DEVNULL,
-                             stdout=subprocess.PIPE, stderr=err, check=True, text=True).stdout
+                             stdout=subprocess.PIPE, stderr=err, check=True, text=True,
+                             env={**os.environ, **cmd.env} if cmd.env else None).stdout
         err.seek(0)
         tail = err.read()[-2000:].decode(errors="replace")
     wall, cpu, rss, rc = out.split()

@@ -3,6 +3,7 @@
     python -m bench.run                       # every case, 3 rounds
     python -m bench.run --case inspect-1000 --rounds 5 --json bench/results/inspect.json
     python -m bench.run --list
+    python -m bench.run --against 6e3f732 --case metadata-moe   # the working tree and 6e3f732 side by side
 """
 
 from __future__ import annotations
@@ -13,9 +14,11 @@ import os
 import platform
 import sys
 import time
+from dataclasses import replace
 
 from bench.cases import discover
-from bench.harness import drop_caches, rss_floor, run_case, table
+from bench.harness import Case, drop_caches, rss_floor, run_case, table
+from bench.revisions import ROOT, TREE, checkout, compare_table, environment_note, side_by_side
 
 from ckptctl.sizes import parse_size
 
@@ -26,6 +29,11 @@ def machine() -> dict:
     mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     return {"cpus": os.cpu_count(), "memory_bytes": mem, "kernel": platform.release(),
             "python": platform.python_version(), "ckptctl": ckptctl.__version__}
+
+
+def _only(case: Case, names: list[str]) -> Case:
+    keep = [c for c in case.commands if c.name == case.reference or any(n in c.name for n in names)]
+    return replace(case, commands=keep)
 
 
 def _log(message: str) -> None:
@@ -41,6 +49,11 @@ def main(argv: list[str] | None = None) -> int:
                     help="drop the page cache before every run (root only; ignored otherwise)")
     ap.add_argument("--prefault", metavar="SIZE",
                     help="memory to touch and free before every run, overriding each case's (0 disables)")
+    ap.add_argument("--command", action="append", metavar="NAME",
+                    help="run only the commands of the selected cases whose name contains NAME (repeatable; "
+                         "each case's reference always runs)")
+    ap.add_argument("--against", metavar="REV",
+                    help="run every ckptctl command for the working tree and for git revision REV side by side")
     ap.add_argument("--json", metavar="OUT", help="also write the results as JSON")
     ap.add_argument("--list", action="store_true", help="list the cases and exit")
     args = ap.parse_args(argv)
@@ -54,6 +67,13 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         ap.error(f"unknown case {', '.join(unknown)}; known: {', '.join(cases)}")
     selected = [cases[n] for n in args.case] if args.case else list(cases.values())
+    if args.command:
+        selected = [_only(c, args.command) for c in selected]
+    rev = None
+    if args.against:
+        rev, path = checkout(args.against)
+        _log(f"{args.against} is {rev}, checked out at {path}")
+        selected = [side_by_side(c, [(rev, path), (TREE, ROOT)]) for c in selected]
     drop = args.drop_caches and drop_caches()
     hot = None if args.prefault is None else 0 if args.prefault.strip() == "0" else parse_size(args.prefault)
     info = {**machine(), "rounds": args.rounds, "warmup": args.warmup,
@@ -71,8 +91,11 @@ def main(argv: list[str] | None = None) -> int:
     for case, _ in rows:
         print(f"{case.name}: {case.description}")
     print(table(rows))
+    if rev:
+        print(f"\n{TREE} against {rev}: {environment_note()}")
+        print(compare_table(rows, rev))
     if args.json:
-        doc = {**info, "cases": [{"name": c.name, "description": c.description, "reference": c.reference,
+        doc = {**info, "against": rev, "cases": [{"name": c.name, "description": c.description, "reference": c.reference,
                                   "prefault_bytes": c.prefault if hot is None else hot,
                                   "commands": [r.to_dict() for r in res]} for c, res in rows]}
         with open(args.json, "w") as f:

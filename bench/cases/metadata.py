@@ -3,8 +3,9 @@ by ``verify``, ``inspect --json``, a no-op ``resave --repair`` and ``export``, b
 scan of the same headers (the reference: open, read the 8-byte length and the header, ``json.loads``
 it, for every shard) and safetensors' ``safe_open`` of every key. ``help``: ``ckptctl --help``,
 and ``verify`` of a 4 MB checkpoint (what a command pays before and after its work: its imports,
-Typer's parsing of its options), against a bare ``import typer, rich`` (the start-up every
-command pays)."""
+Typer's parsing of its options) and ``export`` of ``examples/tiny-llama`` (a command's fixed cost:
+its imports, the source-kind probes, a publish of a few KB), against a bare ``import typer, rich``
+(the start-up every command pays)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from functools import partial
 
 from bench.cases.resave import linked_copy
 from bench.gen import WORK, MoeSpec, Spec, ensure
+from bench.revisions import ROOT
 from bench.harness import CKPTCTL, Case, Command, clear
 
 SPEC = MoeSpec()
@@ -32,6 +34,7 @@ SAFE_OPEN = ("import sys, glob\nfrom safetensors import safe_open\n"
 def _cases() -> list[Case]:
     src = WORK / SPEC.name()
     out, rep = WORK / "out" / "moe-export", WORK / "out" / "moe-repair"
+    tiny = WORK / "out" / "tiny-export"
     return [
         Case("metadata-moe", f"{SPEC.name()}: every header, the index and the plan of 91,991 tensors",
              [Command("raw stdlib header scan", [sys.executable, "-c", RAW_SCAN, str(src)]),
@@ -46,7 +49,9 @@ def _cases() -> list[Case]:
         Case("help", "start-up: ckptctl --help and a small verify against importing its two libraries",
              [Command("import typer, rich", [sys.executable, "-c", "import typer, rich"]),
               Command("ckptctl --help", [*CKPTCTL, "--help"]),
-              Command("ckptctl verify (4 MB)", [*CKPTCTL, "verify", str(WORK / SMALL.name()), "-q"])],
+              Command("ckptctl verify (4 MB)", [*CKPTCTL, "verify", str(WORK / SMALL.name()), "-q"]),
+              Command("ckptctl export (tiny-llama)", [*CKPTCTL, "export", str(ROOT / "examples" / "tiny-llama"),
+                                                      str(tiny), "-q"], setup=clear(tiny), teardown=clear(tiny))],
              prepare=partial(ensure, SMALL)),
     ]
 
