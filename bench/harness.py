@@ -35,13 +35,16 @@ MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux 5.14; Py
 class Command:
     """One command line. A ``str`` runs under ``sh -c`` (for globs); stdout goes to /dev/null.
     ``setup``/``teardown`` run around every timed run and are not timed; ``env``: variables set
-    for it on top of the runner's environment."""
+    for it on top of the runner's environment. ``optional``: flags of its argv that an older
+    revision may not know (``run.py --against`` drops them for a revision whose ``--help`` of the
+    command does not list them, and says so)."""
 
     name: str
     argv: Sequence[str] | str
     setup: Hook | None = None
     teardown: Hook | None = None
     env: dict[str, str] | None = None
+    optional: tuple[str, ...] = ()
 
     def args(self) -> list[str]:
         return ["sh", "-c", self.argv] if isinstance(self.argv, str) else list(self.argv)

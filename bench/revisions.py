@@ -70,15 +70,35 @@ def tree_env(root: Path) -> dict[str, str]:
     return {"PYTHONPATH": str(root), "PYTHONSAFEPATH": "1"}
 
 
-def side_by_side(case: Case, trees: Sequence[tuple[str, Path]]) -> Case:
-    """``case`` with each ckptctl command once per tree (``label: name``), the others once."""
+def _knows(root: Path, argv: Sequence[str], flag: str, seen: dict[tuple[Path, str], str]) -> bool:
+    """Whether ``--help`` of the ckptctl subcommand in ``argv`` lists ``flag`` in tree ``root``."""
+    sub = argv[argv.index("ckptctl") + 1]
+    if (root, sub) not in seen:
+        seen[root, sub] = subprocess.run([*argv[:argv.index("ckptctl") + 1], sub, "--help"], capture_output=True,
+                                         text=True, env={**os.environ, **tree_env(root), "COLUMNS": "200"}).stdout
+    return flag in seen[root, sub]
+
+
+def side_by_side(case: Case, trees: Sequence[tuple[str, Path]], notes: list[str] | None = None) -> Case:
+    """``case`` with each ckptctl command once per tree (``label: name``), the others once. A
+    command's ``optional`` flags are dropped for a tree that does not know them (a line in
+    ``notes`` says so)."""
     commands: list[Command] = []
+    helps: dict[tuple[Path, str], str] = {}
     for cmd in case.commands:
         if not runs_ckptctl(cmd):
             commands.append(cmd)
             continue
         for label, root in trees:
-            commands.append(replace(cmd, name=f"{label}: {cmd.name}", env={**(cmd.env or {}), **tree_env(root)}))
+            argv = cmd.argv
+            for flag in cmd.optional:
+                assert not isinstance(argv, str), "optional flags need an argv list"
+                if flag in argv and not _knows(root, argv, flag, helps):
+                    argv = [a for a in argv if a != flag]
+                    if notes is not None:
+                        notes.append(f"{label}: {cmd.name}: run without {flag} (its --help does not list it)")
+            commands.append(replace(cmd, name=f"{label}: {cmd.name}", argv=argv,
+                                    env={**(cmd.env or {}), **tree_env(root)}))
     ref = case.reference
     if ref not in {c.name for c in commands}:
         ref = f"{TREE}: {ref}"

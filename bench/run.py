@@ -69,11 +69,11 @@ def main(argv: list[str] | None = None) -> int:
     selected = [cases[n] for n in args.case] if args.case else list(cases.values())
     if args.command:
         selected = [_only(c, args.command) for c in selected]
-    rev = None
+    rev, notes = None, []
     if args.against:
         rev, path = checkout(args.against)
         _log(f"{args.against} is {rev}, checked out at {path}")
-        selected = [side_by_side(c, [(rev, path), (TREE, ROOT)]) for c in selected]
+        selected = [side_by_side(c, [(rev, path), (TREE, ROOT)], notes) for c in selected]
     drop = args.drop_caches and drop_caches()
     hot = None if args.prefault is None else 0 if args.prefault.strip() == "0" else parse_size(args.prefault)
     info = {**machine(), "rounds": args.rounds, "warmup": args.warmup,
@@ -94,6 +94,8 @@ def main(argv: list[str] | None = None) -> int:
     if rev:
         print(f"\n{TREE} against {rev}: {environment_note()}")
         print(compare_table(rows, rev))
+        for note in notes:
+            print(note)
     if args.json:
         doc = {**info, "against": rev, "cases": [{"name": c.name, "description": c.description, "reference": c.reference,
                                   "prefault_bytes": c.prefault if hot is None else hot,
