@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ckptctl.errors import InputError
+from ckptctl.errors import InputError, UsageError
 from ckptctl.sources.base import Source
 
 MEGATRON = "megatron"  # --names megatron reads this kind
@@ -17,20 +17,29 @@ if TYPE_CHECKING:
 
 
 def open_source(path: str | os.PathLike[str], *, key: str | None = None, only: str | None = None,
-                reading: "MetadataReading | None" = None, names: str | None = None) -> Source:
+                reading: "MetadataReading | None" = None, names: str | None = None, **options: object) -> Source:
     """Open whatever ``path`` holds as a tensor source, complete as returned: the located kind
     ``sources/kinds.locate`` finds (Megatron, ZeRO, DCP-HF), else the family ``layout`` chooses
     (:func:`open_family`). ``only`` names a kind (or a layout shape, ``index``/``single``).
     ``reading``: the command's metadata reading (``layout.reading``), when it has one. ``names``:
-    ``megatron`` exports a Megatron checkpoint under its own names (``--names megatron``)."""
+    ``megatron`` exports a Megatron checkpoint under its own names (``--names megatron``).
+    ``options``: a kind's own options (``vocab_size``: Megatron's ``--vocab-size``), refused for
+    any other kind."""
     from ckptctl.sources import kinds
 
     p = Path(path)
     found = kinds.locate(p, only=only if only is not None or names != MEGATRON else MEGATRON)
     if found is not None:
-        src = found.kind.hook("open")(found.location, p, key=key, only=only, reading=reading, names=names)
+        if options and found.kind.name != MEGATRON:
+            raise UsageError(f"--{next(iter(options)).replace('_', '-')} applies to a Megatron checkpoint; "
+                             f"{p} is a {found.kind.name} one", "drop the option")
+        src = found.kind.hook("open")(found.location, p, key=key, only=only, reading=reading, names=names,
+                                      **options)
         if src is not None:  # None: DCP-HF beside the same consolidated files, which the layout reads
             return src
+    if options:
+        raise UsageError(f"--{next(iter(options)).replace('_', '-')} applies to a Megatron checkpoint; {p} is not one",
+                         "drop the option")
     return open_family(p, key=key, only=only, reading=reading)
 
 

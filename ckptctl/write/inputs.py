@@ -121,7 +121,8 @@ def open_inputs(src: str | os.PathLike[str], dst: str | os.PathLike[str], opts: 
         _refuse_multi_component(src_p, layout)
     try:
         source = open_source(src_p, key=settings.key, only=settings.only, names=settings.names,
-                             reading=layout.reading if layout is not None else None)
+                             reading=layout.reading if layout is not None else None,
+                             **dict(settings.source_options))
     except CkptctlError as exc:
         if exc.phase is None and exc.exit_code != 2:
             exc.phase = "read-source"  # an I/O failure reading the source's metadata

@@ -62,6 +62,7 @@ class ExportOptions:
     progress: ProgressFn | None = None
     chunk_bytes: int = CHUNK_BYTES
     names: str | None = None  # hf (None) | megatron: see NAMES_CHOICES
+    vocab_size: int | None = None  # --vocab-size: the rows of a Megatron embedding and head kept
     # A planned shard whose bytes already exist (``ShardPlan.link_from``): hard-linked, or with
     # False an independent copy (cloned where the filesystem can, else copied by the kernel).
     link_unchanged: bool = True
@@ -77,6 +78,7 @@ class ExportSettings:
     key: str | None = None
     keep_layout: bool = False  # --max-shard-size keep: the source's own shards
     names: str | None = None  # --names megatron: a Megatron checkpoint's own names (the opener's ``names``)
+    source_options: tuple[tuple[str, object], ...] = ()  # given to the source kind's opener (--vocab-size)
 
 
 def target_dtype(option: str | None) -> str | None:
@@ -112,9 +114,13 @@ def validate(opts: ExportOptions, *, only: str | None = None, key: str | None = 
             raise UsageError(f"--names megatron reads a Megatron checkpoint, not --only {only}",
                              "drop --only, or use --only megatron")
     check_key(key)
+    if opts.vocab_size is not None and (type(opts.vocab_size) is not int or opts.vocab_size <= 0):
+        raise UsageError(f"--vocab-size {opts.vocab_size!r} is not a positive integer", "e.g. --vocab-size 151936")
     if opts.prefix in ("", ".", "..") or "/" in opts.prefix or "\0" in opts.prefix:
         raise UsageError(f"file name prefix {opts.prefix!r} is not a plain name", "use a name such as model")
     parsed = N.parse_weights_name(f"model.{opts.variant}.safetensors") if opts.variant is not None else None
     if opts.variant is not None and (parsed is None or parsed.variant != opts.variant):
         raise UsageError(f"variant {opts.variant!r} is not a plain variant name", "use a name such as fp16")
-    return ExportSettings(size, target, only, key or None, keep_layout=keep, names=opts.names or None)
+    source_options = (("vocab_size", opts.vocab_size),) if opts.vocab_size is not None else ()
+    return ExportSettings(size, target, only, key or None, keep_layout=keep, names=opts.names or None,
+                          source_options=source_options)
