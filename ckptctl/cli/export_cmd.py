@@ -13,6 +13,8 @@ import typer
 from ckptctl.cli._options import (ONLY_HELP, DryRunOpt, DtypeOpt, JsonOpt, KeyOpt, LabelOpt, ManifestOpt, NoFsyncOpt,
                                   QuietOpt, TimeoutOpt, VerboseOpt)
 from ckptctl.cli._output import Output, ProgressReporter, human_size
+from ckptctl.cli.follow_cmd import (ExitWhenIdleOpt, FollowOpt, FromOpt, KeepBestOpt, KeepEveryOpt, KeepLastOpt,
+                                    OnceOpt, OnPublishOpt, PollOpt, PriorityOpt, QuietPeriodOpt, VerifyOpt)
 
 def export(
     src: Annotated[str, typer.Argument(metavar="SRC", help="Source: safetensors file/dir, .bin/.pt, PEFT adapter dir, DCP dir, DeepSpeed ZeRO or Megatron torch_dist checkpoint, or a cached repo id.")],
@@ -32,8 +34,25 @@ def export(
     json_: JsonOpt = False,
     quiet: QuietOpt = 0,
     verbose: VerboseOpt = 0,
+    follow: FollowOpt = False,
+    once: OnceOpt = False,
+    start_from: FromOpt = "newest",
+    quiet_period: QuietPeriodOpt = "30s",
+    poll_interval: PollOpt = "5s",
+    exit_when_idle: ExitWhenIdleOpt = None,
+    keep_last: KeepLastOpt = None,
+    keep_every: KeepEveryOpt = None,
+    keep_best: KeepBestOpt = None,
+    verify: VerifyOpt = False,
+    on_publish: OnPublishOpt = None,
+    priority: PriorityOpt = "low",
 ) -> None:
     """Write a checkpoint as HF safetensors shards + index + config/tokenizer files, atomically."""
+    if follow:  # SRC is a training job's output: every completed save (cli/follow_cmd.py, docs/FOLLOW.md)
+        from ckptctl.cli.follow_cmd import run_follow
+
+        return run_follow(src, dst, json_=json_, quiet=quiet, verbose=verbose, **{
+            k: v for k, v in locals().items() if k not in ("src", "dst", "json_", "quiet", "verbose", "follow")})
     out = Output("export", json_mode=json_, quiet=quiet + (1 if json_ else 0), verbose=verbose)
     multi_rank = int(os.environ.get("WORLD_SIZE", "1")) > 1
     try:
