@@ -117,8 +117,8 @@ class Follower:
         assert self.state is not None and self.handler is not None
         rec = self.state.records.get(save.name)
         status = rec.get("status") if rec else None
-        if status in FINAL and self.handled_digest.get(save.name) == fp.digest:
-            return False  # nothing changed since it was judged the same save
+        if status == "skipped" or (status in FINAL and self.handled_digest.get(save.name) == fp.digest):
+            return False  # older than following (for good), or nothing changed since it was judged the same save
         if rec is not None and fp.digest in (rec.get("lost_digest"), rec.get("refused_digest")):
             return False  # the very files that were lost or refused: wait for a change
         judged = judge(save, fp, now_ns=time.time_ns(), quiet_s=self.opts.quiet)
