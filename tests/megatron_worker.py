@@ -13,7 +13,8 @@ field names, ``checkpoint_version`` 3.0 and ``iteration``; one fixture also save
 
 The oracle: after every save, the parallel state is set up again at degree 1 and each
 checkpoint is loaded by ``dist_checkpointing.load`` into a fresh full model, whose own forward on
-fixed tokens gives ``<name>/oracle_logits.pt`` (rank 0): what the exported HF model must give.
+fixed tokens gives ``<name>/oracle_logits.pt`` (rank 0): what the exported HF model must give, over
+the NullTokenizer's ``VOCAB + 1`` columns (its EOD row is a trained row).
 
 Shims for megatron-core 0.16.1 on CPU (facts in /work/shared/reference/frameworks-on-cpu.md):
 ``torch.cuda.synchronize`` a no-op, ``torch.cuda.current_device`` the CPU, ``Tensor.cuda`` the tensor itself (pipeline
@@ -189,7 +190,8 @@ def _oracle(name: str, spec: dict, out: Path) -> None:
     with torch.no_grad():
         logits = model(tokens, pos, mask)
     if dist.get_rank() == 0:
-        torch.save({"tokens": tokens, "logits": logits[..., :VOCAB].contiguous().clone()},
+        # NullTokenizer: Megatron-LM's vocabulary is vocab_size + 1 (its EOD id is vocab_size)
+        torch.save({"tokens": tokens, "logits": logits[..., :VOCAB + 1].contiguous().clone()},
                    out / name / "oracle_logits.pt")
         (out / name / "spec.json").write_text(json.dumps(spec))
     dist.barrier()

@@ -63,7 +63,8 @@ def test_transformers_gives_megatrons_own_logits(megatron_ckpts, exported, name)
     dst, doc = exported[name]
     oracle = torch.load(megatron_ckpts[name] / "oracle_logits.pt")
     got = _logits(dst, oracle["tokens"])
-    assert got.shape == oracle["logits"].shape  # the vocabulary padding removed
+    # the vocabulary padding removed, the NullTokenizer's EOD row (vocab_size + 1) kept
+    assert got.shape == oracle["logits"].shape == (1, 12, 102)
     assert (got - oracle["logits"]).abs().max().item() < TOLERANCE
     cfg = json.loads((dst / "config.json").read_text())
     assert cfg["architectures"] == [ARCH[name]]

@@ -62,7 +62,7 @@ def _layers_mismatch(folder: Path, tmp: Path) -> str:
 
 def _query_groups_mismatch(folder: Path, tmp: Path) -> str:
     _common(folder, num_query_groups=4)
-    return "linear_qkv.weight has 128 rows; 4 heads in 4 query groups of 16 channels make 192"
+    return "the arguments say (num_attention_heads + 2 x num_query_groups) x kv_channels = 192"
 
 
 def _tied_but_head_stored(folder: Path, tmp: Path) -> str:

@@ -28,9 +28,10 @@ def test_inspect_shows_the_arguments_and_the_tensors_the_export_writes(megatron_
     mega = doc["megatron"]
     assert mega["mapping"] == "mixtral" and mega["iteration"] == "7" and mega["mapping_error"] is None
     assert mega["args"]["num_experts"] == 4 and mega["args"]["padded_vocab_size"] == 128
-    assert doc["config"]["architectures"] == ["MixtralForCausalLM"] and doc["config"]["vocab_size"] == 101
+    assert doc["config"]["architectures"] == ["MixtralForCausalLM"] and doc["config"]["vocab_size"] == 102
     names = {t["name"]: t for t in doc["tensors"]}
-    assert names["model.embed_tokens.weight"]["shape"] == [101, 64]  # the padding removed, as exported
+    # the padding removed, as exported: the NullTokenizer's vocab_size 101 and its EOD row
+    assert names["model.embed_tokens.weight"]["shape"] == [102, 64]
     assert "model.layers.1.block_sparse_moe.experts.3.w3.weight" in names
     r = _inspect(root)  # the same tensors the export writes
     out = tmp_path / "hf"
@@ -49,10 +50,10 @@ def test_inspect_of_an_uncovered_model_lists_megatron_names_and_says_why(megatro
     shutil.copytree(megatron_ckpts["llama_tp2"], src)
     common = iteration(src) / "common.pt"
     obj = torch.load(common, weights_only=False)
-    obj["args"] = argparse.Namespace(**{**vars(obj["args"]), "qk_layernorm": True})
+    obj["args"] = argparse.Namespace(**{**vars(obj["args"]), "multi_latent_attention": True})
     torch.save(obj, common)
     doc = _inspect(src)
-    assert doc["megatron"]["mapping"] is None and "qk_layernorm=True" in doc["megatron"]["mapping_error"]
+    assert doc["megatron"]["mapping"] is None and "multi_latent_attention=True (multi-latent attention (MLA))" in doc["megatron"]["mapping_error"]
     assert "decoder.layers.self_attention.linear_qkv.weight" in {t["name"] for t in doc["tensors"]}
 
 

@@ -3,7 +3,8 @@
 Megatron-LM pickles its argument namespace into ``common.pt`` (field names of Megatron-LM
 0.16.1: ``num_layers``, ``hidden_size``, ``num_query_groups``, ``norm_epsilon``,
 ``padded_vocab_size`` ...). :func:`describe` picks the family (a mixture of experts is
-Mixtral-style, a QKV bias Qwen2-style, else Llama-style), refuses with the argument named what
+Qwen3-MoE-style with QK norms, else Mixtral-style; QK norms Qwen3-style, a QKV bias
+Qwen2-style, else Llama-style), the vocabulary the run's tokenizer had (:func:`vocabulary`), refuses with the argument named what
 no mapping covers (LayerNorm, a non-gated MLP, linear biases, QK norms, rotary scaling, shared
 experts ...), and gives the sizes the mapping needs and the config transformers reads. The
 tensors are checked against these sizes by the mapping itself (``megatron_mapping.plan``).
@@ -21,11 +22,16 @@ class ArgsError(ValueError):
     """What the arguments say that no mapping covers, or that contradicts itself."""
 
 
+class OptionError(ArgsError):
+    """An export option (``--vocab-size``) that does not fit the checkpoint."""
+
+
 @dataclass(frozen=True)
 class Described:
     family: Family
     dims: Dims
     config: dict[str, Any]
+    note: str | None = None  # what the export should say (a vocabulary kept padded)
 
 
 def _get(args: dict[str, Any], *names: str, default: Any = None) -> Any:
@@ -50,27 +56,64 @@ def _float(args: dict[str, Any], *names: str, default: float) -> float:
 
 
 _UNCOVERED = (  # (argument, the value a mapping covers, what it would be)
+    ("multi_latent_attention", False, "multi-latent attention (MLA)"),
     ("normalization", "RMSNorm", "LayerNorm: no RMSNorm-based HF family matches"),
     ("swiglu", True, "a non-gated MLP"),
     ("position_embedding_type", "rope", "position embeddings other than rotary"),
     ("add_bias_linear", False, "biases on the linear layers"),
-    ("qk_layernorm", False, "query/key norms"),
     ("apply_layernorm_1p", False, "zero-centred (1p) norm weights"),
-    ("multi_latent_attention", False, "multi-latent attention"),
     ("use_rope_scaling", False, "rotary scaling"),
     ("moe_router_pre_softmax", False, "a softmax before the top-k choice"),
 )
+# Megatron-LM's tokenizers whose vocabulary the arguments give (megatron/training/tokenizer):
+# _NullTokenizer(vocab_size) adds its EOD token at id vocab_size; _TikTokenizer's vocab_size is
+# the whole vocabulary, special tokens included.
+_VOCAB_PLUS_EOD = ("NullTokenizer", "NullMultimodalTokenizer")
+_VOCAB_AS_IS = ("TikTokenizer",)
 
 
-def describe(args: dict[str, Any], dtype: str | None) -> Described:
+def vocabulary(args: dict[str, Any], padded: int, override: int | None = None) -> tuple[int, str | None]:
+    """The vocabulary the run's tokenizer had, as Megatron-LM computes it from the arguments, and
+    a note when it is not known (the padded size is kept then). ``override``: ``--vocab-size``."""
+    if override is not None:
+        if type(override) is not int or not 0 < override <= padded:
+            raise OptionError(f"--vocab-size {override!r} does not fit the {padded} stored rows (padded_vocab_size)")
+        return override, None
+    tokenizer = args.get("tokenizer_type")
+    size = args.get("vocab_size")
+    if tokenizer in _VOCAB_PLUS_EOD or tokenizer in _VOCAB_AS_IS:
+        if type(size) is not int or size <= 0:
+            raise ArgsError(f"argument vocab_size is {size!r}, not a positive integer ({tokenizer} needs it)")
+        vocab = size + 1 if tokenizer in _VOCAB_PLUS_EOD else size
+        if vocab > padded:
+            raise ArgsError(f"the {tokenizer} vocabulary of {vocab} (vocab_size={size}) does not fit "
+                            f"padded_vocab_size={padded}")
+        return vocab, None
+    shown = f"tokenizer_type={tokenizer!r}" if tokenizer else "no tokenizer_type"
+    return padded, (f"{shown}: the tokenizer's size is not in the arguments, so all {padded} rows "
+                    "(padded_vocab_size) are kept; pass --vocab-size N to keep the first N")
+
+
+def _family(args: dict[str, Any], experts: int, qkv_bias: bool, qk_norm: bool) -> Family:
+    if experts and qkv_bias:
+        raise ArgsError("a mixture of experts with a QKV bias (Qwen2-MoE, GLM-4.5) is not covered")
+    if qkv_bias and qk_norm:
+        raise ArgsError("a QKV bias with query/key norms (qk_layernorm) is not covered")
+    if experts:
+        return FAMILIES["qwen3_moe" if qk_norm else "mixtral"]
+    return FAMILIES["qwen3" if qk_norm else "qwen2" if qkv_bias else "llama"]
+
+
+def describe(args: dict[str, Any], dtype: str | None, vocab_size: int | None = None) -> Described:
     """Family, sizes and ``config.json`` of the model ``args`` describe (``dtype``: the config
-    name of the weights' dtype). Raises ArgsError."""
+    name of the weights' dtype; ``vocab_size``: ``--vocab-size``). Raises ArgsError."""
     for name, covered, what in _UNCOVERED:
         value = args.get(name)
         if value is None and name in ("swiglu", "normalization", "position_embedding_type"):
             raise ArgsError(f"argument {name} is not recorded")
         if value is not None and value != covered:
-            raise ArgsError(f"{name}={value!r} ({what}) is not covered by the Llama, Qwen2 or Mixtral mappings")
+            raise ArgsError(f"{name}={value!r} ({what}) is not covered by the Llama, Qwen2, Qwen3 or Mixtral "
+                            "mappings")
     if _float(args, "rotary_percent", default=1.0) != 1.0:
         raise ArgsError(f"rotary_percent={args['rotary_percent']!r} (partial rotary) is not covered")
     layers = _int(args, "num_layers")
@@ -82,42 +125,49 @@ def describe(args: dict[str, Any], dtype: str | None) -> Described:
         raise ArgsError(f"{heads} attention heads do not divide into {groups} query groups")
     experts = _int(args, "num_experts") if _get(args, "num_experts") else 0
     if experts and _get(args, "moe_shared_expert_intermediate_size"):
-        raise ArgsError("moe_shared_expert_intermediate_size (shared experts) is not covered by the Mixtral mapping")
+        raise ArgsError("moe_shared_expert_intermediate_size (shared experts) is not covered by the Mixtral or "
+                        "Qwen3-MoE mappings")
     if experts and _get(args, "moe_layer_freq", default=1) != 1:
         raise ArgsError(f"moe_layer_freq={args['moe_layer_freq']!r} (dense layers between MoE layers) is not covered")
     if experts and _get(args, "moe_router_score_function", default="softmax") != "softmax":
         raise ArgsError(f"moe_router_score_function={args['moe_router_score_function']!r} is not covered")
-    ffn = _int(args, "moe_ffn_hidden_size", "ffn_hidden_size") if experts else _int(args, "ffn_hidden_size")
+    if experts and _float(args, "moe_router_topk_scaling_factor", default=1.0) != 1.0:
+        raise ArgsError(f"moe_router_topk_scaling_factor={args['moe_router_topk_scaling_factor']!r} is not covered")
+    ffn = _int(args, "ffn_hidden_size") if not experts or _get(args, "ffn_hidden_size") else 0
+    moe_ffn = _int(args, "moe_ffn_hidden_size", "ffn_hidden_size") if experts else 0
     padded = _int(args, "padded_vocab_size", "vocab_size")
-    vocab = _get(args, "vocab_size", default=None) or padded
-    if type(vocab) is not int or not 0 < vocab <= padded:
-        raise ArgsError(f"vocab_size={vocab!r} does not fit padded_vocab_size={padded}")
+    vocab, note = vocabulary(args, padded, vocab_size)
     tied = not bool(args.get("untie_embeddings_and_output_weights", False))
     qkv_bias = bool(args.get("add_qkv_bias", False))
-    if experts and qkv_bias:
-        raise ArgsError("a mixture of experts with a QKV bias (Qwen2-MoE) is not covered")
-    fam = FAMILIES["mixtral" if experts else "qwen2" if qkv_bias else "llama"]
+    qk_norm = bool(args.get("qk_layernorm", False))
+    fam = _family(args, experts, qkv_bias, qk_norm)
     theta = _float(args, "rotary_base", default=10000)
     eps = _float(args, "norm_epsilon", "layernorm_epsilon", default=1e-5)
     cfg: dict[str, Any] = {
         "architectures": [fam.architecture], "model_type": fam.name, "vocab_size": vocab, "hidden_size": hidden,
-        "intermediate_size": ffn, "num_hidden_layers": layers, "num_attention_heads": heads,
-        "num_key_value_heads": groups, "head_dim": head_dim, "hidden_act": "silu",
+        "intermediate_size": moe_ffn if fam.name == "mixtral" else ffn or moe_ffn, "num_hidden_layers": layers,
+        "num_attention_heads": heads, "num_key_value_heads": groups, "head_dim": head_dim, "hidden_act": "silu",
         "max_position_embeddings": _int(args, "max_position_embeddings", "seq_length", default=4096),
         "rms_norm_eps": eps, "rope_theta": theta, "rope_parameters": {"rope_type": "default", "rope_theta": theta},
         "tie_word_embeddings": tied, "attention_dropout": 0.0, "use_cache": True,
     }
     if fam.name == "llama":
         cfg.update(attention_bias=False, mlp_bias=False)
-    if fam.name == "qwen2":
-        cfg.update(use_sliding_window=False, sliding_window=None)
-    if experts:
+    if fam.name in ("qwen2", "qwen3", "qwen3_moe"):
+        cfg.update(use_sliding_window=False, sliding_window=None, max_window_layers=layers)
+    if fam.name in ("qwen3", "qwen3_moe"):
+        cfg.update(attention_bias=False)
+    if fam.name == "mixtral":
         cfg.update(num_local_experts=experts, num_experts_per_tok=_int(args, "moe_router_topk", default=2),
                    router_aux_loss_coef=_float(args, "moe_aux_loss_coeff", default=0.0), sliding_window=None)
+    if fam.name == "qwen3_moe":  # Megatron's softmax after the top-k: the chosen probabilities sum to 1
+        cfg.update(num_experts=experts, num_experts_per_tok=_int(args, "moe_router_topk", default=2),
+                   moe_intermediate_size=moe_ffn, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+                   router_aux_loss_coef=_float(args, "moe_aux_loss_coeff", default=0.0))
     if dtype:
         cfg["dtype"] = dtype
-    dims = Dims(layers, heads, groups, head_dim, ffn, vocab, experts, tied)
-    return Described(fam, dims, dict(sorted(cfg.items())))
+    dims = Dims(layers, heads, groups, head_dim, ffn, vocab, experts, tied, hidden=hidden, moe_ffn=moe_ffn)
+    return Described(fam, dims, dict(sorted(cfg.items())), note)
 
 
 def summary(args: dict[str, Any]) -> dict[str, Any]:
@@ -126,6 +176,6 @@ def summary(args: dict[str, Any]) -> dict[str, Any]:
             "num_query_groups", "kv_channels", "normalization", "norm_epsilon", "layernorm_epsilon", "swiglu",
             "position_embedding_type", "rotary_base", "rotary_percent", "add_bias_linear", "add_qkv_bias",
             "untie_embeddings_and_output_weights", "vocab_size", "padded_vocab_size", "num_experts",
-            "moe_router_topk", "moe_ffn_hidden_size", "tensor_model_parallel_size", "pipeline_model_parallel_size",
+            "moe_router_topk", "moe_ffn_hidden_size", "qk_layernorm", "tokenizer_type", "moe_grouped_gemm", "tensor_model_parallel_size", "pipeline_model_parallel_size",
             "expert_model_parallel_size", "transformer_impl", "ckpt_format", "bf16", "fp16", "params_dtype")
     return {k: args[k] for k in keys if k in args}

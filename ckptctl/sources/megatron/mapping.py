@@ -17,6 +17,12 @@ The operations of a :class:`Rule`:
 - ``glu``: ``linear_fc1`` of a gated MLP is ``[gate; up]`` (``ffn`` rows each, whatever the
   tensor-parallel degree was: Megatron saves the two halves as separate global ranges).
 
+A model whose layers differ (a ``moe_layer_freq`` list, MTP) is saved with per-layer keys,
+``decoder.layers.{i}.<name>`` without the layer dimension: :func:`plan` reads both, and a mixed
+or incomplete set is refused naming the layer. Each rule also states the shape of the tensor
+below its stacked dimensions in terms of the arguments (:data:`SIZES`), so an argument that
+contradicts a tensor is refused naming the argument.
+
 Layer rules name the part after ``decoder.layers.``; Transformer Engine's fused names and the
 local layer spec's separate norms are both listed (the local spec saves under the fused names).
 Every model tensor of the checkpoint must be consumed by a rule, or the export is refused:
@@ -36,13 +42,17 @@ LAYERS = "decoder.layers."
 @dataclass(frozen=True)
 class Rule:
     """Megatron tensor (any of ``megatron``, the first present) -> HF tensors ``hf`` (``{i}``:
-    the layer, ``{e}``: the expert), by operation ``op``, once per model, layer or expert."""
+    the layer, ``{e}``: the expert), by operation ``op``, once per model, layer or expert.
+    ``shape``: the tensor's shape below its stacked dimensions, in :data:`SIZES` names
+    (``vocab``: at least the vocabulary); ``ffn``: the FFN size a ``glu`` splits."""
 
     megatron: tuple[str, ...]
     hf: tuple[str, ...]
     op: str = COPY
     scope: str = LAYER
     when: str | None = None  # only for a head that is not tied ("untied")
+    shape: tuple[str, ...] = ()
+    ffn: str = "ffn"
 
 
 @dataclass(frozen=True)
@@ -55,33 +65,58 @@ class Family:
 _ATTN = "model.layers.{i}.self_attn."
 _QKV_W = (_ATTN + "q_proj.weight", _ATTN + "k_proj.weight", _ATTN + "v_proj.weight")
 _COMMON = (
-    Rule(("embedding.word_embeddings.weight",), ("model.embed_tokens.weight",), VOCAB, MODEL),
-    Rule(("decoder.final_layernorm.weight",), ("model.norm.weight",), COPY, MODEL),
-    Rule(("output_layer.weight",), ("lm_head.weight",), VOCAB, MODEL, when="untied"),
+    Rule(("embedding.word_embeddings.weight",), ("model.embed_tokens.weight",), VOCAB, MODEL,
+         shape=("vocab", "hidden")),
+    Rule(("decoder.final_layernorm.weight",), ("model.norm.weight",), COPY, MODEL, shape=("hidden",)),
+    Rule(("output_layer.weight",), ("lm_head.weight",), VOCAB, MODEL, when="untied", shape=("vocab", "hidden")),
     Rule(("self_attention.linear_qkv.layer_norm_weight", "input_layernorm.weight"),
-         ("model.layers.{i}.input_layernorm.weight",)),
-    Rule(("self_attention.linear_qkv.weight",), _QKV_W, QKV),
-    Rule(("self_attention.linear_proj.weight",), (_ATTN + "o_proj.weight",)),
+         ("model.layers.{i}.input_layernorm.weight",), shape=("hidden",)),
+    Rule(("self_attention.linear_qkv.weight",), _QKV_W, QKV, shape=("qkv", "hidden")),
+    Rule(("self_attention.linear_proj.weight",), (_ATTN + "o_proj.weight",), shape=("hidden", "q")),
     Rule(("mlp.linear_fc1.layer_norm_weight", "pre_mlp_layernorm.weight"),
-         ("model.layers.{i}.post_attention_layernorm.weight",)),
+         ("model.layers.{i}.post_attention_layernorm.weight",), shape=("hidden",)),
 )
 _DENSE_MLP = (
     Rule(("mlp.linear_fc1.weight",), ("model.layers.{i}.mlp.gate_proj.weight", "model.layers.{i}.mlp.up_proj.weight"),
-         GLU),
-    Rule(("mlp.linear_fc2.weight",), ("model.layers.{i}.mlp.down_proj.weight",)),
+         GLU, shape=("ffn2", "hidden")),
+    Rule(("mlp.linear_fc2.weight",), ("model.layers.{i}.mlp.down_proj.weight",), shape=("hidden", "ffn")),
 )
+_QK_NORM = (
+    Rule(("self_attention.q_layernorm.weight",), (_ATTN + "q_norm.weight",), shape=("head_dim",)),
+    Rule(("self_attention.k_layernorm.weight",), (_ATTN + "k_norm.weight",), shape=("head_dim",)),
+)
+_FC1 = ("mlp.experts.experts.linear_fc1.weight", "mlp.experts.local_experts.linear_fc1.weight")
+_FC2 = ("mlp.experts.experts.linear_fc2.weight", "mlp.experts.local_experts.linear_fc2.weight")
+
+
+def _experts(prefix: str, gate: str, up: str, down: str) -> tuple[Rule, ...]:
+    return (
+        Rule(("mlp.router.weight",), (prefix + "gate.weight",), shape=("experts", "hidden")),
+        Rule(_FC1, (prefix + gate, prefix + up), GLU, EXPERT, shape=("moe2", "hidden"), ffn="moe_ffn"),
+        Rule(_FC2, (prefix + down,), COPY, EXPERT, shape=("hidden", "moe_ffn")),
+    )
+
+
 _MOE = "model.layers.{i}.block_sparse_moe."
+_MLP = "model.layers.{i}.mlp."
 FAMILIES = {
     "llama": Family("llama", "LlamaForCausalLM", _COMMON + _DENSE_MLP),
     "qwen2": Family("qwen2", "Qwen2ForCausalLM", _COMMON + _DENSE_MLP + (
-        Rule(("self_attention.linear_qkv.bias",), tuple(n.replace(".weight", ".bias") for n in _QKV_W), QKV),)),
-    "mixtral": Family("mixtral", "MixtralForCausalLM", _COMMON + (
-        Rule(("mlp.router.weight",), (_MOE + "gate.weight",)),
-        Rule(("mlp.experts.experts.linear_fc1.weight", "mlp.experts.local_experts.linear_fc1.weight"),
-             (_MOE + "experts.{e}.w1.weight", _MOE + "experts.{e}.w3.weight"), GLU, EXPERT),
-        Rule(("mlp.experts.experts.linear_fc2.weight", "mlp.experts.local_experts.linear_fc2.weight"),
-             (_MOE + "experts.{e}.w2.weight",), COPY, EXPERT),
-    )),
+        Rule(("self_attention.linear_qkv.bias",), tuple(n.replace(".weight", ".bias") for n in _QKV_W), QKV,
+             shape=("qkv",)),)),
+    "mixtral": Family("mixtral", "MixtralForCausalLM", _COMMON + _experts(
+        _MOE, "experts.{e}.w1.weight", "experts.{e}.w3.weight", "experts.{e}.w2.weight")),
+    "qwen3": Family("qwen3", "Qwen3ForCausalLM", _COMMON + _QK_NORM + _DENSE_MLP),
+    "qwen3_moe": Family("qwen3_moe", "Qwen3MoeForCausalLM", _COMMON + _QK_NORM + _experts(
+        _MLP, "experts.{e}.gate_proj.weight", "experts.{e}.up_proj.weight", "experts.{e}.down_proj.weight")),
+}
+# The size names of Rule.shape: the Dims field (or product) each stands for, and the argument(s)
+# it comes from, named when a tensor contradicts them.
+SIZES = {
+    "hidden": "hidden_size", "ffn": "ffn_hidden_size", "ffn2": "2 x ffn_hidden_size",
+    "moe_ffn": "moe_ffn_hidden_size", "moe2": "2 x moe_ffn_hidden_size", "experts": "num_experts",
+    "head_dim": "kv_channels", "q": "num_attention_heads x kv_channels",
+    "qkv": "(num_attention_heads + 2 x num_query_groups) x kv_channels",
 }
 
 
@@ -97,6 +132,14 @@ class Dims:
     vocab: int
     experts: int = 0
     tied: bool = False
+    hidden: int = 0  # 0: not checked
+    moe_ffn: int = 0
+
+    def size(self, name: str) -> int:
+        per_group = self.heads // self.groups if self.groups else 0
+        return {"hidden": self.hidden, "ffn": self.ffn, "ffn2": 2 * self.ffn, "moe_ffn": self.moe_ffn,
+                "moe2": 2 * self.moe_ffn, "experts": self.experts, "head_dim": self.head_dim,
+                "q": self.heads * self.head_dim, "qkv": self.groups * (per_group + 2) * self.head_dim}[name]
 
 
 @dataclass(frozen=True)
@@ -125,8 +168,9 @@ class MappingError(ValueError):
     """A tensor the mapping cannot take: the message says which and why."""
 
 
-def _split(op: str, rows: int, d: Dims, fqn: str) -> list[list[tuple[int, int]]]:
-    """The row ranges of each output of ``op`` over a slab of ``rows`` rows."""
+def _split(rule: Rule, rows: int, d: Dims, fqn: str) -> list[list[tuple[int, int]]]:
+    """The row ranges of each output of ``rule.op`` over a slab of ``rows`` rows."""
+    op = rule.op
     if op == COPY:
         return [[(0, rows)]]
     if op == VOCAB:
@@ -134,9 +178,10 @@ def _split(op: str, rows: int, d: Dims, fqn: str) -> list[list[tuple[int, int]]]
             raise MappingError(f"{fqn} has {rows} rows, fewer than the vocabulary of {d.vocab}")
         return [[(0, d.vocab)]]
     if op == GLU:
-        if rows != 2 * d.ffn:
-            raise MappingError(f"{fqn} has {rows} rows; a gated MLP of FFN size {d.ffn} has {2 * d.ffn}")
-        return [[(0, d.ffn)], [(d.ffn, 2 * d.ffn)]]
+        ffn = d.size(rule.ffn)
+        if rows != 2 * ffn:
+            raise MappingError(f"{fqn} has {rows} rows; a gated MLP of FFN size {ffn} has {2 * ffn}")
+        return [[(0, ffn)], [(ffn, 2 * ffn)]]
     per_group = d.heads // d.groups
     group_rows = (per_group + 2) * d.head_dim
     if rows != d.groups * group_rows:
@@ -148,57 +193,128 @@ def _split(op: str, rows: int, d: Dims, fqn: str) -> list[list[tuple[int, int]]]
     return [q, k, v]
 
 
-def rule_outputs(rule: Rule, fqn: str, shape: tuple[int, ...], d: Dims) -> Iterator[Output]:
-    """The HF tensors ``rule`` makes of Megatron tensor ``fqn`` (global ``shape``). Raises
-    MappingError when the shape does not fit the arguments."""
-    if rule.scope == MODEL:
-        prefixes: list[tuple[tuple[int, ...], dict[str, int]]] = [((), {})]
-    elif rule.scope == LAYER:
+def check_shape(rule: Rule, fqn: str, shape: tuple[int, ...], d: Dims) -> None:
+    """``shape`` (below the stacked dimensions) against ``rule.shape``: a mismatch names the
+    arguments that say otherwise. Raises MappingError."""
+    if not rule.shape:
+        return
+    if len(shape) != len(rule.shape):
+        raise MappingError(f"{fqn} has shape {list(shape)}; a {len(rule.shape)}-dimensional tensor was expected")
+    for j, (got, name) in enumerate(zip(shape, rule.shape)):
+        if name == "vocab":
+            continue  # checked by the cut (at least the vocabulary)
+        want = d.size(name)
+        if name == "hidden" and not want:
+            continue
+        if got != want:
+            raise MappingError(f"{fqn} has {got} in dimension {j} of {list(shape)}, but the arguments say "
+                               f"{SIZES[name]} = {want}")
+
+
+def rule_outputs(rule: Rule, fqn: str, shape: tuple[int, ...], d: Dims, lead: tuple[int, ...] = (),
+                 fmt: dict[str, int] | None = None) -> Iterator[Output]:
+    """The HF tensors ``rule`` makes of Megatron tensor ``fqn`` (global ``shape``), whose leading
+    ``len(lead)`` dimensions are stacked layers taken at ``lead`` (``()``: per-layer keys, and
+    every layer of a stacked tensor when ``fmt`` is None). Raises MappingError when the shape
+    does not fit the arguments."""
+    if rule.scope != MODEL and fmt is None:  # a stacked tensor: every layer
         if not shape or shape[0] != d.layers:
             raise MappingError(f"{fqn} stacks {shape[0] if shape else 0} layers; the arguments say {d.layers}")
-        prefixes = [((i,), {"i": i}) for i in range(d.layers)]
+        for i in range(d.layers):
+            yield from rule_outputs(rule, fqn, shape, d, (i,), {"i": i})
+        return
+    fmt = fmt or {}
+    k0 = len(lead)
+    if rule.scope == EXPERT:
+        if len(shape) <= k0 or shape[k0] != d.experts:
+            raise MappingError(f"{fqn} has shape {list(shape)}; the arguments say {d.experts} experts (num_experts)")
+        prefixes = [(lead + (e,), {**fmt, "e": e}) for e in range(d.experts)]
     else:
-        if len(shape) < 2 or shape[:2] != (d.layers, d.experts):
-            raise MappingError(f"{fqn} has shape {list(shape)}; the arguments say {d.layers} layers of "
-                               f"{d.experts} experts")
-        prefixes = [((i, e), {"i": i, "e": e}) for i in range(d.layers) for e in range(d.experts)]
+        prefixes = [(lead, fmt)]
     k = len(prefixes[0][0])
     if len(shape) <= k:
         raise MappingError(f"{fqn} has shape {list(shape)}: no dimension left below the stacked ones")
+    check_shape(rule, fqn, tuple(shape[k:]), d)
     rows, rest = shape[k], tuple(shape[k + 1:])
-    parts = _split(rule.op, rows, d, fqn)
+    parts = _split(rule, rows, d, fqn)
     if len(parts) != len(rule.hf):  # pragma: no cover - the tables are written to match
         raise MappingError(f"rule for {fqn} names {len(rule.hf)} outputs for {len(parts)} parts")
-    for prefix, fmt in prefixes:
+    for prefix, f in prefixes:
         for template, ranges in zip(rule.hf, parts):
             slabs, dst = [], 0
             for a, b in ranges:
                 slabs.append(Slab(fqn, prefix, a, b, dst))
                 dst += b - a
-            yield Output(template.format(**fmt), (dst, *rest), tuple(slabs), fqn)
+            yield Output(template.format(**f), (dst, *rest), tuple(slabs), fqn)
+
+
+def split_layers(tensors: dict[str, tuple[int, ...]]) -> tuple[dict[str, tuple[int, ...]], dict[int, set[str]]]:
+    """The tensors outside per-layer keys, and per layer ``i`` the names after
+    ``decoder.layers.{i}.`` (per-layer keys; ASCII digits only)."""
+    rest: dict[str, tuple[int, ...]] = {}
+    per: dict[int, set[str]] = {}
+    for fqn, shape in tensors.items():
+        if fqn.startswith(LAYERS):
+            head, _, tail = fqn[len(LAYERS):].partition(".")
+            if tail and head.isascii() and head.isdigit():
+                per.setdefault(int(head), set()).add(tail)
+                continue
+        rest[fqn] = shape
+    return rest, per
+
+
+def _present(rule: Rule, names: list[str], have: set[str] | dict[str, tuple[int, ...]],
+             family: Family, where: str) -> str | None:
+    present = [n for n in names if n in have]
+    if not present:
+        raise MappingError(f"{names[0]} is missing{where} (a {family.name} model has it)")
+    if len(present) > 1:
+        raise MappingError(f"both {present[0]} and {present[1]} are stored")
+    return present[0]
 
 
 def plan(family: Family, tensors: dict[str, tuple[int, ...]], d: Dims) -> list[Output]:
     """Every HF tensor of ``family`` made from the model ``tensors`` (Megatron name -> global
-    shape). Raises MappingError for a tensor a rule needs that is missing, a shape that does not
-    fit, or a tensor no rule consumes."""
+    shape), with stacked or per-layer keys. Raises MappingError for a tensor a rule needs that
+    is missing, a shape that does not fit, a mixed or incomplete set of per-layer keys, or a
+    tensor no rule consumes."""
     out: list[Output] = []
     used: set[str] = set()
+    stacked, per = split_layers(tensors)
+    if per:
+        layered = sorted(n for n in stacked if n.startswith(LAYERS))
+        if layered:
+            raise MappingError(f"both stacked ({layered[0]}) and per-layer (decoder.layers.{min(per)}.*) keys "
+                               "are stored")
+        missing = [i for i in range(d.layers) if i not in per]
+        if missing:
+            raise MappingError(f"layer {missing[0]} (decoder.layers.{missing[0]}.*) is missing; the arguments say "
+                               f"{d.layers} layers (num_layers)")
+        extra = sorted(i for i in per if i >= d.layers)
+        if extra:
+            raise MappingError(f"decoder.layers.{extra[0]}.* is stored; the arguments say {d.layers} layers "
+                               "(num_layers)")
     for rule in family.rules:
-        names = [n if rule.scope == MODEL else LAYERS + n for n in rule.megatron]
-        present = [n for n in names if n in tensors]
         if rule.when == "untied" and d.tied:
-            if present:
-                raise MappingError(f"{present[0]} is stored, but the arguments say the output layer is tied to "
+            names = list(rule.megatron)
+            if any(n in tensors for n in names):
+                raise MappingError(f"{names[0]} is stored, but the arguments say the output layer is tied to "
                                    "the embedding (untie_embeddings_and_output_weights false)")
             continue
-        if not present:
-            raise MappingError(f"{names[0]} is missing (a {family.name} model has it)")
-        if len(present) > 1:
-            raise MappingError(f"both {present[0]} and {present[1]} are stored")
-        fqn = present[0]
-        used.add(fqn)
-        out.extend(rule_outputs(rule, fqn, tensors[fqn], d))
+        if rule.scope == MODEL:
+            fqn = _present(rule, list(rule.megatron), tensors, family, "")
+            used.add(fqn)
+            out.extend(rule_outputs(rule, fqn, tensors[fqn], d))
+        elif not per:
+            fqn = _present(rule, [LAYERS + n for n in rule.megatron], tensors, family, "")
+            used.add(fqn)
+            out.extend(rule_outputs(rule, fqn, tensors[fqn], d))
+        else:
+            for i in range(d.layers):
+                name = _present(rule, list(rule.megatron), per[i], family, f" from layer {i}")
+                fqn = f"{LAYERS}{i}.{name}"
+                used.add(fqn)
+                out.extend(rule_outputs(rule, fqn, tensors[fqn], d, (), {"i": i}))
     left = sorted(set(tensors) - used)
     if left:
         raise MappingError(f"{left[0]} is not covered by the {family.name} mapping"

@@ -31,7 +31,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from ckptctl.errors import InputError, from_oserror
+from ckptctl.errors import InputError, UsageError, from_oserror
 from ckptctl.format import dtypes as dt
 from ckptctl.format import names as N
 from ckptctl.format.dcp_metadata import DType, MetadataIndex, TensorStorageMetadata
@@ -195,16 +195,19 @@ class MegatronSource(DcpHfSource):
         self.config: dict[str, Any] | None = None
         self.origin: dict[str, str] = {}  # exported name -> the Megatron tensor it comes from
         self.mapping_error: str | None = None  # why no mapping applies (inspect's fallback)
+        self.notes: list[str] = []  # what the export keeps that the user may want to know (a padded vocabulary)
         self._min_run = MIN_RUN_BYTES
 
     @classmethod
     def open_location(cls, loc: MegatronLocation, *, names: bool = False, max_pieces: int = MAX_PIECES,
-                      fallback: bool = False, min_run: int = MIN_RUN_BYTES) -> "MegatronSource":
+                      fallback: bool = False, min_run: int = MIN_RUN_BYTES,
+                      vocab_size: int | None = None) -> "MegatronSource":
         """The weights at ``loc``: HF names through the mapping, or Megatron's (``names``).
         Raises InputError (a damaged checkpoint, an architecture no mapping covers; with
         ``fallback``, inspect's, the latter gives Megatron's names and ``mapping_error`` says why).
-        ``max_pieces=0`` streams every tensor (the reference); ``min_run``: see :func:`pieces_of`."""
-        from ckptctl.sources.megatron.config import ArgsError, describe
+        ``max_pieces=0`` streams every tensor (the reference); ``min_run``: see :func:`pieces_of`;
+        ``vocab_size``: ``--vocab-size`` (the rows of the embedding and head kept)."""
+        from ckptctl.sources.megatron.config import ArgsError, OptionError, describe
         from ckptctl.sources.megatron.mapping import MappingError, plan
 
         root = loc.folder
@@ -242,8 +245,10 @@ class MegatronSource(DcpHfSource):
                 raise ArgsError("common.pt holds no Megatron-LM arguments (args), so the HF architecture is not known")
             if not names:
                 main = dtypes.get("embedding.word_embeddings.weight") or next(iter(dtypes.values()))
-                desc = describe(args or {}, dt.CONFIG_NAMES.get(main))
+                desc = describe(args or {}, dt.CONFIG_NAMES.get(main), vocab_size)
                 outputs = plan(desc.family, shapes, desc.dims)
+        except OptionError as exc:
+            raise UsageError(f"{root}: {exc}", "pass a size no larger than the rows stored") from None
         except (ArgsError, MappingError) as exc:
             if not fallback:
                 raise InputError(f"{root}: {exc}", "export the Megatron names as they are with --names megatron, "
@@ -258,6 +263,7 @@ class MegatronSource(DcpHfSource):
             parts = [b for s in o.slabs for b in cut(blocks[s.fqn], s.prefix, s.start, s.stop, s.dst, size)]
             src._add(o.name, o.source, dtypes[o.source], o.shape, parts, max_pieces)
         src.family, src.config = desc.family.name, desc.config
+        src.notes = [desc.note] if desc.note else []
         src.extras = [GeneratedFile(N.CONFIG, (json.dumps(desc.config, indent=2) + "\n").encode())]  # type: ignore[list-item]
         return src
 
@@ -286,12 +292,12 @@ class MegatronSource(DcpHfSource):
                 "iteration": loc.iteration if loc else None,
                 "checkpoint_version": common.version if common and isinstance(common.version, (int, float)) else None,
                 "args": summary(common.args) if common and common.args else None,
-                "mapping": self.family, "mapping_error": self.mapping_error,
+                "mapping": self.family, "mapping_error": self.mapping_error, "notes": list(self.notes),
                 "inert_globals": common.stubs if common else []}
 
 
 def open_location(loc: MegatronLocation, path: Path, *, key: str | None = None, names: str | None = None,
-                  max_pieces: int | None = None, **_: Any) -> MegatronSource:
+                  max_pieces: int | None = None, vocab_size: int | None = None, **_: Any) -> MegatronSource:
     """The registry's open hook (``sources/kinds.py``): the Megatron checkpoint ``find_megatron``
     found at ``path``, under HF names through the mapping, or Megatron's own with ``names``
     ``megatron``. ``max_pieces`` unset: the ``pieces`` fast path's switch (``ckptctl.fastpaths``).
@@ -302,4 +308,4 @@ def open_location(loc: MegatronLocation, path: Path, *, key: str | None = None, 
         max_pieces = MAX_PIECES if enabled("pieces") else 0
     if key:
         raise key_refused(path, "Megatron-core", key, "the model's tensors are read (the optimizer state is left out)")
-    return MegatronSource.open_location(loc, names=names == "megatron", max_pieces=max_pieces)
+    return MegatronSource.open_location(loc, names=names == "megatron", max_pieces=max_pieces, vocab_size=vocab_size)
