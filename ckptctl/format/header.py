@@ -52,8 +52,8 @@ from ckptctl.gcpause import paused
 __all__ = [
     "HUB_MAX_HEADER_SIZE", "MAX_DIM_PRODUCT", "MAX_HEADER_SIZE", "MAX_JSON_DEPTH", "METADATA_KEY", "VALID_FORMATS",
     "DuplicateKey", "Header", "MergedSpecs", "Offsets", "SpecView", "TensorInfo", "TensorTable",
-    "encode_header", "header_size_of", "layout_order", "load_header", "no_duplicate_keys", "parse_header_bytes",
-    "read_header", "sniff",
+    "decode_header", "encode_header", "header_size_of", "layout_order", "load_header", "no_duplicate_keys",
+    "parse_header_bytes", "read_header", "read_header_bytes", "sniff",
 ]
 
 
@@ -186,6 +186,17 @@ def read_header(path: str | os.PathLike[str], *, display: str | None = None, fas
     Never raises for a malformed file: every problem is a finding on the returned header. Raises
     :class:`CkptctlError` only when the file cannot be read at all (missing, permission denied).
     """
+    hdr, raw = read_header_bytes(path, display=display)
+    if raw is not None:
+        decode_header(hdr, raw, fast=fast)
+    return hdr
+
+
+def read_header_bytes(path: str | os.PathLike[str], *, display: str | None = None) -> tuple[Header, bytearray | None]:
+    """The first half of :func:`read_header`: the file read up to the end of its header, and the
+    checks that need no decoding (what the file is, the length field). Returns the header with
+    those findings and the JSON bytes to decode (:func:`decode_header`), or None for them when a
+    finding already makes the file unreadable."""
     p = os.fspath(path)
     shown = display or p
     try:
@@ -197,13 +208,13 @@ def read_header(path: str | os.PathLike[str], *, display: str | None = None, fas
                 hdr = Header(path=shown, file_size=0)
                 hdr.add("header.not_a_file", f"{shown} is not a regular file (a FIFO, device or directory)",
                         hint="replace it with the real shard")
-                return hdr
+                return hdr, None
             size = st.st_size
             hdr = Header(path=shown, file_size=size)
             prefix = f.read(min(size, 512))
             n = _check_prefix(hdr, prefix)
             if n is None:
-                return hdr
+                return hdr, None
             if n <= len(prefix) - 8:
                 raw, got = bytearray(prefix[8:8 + n]), n
             else:
@@ -216,9 +227,14 @@ def read_header(path: str | os.PathLike[str], *, display: str | None = None, fas
         hdr.add("header.length_exceeds_file",
                 f"{shown}: header length {n} runs past the end of the file (it changed while being read)",
                 hint=REDOWNLOAD, header_len=n)
-        return hdr
+        return hdr, None
+    return hdr, raw
+
+
+def decode_header(hdr: Header, raw: bytearray, *, fast: bool = True) -> None:
+    """The second half of :func:`read_header`: decode and check the JSON bytes ``raw`` of the
+    header ``hdr`` (emptied once decoded)."""
     _parse_into(hdr, raw, fast)
-    return hdr
 
 
 def parse_header_bytes(data: bytes, *, path: str = "<bytes>", fast: bool = True) -> Header:

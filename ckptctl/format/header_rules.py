@@ -59,6 +59,15 @@ class Header:
             Finding(code, severity, self.path, message, hint, tensor, dict(details))
         )
 
+    def copy(self, path: str | None = None) -> "Header":
+        """The same reading, shown as ``path``, sharing nothing mutable but the (read-only) table.
+        Findings name the path they were made for: only a header without findings, or one
+        shown at its own path, may be copied to another."""
+        shown = self.path if path is None else path
+        assert shown == self.path or not self.findings, "a header's findings name its path"
+        return Header(shown, self.file_size, self.header_len, self.tensors,
+                      None if self.metadata is None else dict(self.metadata), list(self.findings))
+
 
 
 def check_padding(hdr: Header, padding: str) -> None:

@@ -44,9 +44,12 @@ class Index:
             tensor: str | None = None, **details: Any) -> None:
         self.findings.append(Finding(code, severity, self.path, message, hint, tensor, dict(details)))
 
-    def copy(self) -> "Index":
-        """An Index of the same reading that shares nothing mutable with this one."""
-        out = Index(self.path)
+    def copy(self, path: str | None = None) -> "Index":
+        """An Index of the same reading that shares nothing mutable with this one, shown as
+        ``path`` (only an index without findings may be shown at another path: they name it)."""
+        shown = self.path if path is None else path
+        assert shown == self.path or not self.findings, "an index's findings name its path"
+        out = Index(shown)
         out.metadata, out.findings, out.shards = dict(self.metadata), list(self.findings), list(self.shards)
         out._map, out._source = None, self
         return out

@@ -1,15 +1,22 @@
-"""What one command reads of a checkpoint's metadata, read once and kept for that command.
+"""What one command reads of a checkpoint's metadata, decoded once and kept for that command.
 
 A command creates one :class:`MetadataReading` and passes it down (``layout.scan(path,
-reading=...)``, the export job, resave's analysis, verify's context). It is the only place where
-metadata outlives one call, so what a read returns never depends on what else the process did:
+reading=...)``, the export job, resave's analysis and the verify it runs, verify's context). It is
+the only place where metadata outlives one call, so what a read returns never depends on what
+else the process did. Every read goes to the file as it is now; only the decoding is kept:
 
-- an **index** is kept with the bytes it was parsed from; a later read of the same path (the
-  export's source scanned for the root test and again as the source, a repair's analysis and its
-  no-op test) reads the file again, bounded, and parses only when the bytes differ (never judged
-  by a size or a time stamp). Each read gets its own :meth:`Index.copy`.
-- a **header** is parsed every time it is read (a parse of 564 entries takes about half a
-  millisecond, and a shard rewritten in place must be seen as it is now).
+- an **index** is read again (bounded) at every read, and parsed only when its bytes are not
+  bytes this reading parsed before (never judged by a size or a time stamp). Each read gets its
+  own :meth:`Index.copy`.
+- a **header** is read again (its length field, then the header's bytes) at every read, and
+  decoded only when the file's size and those bytes are not a pair this reading decoded before:
+  a shard rewritten in place is seen as it is now, and the same bytes under another name (the
+  hard-linked shards of a repair's staged version, which its verify reads) are decoded once.
+  Each read gets its own :meth:`Header.copy`.
+
+Bytes are known by their SHA-256 (a digest of the header's bytes costs a hundredth of decoding
+them, and keeps no second copy of a 90 MB header). A reading made under one name is handed to
+another only when it has no findings: a finding's message names the path it was found at.
 
 ``fast`` switches every metadata fast path at once: orjson for the index
 (:func:`ckptctl.format.index.parse_index`) and the typed header decoder
@@ -21,13 +28,12 @@ the commands both ways and compares their documents byte for byte.
 
 from __future__ import annotations
 
+import hashlib
 import os
 
 from ckptctl.fastpaths import enabled
-from ckptctl.format.header import Header, read_header
+from ckptctl.format.header import Header, decode_header, read_header_bytes
 from ckptctl.format.index import Index, parse_index, read_index_bytes
-
-
 
 
 class MetadataReading:
@@ -35,8 +41,10 @@ class MetadataReading:
 
     def __init__(self, *, fast: bool | None = None) -> None:
         self.fast = enabled("metadata") if fast is None else fast
-        # (path, display) -> (the bytes read, the Index parsed from them)
-        self._indexes: dict[tuple[str, str], tuple[bytes, Index]] = {}
+        # digest of the bytes -> the Index parsed from them
+        self._indexes: dict[bytes, Index] = {}
+        # (file size, digest of the header's bytes) -> the Header decoded from them
+        self._headers: dict[tuple[int, bytes], Header] = {}
 
     def index(self, path: str | os.PathLike[str], *, display: str | None = None) -> Index:
         """The index at ``path`` as it is now (findings for what is wrong with it; raises
@@ -46,14 +54,23 @@ class MetadataReading:
         raw = read_index_bytes(p, idx)
         if raw is None:
             return idx
-        key = (p, idx.path)
+        key = hashlib.sha256(raw).digest()
         kept = self._indexes.get(key)
-        if kept is not None and kept[0] == raw:
-            return kept[1].copy()
+        if kept is not None and (kept.path == idx.path or not kept.findings):
+            return kept.copy(idx.path)
         parse_index(idx, raw, fast=self.fast)
-        self._indexes[key] = (raw, idx)
+        self._indexes[key] = idx
         return idx.copy()
 
     def header(self, path: str | os.PathLike[str], *, display: str | None = None) -> Header:
-        """The safetensors header of ``path``, parsed now (:func:`read_header`)."""
-        return read_header(path, display=display, fast=self.fast)
+        """The safetensors header of ``path`` as it is now (:func:`~ckptctl.format.header.read_header`)."""
+        hdr, raw = read_header_bytes(path, display=display)
+        if raw is None:  # unreadable before any decoding: nothing to keep
+            return hdr
+        key = (hdr.file_size, hashlib.sha256(raw).digest())
+        kept = self._headers.get(key)
+        if kept is not None and (kept.path == hdr.path or not kept.findings):
+            return kept.copy(hdr.path)
+        decode_header(hdr, raw, fast=self.fast)
+        self._headers[key] = hdr
+        return hdr.copy()

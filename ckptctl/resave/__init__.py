@@ -150,7 +150,7 @@ def _resave(root: Path, opts: ExportOptions, *, output: str | os.PathLike[str] |
                                                       unchanged_ok=repair and not output), held=held)
     chosen, rep = ana.chosen, ana.rep
     dest = Path(output) if output else root
-    check = _verified(dest, static) if repair else None
+    check = _verified(dest, static, reading) if repair else None
     extras: dict[str, Path | bytes] = {}
     if opts.dtype not in (None, "keep") and (root / N.CONFIG).is_file():
         extras[N.CONFIG] = root / N.CONFIG  # rewritten with the new dtype
@@ -163,7 +163,7 @@ def _resave(root: Path, opts: ExportOptions, *, output: str | os.PathLike[str] |
 
         with open_source(root, only=L.PYTORCH, reading=reading) as src:  # read (weights_only) even to find it sound
             if repair and not replan and not output and not rep.fixes:
-                return _unchanged(dest, opts, rep, chosen.errors, static)  # a sound pickle checkpoint
+                return _unchanged(dest, opts, rep, chosen.errors, static, reading)  # a sound pickle checkpoint
             from ckptctl.write.inputs import build_inputs, entries_for
             from ckptctl.write.job import write_inputs
 
@@ -184,7 +184,7 @@ def _resave(root: Path, opts: ExportOptions, *, output: str | os.PathLike[str] |
     else:
         assert ana.kept is not None
         if ana.unchanged:
-            return _unchanged(dest, opts, rep, chosen.errors, static)
+            return _unchanged(dest, opts, rep, chosen.errors, static, reading)
         plan, kept = keep_layout_plan(ana.kept)
         if rep.lost:  # DESIGN.md I9: no tensor lost
             raise UnrepairableError(
@@ -230,7 +230,7 @@ def _analysis(root: Path, *, prefer: str | None, repair: bool, lay: L.Layout | N
     return ana
 
 
-def _verified(dest: Path, static: bool) -> Callable[[Path], None]:
+def _verified(dest: Path, static: bool, reading: MetadataReading) -> Callable[[Path], None]:
     """The last step of a repair, on the staged version before it is published: ckptctl's own
     verify. Any error left (a tensor the config requires that no file holds, ...) refuses the
     repair with exit 1 and what is lost; the staged version is removed and nothing changes."""
@@ -238,7 +238,7 @@ def _verified(dest: Path, static: bool) -> Callable[[Path], None]:
     def check(data: Path) -> None:
         from ckptctl.verify import VerifyOptions, verify_path
 
-        res = verify_path(data, display=str(dest), options=VerifyOptions(static=static))
+        res = verify_path(data, display=str(dest), options=VerifyOptions(static=static, reading=reading))
         errors = [f for f in res.findings if f.severity == ERROR]
         if not errors:
             return
@@ -253,7 +253,7 @@ def _verified(dest: Path, static: bool) -> Callable[[Path], None]:
 
 
 def _unchanged(dest: Path, opts: ExportOptions, rep: Repair, errors: list[Finding] | None = None,
-               static: bool = False) -> ResaveResult:
+               static: bool = False, reading: MetadataReading | None = None) -> ResaveResult:
     """The result of a repair that found nothing to do: no staging, no publish. "Sound" is
     verify's word, not the repair's: the directory is verified (the same findings ``ckptctl
     verify`` reports), and an error left (a layout finding the repair has no certain fix for, an
@@ -261,7 +261,8 @@ def _unchanged(dest: Path, opts: ExportOptions, rep: Repair, errors: list[Findin
     repairable, with the first one's own next step (never a loop back to --repair)."""
     from ckptctl.verify import VerifyOptions, verify_path
 
-    found = [f for f in verify_path(dest, options=VerifyOptions(static=static)).findings if f.severity == ERROR]
+    found = [f for f in verify_path(dest, options=VerifyOptions(static=static, reading=reading)).findings
+             if f.severity == ERROR]
     left = found or list(errors or [])
     if left:
         named = "; ".join(f"[{f.code}] {f.message}" for f in left[:4]) + (" ..." if len(left) > 4 else "")

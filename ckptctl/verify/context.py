@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 import stat
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -36,13 +36,16 @@ STATIC_ASKED = "--static: static rules only"  # why the model-class check did no
 @dataclass
 class VerifyOptions:
     """What verify is asked to do beyond its default checks (``--deep``, ``--base``, ``--max-shard-
-    size``), and ``--static``: no model-class check (no library, no torch imported for it)."""
+    size``), and ``--static``: no model-class check (no library, no torch imported for it).
+    ``reading``: the metadata reading of the command verify runs in (a repair's verify of what it
+    read, or staged: every header it decoded is not decoded again); None: verify's own."""
 
     deep: bool = False
     static: bool = False
     base: str | None = None  # base model for adapter checks (path or cached repo id)
     max_shard_size: int | None = None
     chunk_bytes: int = 8 * 1024 * 1024
+    reading: MetadataReading | None = field(default=None, compare=False, repr=False)
 
 
 @dataclass
@@ -87,7 +90,8 @@ class Context:
                  base_root: Path | None = None, reading: MetadataReading | None = None) -> None:
         self.root = root
         # what this verify reads of the checkpoint's metadata (shared with component contexts)
-        self.reading = reading if reading is not None else MetadataReading()
+        self.reading = (reading if reading is not None else options.reading if options.reading is not None
+                        else MetadataReading())
         self.prefix = ""  # a component's folder below the checkpoint root, with a trailing "/"
         self.needs_weights = True  # a directory without weights is an error (not so a scheduler's folder)
         self.result = result
