@@ -122,8 +122,11 @@ class Follower:
         if rec is not None and fp.digest in (rec.get("lost_digest"), rec.get("refused_digest")):
             return False  # the very files that were lost or refused: wait for a change
         judged = judge(save, fp, now_ns=time.time_ns(), quiet_s=self.opts.quiet)
-        if status in FINAL and (not judged.complete or rec.get("identity") == judged.identity):  # type: ignore[union-attr]
-            self.handled_digest[save.name] = fp.digest  # the same save (or one being written again)
+        if status in FINAL and not judged.complete:
+            self._wait(save, f"being saved again? {judged.reason}", fp)
+            return False
+        if status in FINAL and rec.get("identity") == judged.identity:  # type: ignore[union-attr]
+            self.handled_digest[save.name] = fp.digest  # the same save: files added after (tokenizer)
             self.waiting.pop(save.name, None)
             return False
         baseline = self.state.settings.get("baseline")
