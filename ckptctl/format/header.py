@@ -24,7 +24,6 @@ from typing import Any
 from ckptctl.errors import InputError, from_oserror
 from ckptctl.findings import ERROR, WARNING
 from ckptctl.format import dtypes as dt
-from ckptctl.format import header_fast
 from ckptctl.format.encode import encode_header, header_size_of, layout_order
 from ckptctl.format.header_rules import (
     HUB_MAX_HEADER_SIZE,
@@ -264,7 +263,12 @@ def _parse_into(hdr: Header, raw: bytearray, fast: bool) -> None:
     """Decode and check the header bytes (``fast``: the typed decoder first); ``raw`` is
     emptied once decoded."""
     with paused():
-        found = header_fast.decode(raw) if fast else None
+        if fast:  # imported with msgspec where a header is first decoded: a command that decodes none pays neither
+            from ckptctl.format import header_fast
+
+            found = header_fast.decode(raw)
+        else:
+            found = None
         if found is None:
             _parse_text(hdr, raw)
             return
