@@ -123,3 +123,29 @@ def test_version_and_help(cli) -> None:
     assert res.exit_code == 0 and "inspect" in res.stdout
     res = cli("-h")
     assert res.exit_code == 0 and "inspect" in res.stdout
+
+
+# ------------------------------------------------------------------------------------------
+# Usage errors Typer finds, in the house form (the real entry point: ckptctl.cli.main)
+
+
+@pytest.mark.parametrize("args,first", [
+    (["export"], "error: missing argument SRC"),
+    (["export", "a"], "error: missing argument DST"),
+    (["inspect"], "error: missing argument PATH"),
+    (["verify", "--fail-on", "never", "x"], "error: invalid value for --fail-on: 'never' is not one of"),
+    (["export", "a", "b", "--dtype"], "error: option --dtype requires an argument"),
+    (["gc-tmp", "--dry-runn", "x"], "error: no such option: --dry-runn; did you mean --dry-run?"),
+])
+def test_usage_errors_in_the_house_form(run_cli, args: list[str], first: str) -> None:
+    rc, out, err = run_cli(*args)
+    assert rc == 2 and out == ""
+    assert_one_line_error(err)
+    line, hint = err.strip().splitlines()
+    assert line.startswith(first), err
+    command = next(a for a in args if not a.startswith("-"))
+    assert hint == f"hint: ckptctl {command} -h"
+    rc, out, err = run_cli(args[0], "--json", *args[1:])
+    doc = json.loads(out)
+    assert rc == 2 and doc["ok"] is False and doc["command"] == command
+    assert doc["error"]["message"] == line[len("error: "):] and doc["error"]["hint"] == f"ckptctl {command} -h"

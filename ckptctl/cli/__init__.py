@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import re
 import sys
 from typing import Annotated, Any, Callable, Optional
 
@@ -110,19 +111,36 @@ def _json_wanted(args: list[str]) -> bool:
     return "--json" in args[:args.index("--")] if "--" in args else "--json" in args
 
 
+# a parameter named in Typer's messages: '--dtype', 'SRC' (quoted by Typer, bare in the house form)
+_QUOTED_PARAM = re.compile(r"'(-{1,2}[A-Za-z0-9][\w-]*|[A-Z][A-Z0-9_.]*(?:\.\.\.)?)'")
+
+
+def usage_message(exc: typer.TyperException) -> str:
+    """Typer's usage message in the house form: ``missing argument SRC``, ``no such option: --x``
+    (lower case, no quotes around a parameter's name, no trailing full stop)."""
+    text = _QUOTED_PARAM.sub(r"\1", exc.format_message().strip()).rstrip(".")
+    text = re.sub(r" \(Possible options: ([^)]*)\)$", r"; did you mean \1?", text)
+    return text[:1].lower() + text[1:]
+
+
 def _usage_error(exc: typer.TyperException, args: list[str]) -> int:
-    """One JSON document (with ``--json``) and Typer's own usage message, exit code Typer's."""
+    """A usage error Typer found (unknown option, missing argument, a value not among the choices):
+    ``error: missing argument SRC`` / ``hint: ckptctl export -h`` on stderr, exit 2, and one JSON
+    document with ``--json``. ``ckptctl`` alone prints the help (on stderr), exit 2."""
     from ckptctl.errors import UsageError
 
     exit_code = getattr(exc, "exit_code", 2)
-    if _json_wanted(args):
-        command = _command(args)
-        helping = "ckptctl" if command == "ckptctl" else f"ckptctl {command}"
-        err = UsageError(exc.format_message(), f"run `{helping} --help` for the options")
-        err.exit_code = exit_code
-        out = Output(command, json_mode=True)
-        out.emit_json(out.document(False, error=err.to_dict()))
-    exc.show()
+    if not args:  # no_args_is_help: the help is the message
+        exc.show()
+        return exit_code
+    command = _command(args)
+    err = UsageError(usage_message(exc), "ckptctl -h" if command == "ckptctl" else f"ckptctl {command} -h")
+    err.exit_code = exit_code
+    out = Output(command, json_mode=_json_wanted(args))
+    try:
+        out.fail(err)
+    except typer.Exit as done:
+        return done.exit_code
     return exit_code
 
 
