@@ -70,7 +70,7 @@ def judge(save: Save, fp: Fingerprint, *, now_ns: int, quiet_s: float) -> Judgem
     if reason is None and quiet_s > 0:
         age = (now_ns - fp.newest_ns) / 1e9
         if age < quiet_s:
-            reason = f"modified {max(age, 0):.1f}s ago, waiting for {quiet_s:g}s of quiet"
+            reason = f"modified less than {quiet_s:g}s ago (the quiet period)"
     return Judgement(reason is None, reason, identity)
 
 

@@ -89,13 +89,13 @@ class Handler:
         except OSError:
             now = None
         if isinstance(exc, SaveChanged) or now is None or now.digest != fp.digest:
-            self._lost(save, judged, str(exc), now)
+            self.lost(save, judged, str(exc), now)
         elif exc.exit_code == EXIT_USAGE:
             self._refuse(save, fp, judged, str(exc), exc.hint)
         else:
             raise exc
 
-    def _lost(self, save: Save, judged: Judgement, why: str, now: Fingerprint | None) -> None:
+    def lost(self, save: Save, judged: Judgement, why: str, now: Fingerprint | None) -> None:
         rec = self.state.records.get(save.name)
         if rec is None or rec.get("status") not in ("published",):
             rec = {"name": save.name, "kind": save.kind, "step": save.step, "source": str(save.path),

@@ -22,7 +22,7 @@ import time
 from typing import Any
 
 from ckptctl.errors import OperationalError, from_oserror
-from ckptctl.follow.completion import judge
+from ckptctl.follow.completion import Judgement, judge
 from ckptctl.follow.events import EmitFn, Event
 from ckptctl.follow.handle import Handler
 from ckptctl.follow.options import FollowOptions
@@ -130,7 +130,7 @@ class Follower:
             self.waiting.pop(save.name, None)
             return False
         baseline = self.state.settings.get("baseline")
-        if rec is None and baseline is not None and save.step < baseline:
+        if (rec is None or status == "waiting") and baseline is not None and save.step < baseline:
             self.state.put({"name": save.name, "kind": save.kind, "step": save.step, "source": str(save.path),
                             "status": "skipped"}, {"event": "skipped"})
             self.emit(Event("skipped", f"skipped {save.name}: older than step {baseline}, the newest when "
@@ -148,31 +148,35 @@ class Follower:
         return True
 
     def _wait(self, save: Save, reason: str, fp: Fingerprint | None = None) -> None:
+        """``save`` is not complete: said once per reason, and recorded (status ``waiting``) when
+        no other record exists, so that its deletion is reported even by the next follower."""
+        assert self.state is not None
         if fp is not None:
             if self.seen.get(save.name) not in (None, fp.digest):
                 self.activity = True  # being written: not idle
             self.seen[save.name] = fp.digest
-        if self.waiting.get(save.name) != reason:
-            self.waiting[save.name] = reason
-            self.emit(Event("waiting", f"waiting for {save.name}: {reason}", save.name, save.step,
-                            {"reason": reason}))
+        if self.waiting.get(save.name) == reason:
+            return
+        self.waiting[save.name] = reason
+        rec = self.state.records.get(save.name)
+        if rec is None or (rec.get("status") == "waiting" and rec.get("reason") != reason):
+            self.state.put({"name": save.name, "kind": save.kind, "step": save.step, "source": str(save.path),
+                            "status": "waiting", "reason": reason})
+        self.emit(Event("waiting", f"waiting for {save.name}: {reason}", save.name, save.step, {"reason": reason}))
 
     def _vanished(self, listed: set[str]) -> bool:
-        """Saves seen waiting that are gone: lost (deleted before they were exported)."""
+        """Saves recorded waiting that are gone: lost (deleted before they were exported)."""
         assert self.handler is not None and self.state is not None
         did = False
         for name in [n for n in self.waiting if n not in listed]:
-            reason = self.waiting.pop(name)
+            del self.waiting[name]
             self.seen.pop(name, None)
-            rec = self.state.records.get(name)
-            if rec is not None and rec.get("status") in FINAL:
-                continue
-            step = rec.get("step") if rec else None
-            fake = Save("?", name, step if isinstance(step, int) else -1, self.opts.source / name)
-            from ckptctl.follow.completion import Judgement
-
-            self.handler._lost(fake, Judgement(False), f"deleted before it was exported (it was waiting: {reason})",
-                               None)
+        for rec in [r for r in self.state.records.values() if r.get("status") == "waiting" and r["name"] not in listed]:
+            step = rec.get("step")
+            gone = Save(rec.get("kind", "?"), rec["name"], step if isinstance(step, int) else -1,
+                        self.opts.source / rec["name"])
+            self.handler.lost(gone, Judgement(False), f"deleted before it was exported (it was waiting: "
+                              f"{rec.get('reason')})", None)
             did = True
         for name in [n for n in self.handled_digest if n not in listed]:
             del self.handled_digest[name]
