@@ -187,3 +187,66 @@ def test_the_count_sees_a_second_reading(tmp_path: Path, readings: Readings) -> 
     reading.header(d / shards[1])
     reading.header(d / "copy.safetensors")  # the bytes of shards[0]: decoded by this reading once
     assert readings.count("header") == before + 2
+
+
+def _one_tensor(path: Path, value: float, *, name: str = "w", rows: int = 2) -> None:
+    save_file({name: np.full((rows, 2), value, np.float32)}, str(path), metadata={"format": "pt"})
+
+
+def test_a_header_rewritten_in_place_is_decoded_anew(tmp_path: Path, readings: Readings) -> None:
+    """The same size and time stamps, other bytes (another tensor name of the same length): the
+    reading decodes the file as it is now."""
+    import os
+
+    from ckptctl.layout.reading import MetadataReading
+
+    p = tmp_path / "model.safetensors"
+    _one_tensor(p, 1.0, name="a")
+    reading = MetadataReading()
+    assert list(reading.header(p).tensors) == ["a"]
+    st = os.stat(p)
+    _one_tensor(p, 1.0, name="b")
+    os.utime(p, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert os.stat(p).st_size == st.st_size
+    assert list(reading.header(p).tensors) == ["b"]
+    assert list(reading.header(p).tensors) == ["b"] and readings.count("header") == 2
+
+
+def test_a_header_with_findings_is_decoded_again_under_another_name(tmp_path: Path, readings: Readings) -> None:
+    """A finding names the path it was found at: the same broken bytes under another name are
+    decoded again and named there; a clean header is shared, shown at each path, and every read
+    gets its own findings list."""
+    from ckptctl.layout.reading import MetadataReading
+
+    good, bad = tmp_path / "good.safetensors", tmp_path / "bad.safetensors"
+    _one_tensor(good, 1.0)
+    blob = bytearray(good.read_bytes())
+    bad.write_bytes(bytes(blob) + b"\0" * 8)  # trailing bytes after the data: a finding
+    reading = MetadataReading()
+    first = reading.header(bad, display="one")
+    again = reading.header(bad, display="two")
+    assert first.findings and {f.path for f in first.findings} == {"one"}
+    assert {f.path for f in again.findings} == {"two"}
+    assert readings.count("header") == 2
+    first.findings.clear()
+    assert reading.header(bad, display="one").findings  # the kept reading is not the caller's list
+    copy = tmp_path / "copy.safetensors"
+    copy.write_bytes(good.read_bytes())
+    a, b = reading.header(good), reading.header(copy)
+    assert (a.path, b.path) == (str(good), str(copy)) and not a.findings and a.tensors is b.tensors
+    assert readings.count("header") == 3
+
+
+def test_a_header_over_the_kept_size_is_known_by_its_digest(tmp_path: Path, readings: Readings,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    from ckptctl.layout import reading as reading_mod
+
+    monkeypatch.setattr(reading_mod, "KEEP_BYTES", 16)
+    p, q = tmp_path / "a.safetensors", tmp_path / "b.safetensors"
+    _one_tensor(p, 1.0, name="a")
+    _one_tensor(q, 1.0, name="b")  # the same sizes, other bytes
+    reading = reading_mod.MetadataReading()
+    assert list(reading.header(p).tensors) == ["a"] and list(reading.header(q).tensors) == ["b"]
+    assert list(reading.header(p).tensors) == ["a"]
+    assert readings.count("header") == 2
+    assert all(len(known) == 32 for kept in reading._headers.values() for known, _ in kept)

@@ -5,18 +5,22 @@ reading=...)``, the export job, resave's analysis and the verify it runs, verify
 the only place where metadata outlives one call, so what a read returns never depends on what
 else the process did. Every read goes to the file as it is now; only the decoding is kept:
 
-- an **index** is read again (bounded) at every read, and parsed only when its bytes are not
-  bytes this reading parsed before (never judged by a size or a time stamp). Each read gets its
-  own :meth:`Index.copy`.
+- an **index** is read again (bounded) at every read, and parsed only when its bytes are bytes
+  this reading parsed before (compared whole: never judged by a size or a time stamp). Each read
+  gets its own :meth:`Index.copy`.
 - a **header** is read again (its length field, then the header's bytes) at every read, and
   decoded only when the file's size and those bytes are not a pair this reading decoded before:
   a shard rewritten in place is seen as it is now, and the same bytes under another name (the
   hard-linked shards of a repair's staged version, which its verify reads) are decoded once.
   Each read gets its own :meth:`Header.copy`.
 
-Bytes are known by their SHA-256 (a digest of the header's bytes costs a hundredth of decoding
-them, and keeps no second copy of a 90 MB header). A reading made under one name is handed to
-another only when it has no findings: a finding's message names the path it was found at.
+What was decoded is known by its bytes, looked up by their length (and the file's size) and
+compared whole: a header of up to :data:`KEEP_BYTES` and an index (bounded at 10 MiB) are kept
+as bytes (a shard's header is a few KB to a few hundred: a copy costs less than any digest of
+it, and nothing is hashed where nothing is read twice); a larger header by its SHA-256 (a
+hundredth of decoding it, and no second copy of a 90 MB header). A reading made under one name
+is handed to another only when it has no findings: a finding's message names the path it was
+found at.
 
 ``fast`` switches every metadata fast path at once: orjson for the index
 (:func:`ckptctl.format.index.parse_index`) and the typed header decoder
@@ -36,15 +40,18 @@ from ckptctl.format.header import Header, decode_header, read_header_bytes
 from ckptctl.format.index import Index, parse_index, read_index_bytes
 
 
+KEEP_BYTES = 1 << 20  # headers up to this size are kept and compared whole; larger ones by their digest
+
+
 class MetadataReading:
     """One command's reading of checkpoint metadata (see the module's docstring)."""
 
     def __init__(self, *, fast: bool | None = None) -> None:
         self.fast = enabled("metadata") if fast is None else fast
-        # digest of the bytes -> the Index parsed from them
-        self._indexes: dict[bytes, Index] = {}
-        # (file size, digest of the header's bytes) -> the Header decoded from them
-        self._headers: dict[tuple[int, bytes], Header] = {}
+        # by length: (the bytes, the Index parsed from them)
+        self._indexes: dict[int, list[tuple[bytes, Index]]] = {}
+        # by (file size, header length): (the header's bytes, or their SHA-256 above KEEP_BYTES; the Header)
+        self._headers: dict[tuple[int, int], list[tuple[bytes, Header]]] = {}
 
     def index(self, path: str | os.PathLike[str], *, display: str | None = None) -> Index:
         """The index at ``path`` as it is now (findings for what is wrong with it; raises
@@ -54,12 +61,12 @@ class MetadataReading:
         raw = read_index_bytes(p, idx)
         if raw is None:
             return idx
-        key = hashlib.sha256(raw).digest()
-        kept = self._indexes.get(key)
-        if kept is not None and (kept.path == idx.path or not kept.findings):
-            return kept.copy(idx.path)
+        kept = self._indexes.setdefault(len(raw), [])
+        for seen, parsed in kept:
+            if seen == raw and (parsed.path == idx.path or not parsed.findings):
+                return parsed.copy(idx.path)
         parse_index(idx, raw, fast=self.fast)
-        self._indexes[key] = idx
+        kept.append((raw, idx))
         return idx.copy()
 
     def header(self, path: str | os.PathLike[str], *, display: str | None = None) -> Header:
@@ -67,10 +74,11 @@ class MetadataReading:
         hdr, raw = read_header_bytes(path, display=display)
         if raw is None:  # unreadable before any decoding: nothing to keep
             return hdr
-        key = (hdr.file_size, hashlib.sha256(raw).digest())
-        kept = self._headers.get(key)
-        if kept is not None and (kept.path == hdr.path or not kept.findings):
-            return kept.copy(hdr.path)
+        kept = self._headers.setdefault((hdr.file_size, len(raw)), [])
+        known = bytes(raw) if len(raw) <= KEEP_BYTES else hashlib.sha256(raw).digest()
+        for seen, decoded in kept:
+            if seen == known and (decoded.path == hdr.path or not decoded.findings):
+                return decoded.copy(hdr.path)
         decode_header(hdr, raw, fast=self.fast)
-        self._headers[key] = hdr
+        kept.append((known, hdr))
         return hdr.copy()
