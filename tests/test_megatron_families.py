@@ -1,5 +1,7 @@
-"""Export of the newer Megatron families (issue 43): Qwen3 (QK norms, TP2) and Qwen3-MoE
-(sequential and grouped experts, EP2), judged by transformers' own loader against Megatron's own
+"""Export of the newer Megatron families (issue 43): Qwen3 (QK norms, TP2), Qwen3-MoE
+(sequential and grouped experts, EP2), DeepSeek-V3 (MLA, YaRN, a dense first layer, group routing,
+shared expert, expert bias; TP2 x EP2; per-layer keys) and GLM-4.5 (QKV bias, QK norms, partial
+rotary, an MTP layer; EP2; per-layer keys), judged by transformers' own loader against Megatron's own
 forward (``tests/test_megatron_families_build.py``); the vocabulary the run's tokenizer had; every
 argument a tensor determines checked against it, refused naming the argument."""
 
@@ -23,7 +25,10 @@ EXPECTED = {  # architecture, vocabulary exported, a tensor only this family has
     "qwen3_tp2": ("Qwen3ForCausalLM", 102, "model.layers.1.self_attn.q_norm.weight"),
     "qwen3_moe_ep2": ("Qwen3MoeForCausalLM", 102, "model.layers.1.mlp.experts.3.up_proj.weight"),
     "qwen3_moe_grouped_ep2": ("Qwen3MoeForCausalLM", 128, "model.layers.0.mlp.experts.0.down_proj.weight"),
+    "deepseek_tp2ep2": ("DeepseekV3ForCausalLM", 102, "model.layers.1.mlp.gate.e_score_correction_bias"),
+    "glm_ep2_mtp": ("Glm4MoeForCausalLM", 102, "model.layers.2.eh_proj.weight"),
 }
+MTP_LAYER = {"glm_ep2_mtp": "model.layers.2."}  # transformers ignores the MTP layer (unexpected keys)
 
 
 def _export(src: Path, dst: Path, *args: str) -> dict:
@@ -32,12 +37,16 @@ def _export(src: Path, dst: Path, *args: str) -> dict:
     return json.loads(r.stdout)
 
 
-def _logits(model_dir: Path, tokens: torch.Tensor) -> torch.Tensor:
+def _logits(model_dir: Path, tokens: torch.Tensor, mtp: str | None = None) -> torch.Tensor:
+    """transformers' model on the export: nothing missing or mismatched, nothing unexpected but
+    the MTP layer (under ``mtp``) when there is one."""
     import transformers
 
     model, info = transformers.AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32,
                                                                     output_loading_info=True)
-    assert not any(info.get(k) for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+    unexpected = set(info.get("unexpected_keys") or ())
+    assert not info.get("missing_keys") and not info.get("mismatched_keys"), info
+    assert all(mtp and k.startswith(mtp) for k in unexpected) and bool(unexpected) == bool(mtp), unexpected
     model.eval()
     with torch.no_grad():
         return model(tokens).logits
@@ -58,7 +67,7 @@ def test_transformers_gives_megatrons_own_logits(family_ckpts, exported, name):
     (size not in the arguments) keeps every padded row."""
     arch, vocab, own = EXPECTED[name]
     oracle = torch.load(family_ckpts[name] / "oracle_logits.pt")
-    got = _logits(exported[name], oracle["tokens"])
+    got = _logits(exported[name], oracle["tokens"], MTP_LAYER.get(name))
     assert got.shape[-1] == vocab
     assert (got - oracle["logits"][..., :vocab]).abs().max().item() < TOLERANCE
     cfg = json.loads((exported[name] / "config.json").read_text())
@@ -129,3 +138,82 @@ def test_arguments_contradicting_the_tensors_are_refused_naming_the_argument(fam
     doc = json.loads(r.stdout)
     assert message in doc["error"]["message"], doc["error"]["message"]
     assert not (tmp_path / "out").exists() and staging_dirs(tmp_path) == []
+
+
+def test_deepseek_and_glm_configs_say_what_megatron_ran(exported):
+    ds = json.loads((exported["deepseek_tp2ep2"] / "config.json").read_text())
+    assert (ds["q_lora_rank"], ds["kv_lora_rank"], ds["qk_nope_head_dim"], ds["qk_rope_head_dim"], ds["v_head_dim"]) == (
+        32, 24, 16, 8, 16)
+    assert ds["first_k_dense_replace"] == 1 and ds["n_group"] == 2 and ds["topk_group"] == 1
+    assert ds["routed_scaling_factor"] == 2.5 and ds["n_shared_experts"] == 1 and ds["num_nextn_predict_layers"] == 0
+    assert ds["rope_parameters"]["rope_type"] == "yarn" and ds["rope_parameters"]["factor"] == 4.0
+    glm = json.loads((exported["glm_ep2_mtp"] / "config.json").read_text())
+    assert glm["partial_rotary_factor"] == 0.5 and glm["use_qk_norm"] and glm["attention_bias"]
+    assert glm["num_nextn_predict_layers"] == 1 and glm["num_hidden_layers"] == 2
+
+
+def test_the_mtp_layer_is_published_as_hf_holds_it_and_no_mtp_leaves_it_out(family_ckpts, exported, tmp_path):
+    """The MTP layer is model.layers.{num_hidden_layers + k} with eh_proj, enorm, hnorm,
+    shared_head.norm and its decoder layer's tensors; ``--no-mtp`` leaves it out on purpose (and
+    says 0 in config.json): transformers then loads every key and gives the same logits."""
+    from safetensors import safe_open
+
+    with safe_open(str(exported["glm_ep2_mtp"] / "model.safetensors"), "pt") as f:
+        mtp = sorted(k for k in f.keys() if k.startswith("model.layers.2."))
+    for own in ("eh_proj.weight", "enorm.weight", "hnorm.weight", "shared_head.norm.weight", "self_attn.q_proj.bias",
+                "mlp.experts.3.down_proj.weight", "mlp.gate.e_score_correction_bias"):
+        assert "model.layers.2." + own in mtp, own
+    _export(family_ckpts["glm_ep2_mtp"], tmp_path / "no-mtp", "--no-mtp")
+    cfg = json.loads((tmp_path / "no-mtp" / "config.json").read_text())
+    assert cfg["num_nextn_predict_layers"] == 0
+    oracle = torch.load(family_ckpts["glm_ep2_mtp"] / "oracle_logits.pt")
+    got = _logits(tmp_path / "no-mtp", oracle["tokens"])
+    assert (got - oracle["logits"][..., :102]).abs().max().item() < TOLERANCE
+
+
+def _drop(folder: Path, prefix: str) -> None:
+    """Remove every tensor named from ``prefix`` from the DCP metadata (as a save that lost them)."""
+    import pickle
+
+    meta_path = folder / ".metadata"
+    with open(meta_path, "rb") as f:
+        meta = pickle.load(f)
+    for name in [n for n in meta.state_dict_metadata if n.startswith(prefix)]:
+        del meta.state_dict_metadata[name]
+    with open(meta_path, "wb") as f:
+        pickle.dump(meta, f)
+
+
+HOSTILE = [  # (fixture, how it is broken, what the message says)
+    ("deepseek_tp2ep2", lambda d: _drop(d, "decoder.layers.1."),
+     "layer 1 (decoder.layers.1.*) is missing; the arguments say 2 layers (num_layers)"),
+    ("deepseek_tp2ep2", lambda d: _drop(d, "decoder.layers.1.mlp.router.expert_bias"),
+     "mlp.router.expert_bias is missing from layer 1, MoE by moe_layer_freq"),
+    ("glm_ep2_mtp", lambda d: _drop(d, "mtp.layers.0.enorm"), "enorm.weight is missing from MTP layer 0"),
+    ("glm_ep2_mtp", lambda d: _drop(d, "mtp."), "MTP layer 0 (mtp.layers.0.*) is missing"),
+    ("deepseek_tp2ep2", lambda d: _common(d, kv_lora_rank=16),
+     "but the arguments say kv_lora_rank + qk_pos_emb_head_dim = 24"),
+    ("deepseek_tp2ep2", lambda d: _common(d, q_lora_rank=48), "but the arguments say q_lora_rank = 48"),
+    ("deepseek_tp2ep2", lambda d: _common(d, v_head_dim=8), "num_attention_heads x (qk_head_dim + v_head_dim) = 96"),
+    ("deepseek_tp2ep2", lambda d: _common(d, moe_shared_expert_intermediate_size=64),
+     "2 x moe_shared_expert_intermediate_size = 128"),
+    ("deepseek_tp2ep2", lambda d: _common(d, moe_layer_freq=[1, 1]), "mlp.router.weight is missing from layer 0, MoE by moe_layer_freq"),
+    ("deepseek_tp2ep2", lambda d: _common(d, moe_layer_freq=[1, 0]), "puts dense layers after MoE layers"),
+    ("deepseek_tp2ep2", lambda d: _common(d, moe_router_group_topk=2),
+     "moe_router_topk=2 over moe_router_group_topk=2 scores each group by its top 1"),
+    ("glm_ep2_mtp", lambda d: _common(d, mtp_num_layers=2), "MTP layer 1 (mtp.layers.1.*) is missing"),
+    ("glm_ep2_mtp", lambda d: _common(d, mtp_num_layers=None), "mtp.layers.0.eh_proj.weight is not covered"),
+]
+
+
+@pytest.mark.parametrize("case", range(len(HOSTILE)), ids=[h[2][:40] for h in HOSTILE])
+def test_broken_per_layer_and_mtp_checkpoints_are_refused(family_ckpts, tmp_path, case):
+    name, brake, message = HOSTILE[case]
+    src = tmp_path / "run"
+    shutil.copytree(family_ckpts[name], src)
+    brake(iteration(src))
+    r = invoke("export", src, tmp_path / "out", "--json")
+    assert r.exit_code == 2, r.stdout + r.stderr
+    doc = json.loads(r.stdout)
+    assert message in doc["error"]["message"], doc["error"]["message"]
+    assert doc["error"]["hint"] and not (tmp_path / "out").exists() and staging_dirs(tmp_path) == []

@@ -53,7 +53,7 @@ def test_inspect_of_an_uncovered_model_lists_megatron_names_and_says_why(megatro
     obj["args"] = argparse.Namespace(**{**vars(obj["args"]), "multi_latent_attention": True})
     torch.save(obj, common)
     doc = _inspect(src)
-    assert doc["megatron"]["mapping"] is None and "multi_latent_attention=True (multi-latent attention (MLA))" in doc["megatron"]["mapping_error"]
+    assert doc["megatron"]["mapping"] is None and "multi-latent attention (MLA) without experts is not covered" in doc["megatron"]["mapping_error"]
     assert "decoder.layers.self_attention.linear_qkv.weight" in {t["name"] for t in doc["tensors"]}
 
 

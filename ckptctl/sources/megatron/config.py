@@ -104,9 +104,26 @@ def _family(args: dict[str, Any], experts: int, qkv_bias: bool, qk_norm: bool) -
     return FAMILIES["qwen3" if qk_norm else "qwen2" if qkv_bias else "llama"]
 
 
-def describe(args: dict[str, Any], dtype: str | None, vocab_size: int | None = None) -> Described:
+def check_basics(args: dict[str, Any]) -> None:
+    """What no family covers: LayerNorm, a non-gated MLP, other position embeddings, linear
+    biases, 1p norms. Raises ArgsError."""
+    for name, covered, what in _UNCOVERED[1:6]:
+        value = args.get(name)
+        if value is None and name in ("swiglu", "normalization", "position_embedding_type"):
+            raise ArgsError(f"argument {name} is not recorded")
+        if value is not None and value != covered:
+            raise ArgsError(f"{name}={value!r} ({what}) is not covered by any mapping")
+
+
+def describe(args: dict[str, Any], dtype: str | None, vocab_size: int | None = None,
+             no_mtp: bool = False) -> Described:
     """Family, sizes and ``config.json`` of the model ``args`` describe (``dtype``: the config
-    name of the weights' dtype; ``vocab_size``: ``--vocab-size``). Raises ArgsError."""
+    name of the weights' dtype; ``vocab_size``: ``--vocab-size``; ``no_mtp``: ``--no-mtp``).
+    Raises ArgsError."""
+    check_basics(args)
+    if _get(args, "mtp_num_layers") and not no_mtp:
+        raise ArgsError(f"mtp_num_layers={args['mtp_num_layers']!r}: MTP layers are covered by the DeepSeek-V3 and "
+                        "GLM-4.5 mappings only", )
     for name, covered, what in _UNCOVERED:
         value = args.get(name)
         if value is None and name in ("swiglu", "normalization", "position_embedding_type"):

@@ -31,7 +31,7 @@ what a mapping does not cover is never dropped silently.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Iterator
 
 COPY, VOCAB, QKV, GLU = "copy", "vocab", "qkv", "glu"
@@ -57,9 +57,16 @@ class Rule:
 
 @dataclass(frozen=True)
 class Family:
+    """A model type's rules: ``rules`` for the model and every layer, ``dense``/``moe`` for the
+    layers before / from ``Dims.dense_layers`` on, ``mtp`` for an MTP layer's own tensors
+    (named after ``mtp.layers.{k}.``; its decoder layer's after ``transformer_layer.``)."""
+
     name: str  # model_type
     architecture: str
     rules: tuple[Rule, ...]
+    dense: tuple[Rule, ...] = ()
+    moe: tuple[Rule, ...] = ()
+    mtp: tuple[Rule, ...] = ()
 
 
 _ATTN = "model.layers.{i}.self_attn."
@@ -76,6 +83,8 @@ _COMMON = (
     Rule(("mlp.linear_fc1.layer_norm_weight", "pre_mlp_layernorm.weight"),
          ("model.layers.{i}.post_attention_layernorm.weight",), shape=("hidden",)),
 )
+_NORMS = tuple(r for r in _COMMON if r.scope == LAYER and r.op == COPY and r.shape == ("hidden",))
+_MODEL = tuple(r for r in _COMMON if r.scope == MODEL)
 _DENSE_MLP = (
     Rule(("mlp.linear_fc1.weight",), ("model.layers.{i}.mlp.gate_proj.weight", "model.layers.{i}.mlp.up_proj.weight"),
          GLU, shape=("ffn2", "hidden")),
@@ -99,6 +108,40 @@ def _experts(prefix: str, gate: str, up: str, down: str) -> tuple[Rule, ...]:
 
 _MOE = "model.layers.{i}.block_sparse_moe."
 _MLP = "model.layers.{i}.mlp."
+# DeepSeek-V3's multi-latent attention: straight copies (TE fuses the latent norms into the up
+# projections: both names listed); without q_lora_rank, one query projection.
+_MLA = (
+    Rule(("self_attention.linear_q_down_proj.weight",), (_ATTN + "q_a_proj.weight",), shape=("q_lora", "hidden"),
+         when="q_lora"),
+    Rule(("self_attention.q_layernorm.weight", "self_attention.linear_q_up_proj.layer_norm_weight"),
+         (_ATTN + "q_a_layernorm.weight",), shape=("q_lora",), when="q_lora"),
+    Rule(("self_attention.linear_q_up_proj.weight",), (_ATTN + "q_b_proj.weight",), shape=("q_mla", "q_lora"),
+         when="q_lora"),
+    Rule(("self_attention.linear_q_proj.weight",), (_ATTN + "q_proj.weight",), shape=("q_mla", "hidden"),
+         when="no_q_lora"),
+    Rule(("self_attention.linear_kv_down_proj.weight",), (_ATTN + "kv_a_proj_with_mqa.weight",),
+         shape=("kv_a", "hidden")),
+    Rule(("self_attention.kv_layernorm.weight", "self_attention.linear_kv_up_proj.layer_norm_weight"),
+         (_ATTN + "kv_a_layernorm.weight",), shape=("kv_lora",)),
+    Rule(("self_attention.linear_kv_up_proj.weight",), (_ATTN + "kv_b_proj.weight",), shape=("kv_b", "kv_lora")),
+    Rule(("self_attention.linear_proj.weight",), (_ATTN + "o_proj.weight",), shape=("hidden", "o_mla")),
+)
+_DS_MOE = _experts(_MLP, "experts.{e}.gate_proj.weight", "experts.{e}.up_proj.weight",
+                   "experts.{e}.down_proj.weight") + (
+    Rule(("mlp.router.expert_bias",), (_MLP + "gate.e_score_correction_bias",), shape=("experts",)),
+    Rule(("mlp.shared_experts.linear_fc1.weight",), (_MLP + "shared_experts.gate_proj.weight",
+                                                      _MLP + "shared_experts.up_proj.weight"), GLU,
+         shape=("shared2", "hidden"), ffn="shared"),
+    Rule(("mlp.shared_experts.linear_fc2.weight",), (_MLP + "shared_experts.down_proj.weight",),
+         shape=("hidden", "shared")),
+)
+_LAYER = "model.layers.{i}."
+_MTP = (  # an MTP layer's own tensors, after mtp.layers.{k}.
+    Rule(("enorm.weight",), (_LAYER + "enorm.weight",), shape=("hidden",)),
+    Rule(("hnorm.weight",), (_LAYER + "hnorm.weight",), shape=("hidden",)),
+    Rule(("eh_proj.weight",), (_LAYER + "eh_proj.weight",), shape=("hidden", "hidden2")),
+    Rule(("final_layernorm.weight",), (_LAYER + "shared_head.norm.weight",), shape=("hidden",)),
+)
 FAMILIES = {
     "llama": Family("llama", "LlamaForCausalLM", _COMMON + _DENSE_MLP),
     "qwen2": Family("qwen2", "Qwen2ForCausalLM", _COMMON + _DENSE_MLP + (
@@ -109,6 +152,11 @@ FAMILIES = {
     "qwen3": Family("qwen3", "Qwen3ForCausalLM", _COMMON + _QK_NORM + _DENSE_MLP),
     "qwen3_moe": Family("qwen3_moe", "Qwen3MoeForCausalLM", _COMMON + _QK_NORM + _experts(
         _MLP, "experts.{e}.gate_proj.weight", "experts.{e}.up_proj.weight", "experts.{e}.down_proj.weight")),
+    "deepseek_v3": Family("deepseek_v3", "DeepseekV3ForCausalLM", _MODEL + _NORMS + _MLA, _DENSE_MLP, _DS_MOE,
+                          _MTP),
+    "glm4_moe": Family("glm4_moe", "Glm4MoeForCausalLM", _COMMON + tuple(replace(r, when="qk_norm") for r in _QK_NORM) + (
+        Rule(("self_attention.linear_qkv.bias",), tuple(n.replace(".weight", ".bias") for n in _QKV_W), QKV,
+             shape=("qkv",)),), _DENSE_MLP, _DS_MOE, _MTP),
 }
 # The size names of Rule.shape: the Dims field (or product) each stands for, and the argument(s)
 # it comes from, named when a tensor contradicts them.
@@ -117,6 +165,11 @@ SIZES = {
     "moe_ffn": "moe_ffn_hidden_size", "moe2": "2 x moe_ffn_hidden_size", "experts": "num_experts",
     "head_dim": "kv_channels", "q": "num_attention_heads x kv_channels",
     "qkv": "(num_attention_heads + 2 x num_query_groups) x kv_channels",
+    "shared": "moe_shared_expert_intermediate_size", "shared2": "2 x moe_shared_expert_intermediate_size",
+    "q_lora": "q_lora_rank", "kv_lora": "kv_lora_rank", "kv_a": "kv_lora_rank + qk_pos_emb_head_dim",
+    "q_mla": "num_attention_heads x (qk_head_dim + qk_pos_emb_head_dim)",
+    "kv_b": "num_attention_heads x (qk_head_dim + v_head_dim)", "o_mla": "num_attention_heads x v_head_dim",
+    "hidden2": "2 x hidden_size",
 }
 
 
@@ -134,12 +187,22 @@ class Dims:
     tied: bool = False
     hidden: int = 0  # 0: not checked
     moe_ffn: int = 0
+    shared: int = 0  # shared experts' FFN size
+    dense_layers: int = 0  # the leading layers that take Family.dense (the others Family.moe)
+    mtp: int = 0  # MTP layers exported (as layers layers + k)
+    drop_mtp: bool = False  # --no-mtp: MTP tensors left out on purpose
+    mla: tuple[int, int, int, int, int] = (0, 0, 0, 0, 0)  # q_lora, kv_lora, qk_head, qk_rope, v_head
+    qk_norm: bool = True  # for a family whose QK norms are optional (when="qk_norm")
 
     def size(self, name: str) -> int:
         per_group = self.heads // self.groups if self.groups else 0
+        q_lora, kv_lora, qk, rope, v = self.mla
         return {"hidden": self.hidden, "ffn": self.ffn, "ffn2": 2 * self.ffn, "moe_ffn": self.moe_ffn,
                 "moe2": 2 * self.moe_ffn, "experts": self.experts, "head_dim": self.head_dim,
-                "q": self.heads * self.head_dim, "qkv": self.groups * (per_group + 2) * self.head_dim}[name]
+                "q": self.heads * self.head_dim, "qkv": self.groups * (per_group + 2) * self.head_dim,
+                "shared": self.shared, "shared2": 2 * self.shared, "q_lora": q_lora, "kv_lora": kv_lora,
+                "kv_a": kv_lora + rope, "q_mla": self.heads * (qk + rope), "kv_b": self.heads * (qk + v),
+                "o_mla": self.heads * v, "hidden2": 2 * self.hidden}[name]
 
 
 @dataclass(frozen=True)
@@ -263,8 +326,7 @@ def split_layers(tensors: dict[str, tuple[int, ...]]) -> tuple[dict[str, tuple[i
     return rest, per
 
 
-def _present(rule: Rule, names: list[str], have: set[str] | dict[str, tuple[int, ...]],
-             family: Family, where: str) -> str | None:
+def _present(names: list[str], have: set[str] | dict[str, tuple[int, ...]], family: Family, where: str) -> str:
     present = [n for n in names if n in have]
     if not present:
         raise MappingError(f"{names[0]} is missing{where} (a {family.name} model has it)")
@@ -273,50 +335,96 @@ def _present(rule: Rule, names: list[str], have: set[str] | dict[str, tuple[int,
     return present[0]
 
 
+def _applies(rule: Rule, d: Dims) -> bool:
+    if rule.when == "q_lora":
+        return bool(d.mla[0])
+    if rule.when == "no_q_lora":
+        return not d.mla[0]
+    if rule.when == "qk_norm":
+        return d.qk_norm
+    return True
+
+
+def _layer_rules(family: Family, d: Dims, i: int) -> tuple[Rule, ...]:
+    return tuple(r for r in family.rules + (family.dense if i < d.dense_layers else family.moe)
+                 if r.scope != MODEL and _applies(r, d))
+
+
+def _check_layer_keys(per: dict[int, set[str]], stacked: dict[str, tuple[int, ...]], d: Dims) -> None:
+    if not per:
+        return
+    layered = sorted(n for n in stacked if n.startswith(LAYERS))
+    if layered:
+        raise MappingError(f"both stacked ({layered[0]}) and per-layer (decoder.layers.{min(per)}.*) keys are stored")
+    missing = [i for i in range(d.layers) if i not in per]
+    if missing:
+        raise MappingError(f"layer {missing[0]} (decoder.layers.{missing[0]}.*) is missing; the arguments say "
+                           f"{d.layers} layers (num_layers)")
+    extra = sorted(i for i in per if i >= d.layers)
+    if extra:
+        raise MappingError(f"decoder.layers.{extra[0]}.* is stored; the arguments say {d.layers} layers (num_layers)")
+
+
 def plan(family: Family, tensors: dict[str, tuple[int, ...]], d: Dims) -> list[Output]:
     """Every HF tensor of ``family`` made from the model ``tensors`` (Megatron name -> global
-    shape), with stacked or per-layer keys. Raises MappingError for a tensor a rule needs that
-    is missing, a shape that does not fit, a mixed or incomplete set of per-layer keys, or a
-    tensor no rule consumes."""
+    shape), with stacked or per-layer keys, and ``d.mtp`` MTP layers as layers ``d.layers + k``.
+    Raises MappingError for a tensor a rule needs that is missing, a shape that does not fit, a
+    mixed or incomplete set of per-layer keys, or a tensor no rule consumes."""
     out: list[Output] = []
     used: set[str] = set()
     stacked, per = split_layers(tensors)
-    if per:
-        layered = sorted(n for n in stacked if n.startswith(LAYERS))
-        if layered:
-            raise MappingError(f"both stacked ({layered[0]}) and per-layer (decoder.layers.{min(per)}.*) keys "
-                               "are stored")
-        missing = [i for i in range(d.layers) if i not in per]
-        if missing:
-            raise MappingError(f"layer {missing[0]} (decoder.layers.{missing[0]}.*) is missing; the arguments say "
-                               f"{d.layers} layers (num_layers)")
-        extra = sorted(i for i in per if i >= d.layers)
-        if extra:
-            raise MappingError(f"decoder.layers.{extra[0]}.* is stored; the arguments say {d.layers} layers "
-                               "(num_layers)")
+    _check_layer_keys(per, stacked, d)
     for rule in family.rules:
+        if rule.scope != MODEL:
+            continue
         if rule.when == "untied" and d.tied:
-            names = list(rule.megatron)
-            if any(n in tensors for n in names):
-                raise MappingError(f"{names[0]} is stored, but the arguments say the output layer is tied to "
+            if any(n in tensors for n in rule.megatron):
+                raise MappingError(f"{rule.megatron[0]} is stored, but the arguments say the output layer is tied to "
                                    "the embedding (untie_embeddings_and_output_weights false)")
             continue
-        if rule.scope == MODEL:
-            fqn = _present(rule, list(rule.megatron), tensors, family, "")
+        fqn = _present(list(rule.megatron), tensors, family, "")
+        used.add(fqn)
+        out.extend(rule_outputs(rule, fqn, tensors[fqn], d))
+    if not per:  # stacked: one kind of layer throughout
+        if family.dense and family.moe and 0 < d.dense_layers < d.layers:
+            raise MappingError(f"the layers are stacked, but the arguments say the first {d.dense_layers} are dense "
+                               "and the others MoE (moe_layer_freq)")
+        for rule in _layer_rules(family, d, 0 if d.dense_layers else d.layers):
+            fqn = _present([LAYERS + n for n in rule.megatron], tensors, family, "")
             used.add(fqn)
             out.extend(rule_outputs(rule, fqn, tensors[fqn], d))
-        elif not per:
-            fqn = _present(rule, [LAYERS + n for n in rule.megatron], tensors, family, "")
-            used.add(fqn)
-            out.extend(rule_outputs(rule, fqn, tensors[fqn], d))
-        else:
-            for i in range(d.layers):
-                name = _present(rule, list(rule.megatron), per[i], family, f" from layer {i}")
+    else:
+        for i in range(d.layers):
+            kind = (", dense by moe_layer_freq" if i < d.dense_layers else ", MoE by moe_layer_freq") if family.dense else ""
+            for rule in _layer_rules(family, d, i):
+                name = _present(list(rule.megatron), per[i], family, f" from layer {i}{kind}")
                 fqn = f"{LAYERS}{i}.{name}"
                 used.add(fqn)
                 out.extend(rule_outputs(rule, fqn, tensors[fqn], d, (), {"i": i}))
+    out.extend(_mtp(family, tensors, d, used))
     left = sorted(set(tensors) - used)
     if left:
         raise MappingError(f"{left[0]} is not covered by the {family.name} mapping"
                            + (f" ({len(left)} such tensors)" if len(left) > 1 else ""))
+    return out
+
+
+def _mtp(family: Family, tensors: dict[str, tuple[int, ...]], d: Dims, used: set[str]) -> list[Output]:
+    """The MTP layers' tensors as HF layers ``d.layers + k`` (their own and their decoder
+    layer's); with ``d.drop_mtp`` none, every ``mtp.`` tensor marked as left out on purpose."""
+    if d.drop_mtp:
+        used.update(n for n in tensors if n.startswith("mtp."))
+        return []
+    out: list[Output] = []
+    for k in range(d.mtp):
+        base, i = f"mtp.layers.{k}.", d.layers + k
+        have = {n[len(base):] for n in tensors if n.startswith(base)}
+        if not have:
+            raise MappingError(f"MTP layer {k} ({base}*) is missing; the arguments say {d.mtp} (mtp_num_layers)")
+        rules = [(r, "") for r in family.mtp] + [(r, "transformer_layer.") for r in _layer_rules(family, d, i)]
+        for rule, sub in rules:
+            name = _present([sub + n for n in rule.megatron], have, family, f" from MTP layer {k}")
+            fqn = base + name
+            used.add(fqn)
+            out.extend(rule_outputs(rule, fqn, tensors[fqn], d, (), {"i": i}))
     return out

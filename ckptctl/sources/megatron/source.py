@@ -201,13 +201,14 @@ class MegatronSource(DcpHfSource):
     @classmethod
     def open_location(cls, loc: MegatronLocation, *, names: bool = False, max_pieces: int = MAX_PIECES,
                       fallback: bool = False, min_run: int = MIN_RUN_BYTES,
-                      vocab_size: int | None = None) -> "MegatronSource":
+                      vocab_size: int | None = None, no_mtp: bool = False) -> "MegatronSource":
         """The weights at ``loc``: HF names through the mapping, or Megatron's (``names``).
         Raises InputError (a damaged checkpoint, an architecture no mapping covers; with
         ``fallback``, inspect's, the latter gives Megatron's names and ``mapping_error`` says why).
         ``max_pieces=0`` streams every tensor (the reference); ``min_run``: see :func:`pieces_of`;
         ``vocab_size``: ``--vocab-size`` (the rows of the embedding and head kept)."""
-        from ckptctl.sources.megatron.config import ArgsError, OptionError, describe
+        from ckptctl.sources.megatron.config import ArgsError, OptionError
+        from ckptctl.sources.megatron.config_v3 import describe_any
         from ckptctl.sources.megatron.mapping import MappingError, plan
 
         root = loc.folder
@@ -245,7 +246,7 @@ class MegatronSource(DcpHfSource):
                 raise ArgsError("common.pt holds no Megatron-LM arguments (args), so the HF architecture is not known")
             if not names:
                 main = dtypes.get("embedding.word_embeddings.weight") or next(iter(dtypes.values()))
-                desc = describe(args or {}, dt.CONFIG_NAMES.get(main), vocab_size)
+                desc = describe_any(args or {}, dt.CONFIG_NAMES.get(main), vocab_size, no_mtp)
                 outputs = plan(desc.family, shapes, desc.dims)
         except OptionError as exc:
             raise UsageError(f"{root}: {exc}", "pass a size no larger than the rows stored") from None
@@ -297,7 +298,8 @@ class MegatronSource(DcpHfSource):
 
 
 def open_location(loc: MegatronLocation, path: Path, *, key: str | None = None, names: str | None = None,
-                  max_pieces: int | None = None, vocab_size: int | None = None, **_: Any) -> MegatronSource:
+                  max_pieces: int | None = None, vocab_size: int | None = None, no_mtp: bool = False,
+                  **_: Any) -> MegatronSource:
     """The registry's open hook (``sources/kinds.py``): the Megatron checkpoint ``find_megatron``
     found at ``path``, under HF names through the mapping, or Megatron's own with ``names``
     ``megatron``. ``max_pieces`` unset: the ``pieces`` fast path's switch (``ckptctl.fastpaths``).
@@ -308,4 +310,5 @@ def open_location(loc: MegatronLocation, path: Path, *, key: str | None = None, 
         max_pieces = MAX_PIECES if enabled("pieces") else 0
     if key:
         raise key_refused(path, "Megatron-core", key, "the model's tensors are read (the optimizer state is left out)")
-    return MegatronSource.open_location(loc, names=names == "megatron", max_pieces=max_pieces, vocab_size=vocab_size)
+    return MegatronSource.open_location(loc, names=names == "megatron", max_pieces=max_pieces, vocab_size=vocab_size,
+                                        no_mtp=no_mtp)
