@@ -178,7 +178,9 @@ def _resave(root: Path, opts: ExportOptions, *, output: str | os.PathLike[str] |
 
         src = SafetensorsSource.open(root, chosen.files, fast=reading.fast)
         entries = entries_for(src, opts.dtype)
-        plan = _replan(entries, settings, src.metadata or None, opts)
+        # --dtype alone keeps the shard boundaries (each file's tensors stay together); a size re-plans
+        groups = _file_groups(entries) if opts.max_shard_size is None or settings.keep_layout else None
+        plan = _replan(entries, settings, src.metadata or None, opts, groups)
         link_matching(plan, root, entries)
         inputs = build_inputs(entries, opts, settings, extras=extras)
     else:
@@ -274,12 +276,20 @@ def _unchanged(dest: Path, opts: ExportOptions, rep: Repair, errors: list[Findin
     return ResaveResult(ExportResult(dest=str(Path(os.path.abspath(dest))), dry_run=opts.dry_run), rep, unchanged=True)
 
 
+def _file_groups(entries: list[Entry]) -> list[list[str]]:
+    """The tensors grouped by the file they sit in, the files in name order (the shard order)."""
+    by_file: dict[str, list[str]] = {}
+    for e in entries:
+        by_file.setdefault(str(e.tensor.file), []).append(e.name)
+    return [by_file[f] for f in sorted(by_file)]
+
+
 def _replan(entries: list[Entry], settings: ExportSettings, metadata: dict[str, str] | None,
-            opts: ExportOptions) -> Plan:
+            opts: ExportOptions, groups: list[list[str]] | None = None) -> Plan:
     from ckptctl.plan import make_plan
 
     try:
         return make_plan([e.spec for e in entries], max_shard_size=settings.max_shard_size, metadata=metadata,
-                         prefix=opts.prefix, variant=opts.variant)
+                         prefix=opts.prefix, variant=opts.variant, groups=groups)
     except ValueError as exc:
         raise InputError(str(exc), "check the tensor names and --max-shard-size") from None
