@@ -319,16 +319,18 @@ def test_a_large_plain_state_dict_stays_well_inside_the_budget() -> None:
     """What torch.save writes for 20,000 tensors uses a small part of what a pickle may charge."""
     import io
 
+    from ckptctl.format import pickle_walk as pw
     from ckptctl.format import torch_pickle as tp
 
     buf = io.BytesIO()
     torch.save(collections.OrderedDict((f"layer.{i}.weight", torch.zeros(2)) for i in range(20_000)), buf)
     with zipfile.ZipFile(buf) as z:
         data = z.read(next(n for n in z.namelist() if n.endswith("data.pkl")))
-    budget = tp._BUDGET_BASE + tp._BUDGET_PER_BYTE * len(data)
-    shape = tp._Shape(budget)
+    budget = pw._BUDGET_BASE + pw._BUDGET_PER_BYTE * len(data)
+    shape = pw._Shape(budget, pw.memory_budget(len(data)))
     assert shape.walk(data, 0, io.BytesIO(data)) == len(data)
     assert budget - shape.budget < budget // 20
+    assert shape.spent < pw.MEMORY_PER_BYTE * len(data) // 2  # the memory it may take: under half
     objs, unsafe, err = tp.load_pickles(data)
     assert err is None and unsafe == [] and len(objs[0]) == 20_000
 

@@ -4,8 +4,9 @@
 ``ChunkStorageMetadata``, ``MetadataIndex``, ``_StorageInfo`` ...), and torch's own reader
 unpickles it without restrictions. This is the one reader ckptctl has (``verify`` and the DCP
 export source both use it): the file must be a regular file under :data:`MAX_METADATA_BYTES`,
-every length field is checked against the bytes that are there before anything is allocated,
-and the unpickler resolves an explicit allow-list and refuses every other global. By default
+the opcode walk of :mod:`ckptctl.format.pickle_walk` checks every length field against the bytes
+that are there and what the objects would cost against its budget before anything is built, and
+the unpickler resolves an explicit allow-list and refuses every other global. By default
 the allow-list maps each class to a record of our own (:class:`Record` and its subclasses, with
 the same field names as torch's: ``md.state_dict_metadata[fqn].chunks[i].offsets``,
 ``md.storage_data[MetadataIndex(fqn, offsets)].relative_path``; a dtype is a :class:`DType` that
@@ -23,13 +24,13 @@ import io
 import os
 import pathlib
 import pickle
-import pickletools
 import stat
 import struct
 from dataclasses import dataclass
 from typing import Any, Callable
 
 from ckptctl.findings import ERROR, Finding
+from ckptctl.format.pickle_walk import RECORDS_PER_BYTE, check_pickles
 from ckptctl.format.torch_pickle import TORCH_DTYPES
 
 MAX_METADATA_BYTES = 1 << 30
@@ -245,13 +246,12 @@ def read_dcp_metadata(path: str | os.PathLike[str], display: str, *, torch_class
         if st.st_size > MAX_METADATA_BYTES:
             return _bad(display, f"{st.st_size} bytes is too large for DCP metadata", "this is not a DCP checkpoint")
         data = f.read()
-    try:
-        # pickletools checks every length field against the bytes that are there; the C
-        # unpickler would first allocate what a hostile length field asks for.
-        for _ in pickletools.genops(data):
-            pass
-    except (ValueError, struct.error, OverflowError, RecursionError) as exc:  # garbage, short data, bad lengths
-        return _bad(display, f"unreadable DCP metadata ({type(exc).__name__}: {str(exc)[:160]})")
+    # the opcode walk checks every length field against the bytes that are there (the C unpickler
+    # would first allocate what a hostile length field asks for), the nesting, and the memory the
+    # objects would take against the budget of a pickle of this size (pickle_walk)
+    checked, err = check_pickles(data, per_byte=RECORDS_PER_BYTE)
+    if err or not checked:
+        return _bad(display, f"unreadable DCP metadata ({err})")
     up = _AllowListUnpickler(data, _torch_class if torch_classes else _record_class)
     try:
         md = up.load()

@@ -6,10 +6,11 @@ export source (which refuses them). ``find_class`` never imports: the globals th
 becomes a :class:`TensorRef`: its storage, storage offset, size, stride and dtype, exactly the
 arguments torch's ``_rebuild_tensor_v2``/``_v3`` would get), and every other global is recorded
 in :attr:`ScanUnpickler.unsafe` and replaced by an inert stub, so a ``__reduce__`` payload can
-neither import nor call its target. Before the C unpickler runs, one pass over the opcodes checks
-every length field against the bytes that are there, so a hostile length is never allocated, and
-models the objects they build, so none nests deep enough to crash CPython's recursive hash or
-costs hours to hash through memo references. torch is never imported here. A caller may name
+neither import nor call its target. Before the C unpickler runs, one pass over the opcodes
+(:mod:`ckptctl.format.pickle_walk`) checks every length field against the bytes that are there,
+so a hostile length is never allocated, and models the objects they build, so none nests deep
+enough to crash CPython's recursive hash, costs hours to hash through memo references, or takes
+more memory than a state dict of the pickle's size needs. torch is never imported here. A caller may name
 globals to read as data (the ZeRO source: :data:`DEEPSPEED_GLOBALS`, DeepSpeed's loss scaler,
 stage enum and fragment address): each becomes a :class:`DataObject` recording its arguments and
 state, and nothing of DeepSpeed is imported either.
@@ -19,12 +20,12 @@ from __future__ import annotations
 
 import io
 import pickle
-import pickletools
 import struct
 from dataclasses import dataclass
 from typing import Any
 
 from ckptctl.format import dtypes as dt
+from ckptctl.format.pickle_walk import check_pickles
 from ckptctl.format.tensor import TensorSpec
 
 # torch storage class name -> safetensors dtype
@@ -216,6 +217,7 @@ class ScanUnpickler(pickle.Unpickler):
         # torch.load keeps the first typed storage loaded under a key: a later persistent id of
         # the same key (another storage type or size: a crafted or damaged pickle) gets it too
         self._storages: dict[str, StorageRef] = {}
+        self._classes: dict[str, type] = {}  # the DataObject class of each data global named
 
     def find_class(self, module: str, name: str) -> Any:  # noqa: C901 - one allow-list
         if module == "__builtin__":
@@ -262,8 +264,10 @@ class ScanUnpickler(pickle.Unpickler):
                                           "per_channel_symmetric", "per_channel_affine_float_qparams",
                                           "strided", "sparse_coo", "contiguous_format", "channels_last"):
             return _DtypeStub(None)
-        if full in self.data_globals:  # a class of its own per global, so the record names it
-            return type(name, (DataObject,), {"global_name": full, "__module__": __name__})
+        if full in self.data_globals:  # a class of its own per global (made once), so the record names it
+            if full not in self._classes:
+                self._classes[full] = type(name, (DataObject,), {"global_name": full, "__module__": __name__})
+            return self._classes[full]
         self.unsafe.append(full)
         return Inert
 
@@ -284,201 +288,16 @@ class ScanUnpickler(pickle.Unpickler):
         return Inert()
 
 
-_MAX_NESTING = 1000  # objects within objects; torch's own checkpoints nest fewer than 20
-_BUDGET_BASE, _BUDGET_PER_BYTE = 1 << 22, 8  # objects hashed or passed to calls, for a pickle's size
-_LEAF = (1, 0)  # a cell: (objects held, counting repeats by reference; nesting depth); a list when mutable
-_MARK = pickletools.markobject
-_OPCODES = {ord(code.code): code for code in pickletools.opcodes}
-_CALLS = {"REDUCE": 2, "NEWOBJ": 2, "NEWOBJ_EX": 3}  # stack items a call takes: the callable, its arguments
-
-
-class _Shape:
-    """The opcode walk's model of what the unpickler is about to build, one cell per object: how
-    many objects it holds, counting again what it repeats by memo reference, and how deep it nests.
-    CPython hashes (and prints) a tuple by C recursion over its items, each time anew, so
-    :meth:`op` refuses (ValueError) a pickle whose objects nest deeper than ``_MAX_NESTING`` (a
-    2 MB pickle of one tuple inside the next, used as a dict key, crashed the process) or whose dict
-    keys, set items and call arguments add up to more objects than ``budget`` (a 319-byte pickle of
-    memoised tuples of tuples took 8 s to hash as one key)."""
-
-    def __init__(self, budget: int) -> None:
-        self.stack: list[Any] = []
-        self.marks: list[int] = []
-        self.memo: dict[Any, Any] = {}
-        self.budget = budget
-        leaf, stack, memo = self.stack.append, self.stack, self.memo
-        self.ops: dict[str, Any] = {
-            "MARK": lambda arg: self.marks.append(len(stack)),
-            "BINPUT": memo.__setitem__, "LONG_BINPUT": memo.__setitem__, "PUT": memo.__setitem__,
-            "MEMOIZE": lambda arg: memo.__setitem__(len(memo), stack[-1]),
-            "BINGET": lambda arg: leaf(memo.get(arg, _LEAF)),
-            "DUP": lambda arg: leaf(stack[-1]),
-            "TUPLE": lambda arg: leaf(self._new(self._pop_mark(), True)),
-            "EMPTY_TUPLE": lambda arg: leaf((1, 1)),
-            "TUPLE1": lambda arg: leaf(self._new(self._pop(1), True)),
-            "TUPLE2": lambda arg: leaf(self._new(self._pop(2), True)),
-            "TUPLE3": lambda arg: leaf(self._new(self._pop(3), True)),
-            "BINPERSID": lambda arg: stack.__setitem__(-1, _LEAF),
-            "FROZENSET": lambda arg: leaf(self._new(self._charge(self._pop_mark()), True)),
-            "DICT": lambda arg: leaf(self._new(self._charge(self._pop_mark(), 2))),
-            "LIST": lambda arg: leaf(self._new(self._pop_mark())),
-            "ADDITEMS": lambda arg: self._into(self._charge(self._pop_mark())),
-            "SETITEMS": lambda arg: self._into(self._charge(self._pop_mark(), 2)),
-            "APPENDS": lambda arg: self._into(self._pop_mark()),
-            "SETITEM": lambda arg: self._into(self._charge(self._pop(2), 2)),
-            "APPEND": lambda arg: self._into(self._pop(1)),
-            "BUILD": lambda arg: self._into(self._charge(self._pop(1))),
-            "OBJ": lambda arg: leaf(self._new(self._charge(self._pop_mark()))),
-            "INST": lambda arg: leaf(self._new(self._charge(self._pop_mark()))),
-            "STOP": lambda arg: (stack.clear(), self.marks.clear()),
-        }
-        # the callable may hash or return its arguments (frozenset, torch.Size, a passthrough)
-        self.ops.update({name: (lambda n: lambda arg: leaf(self._new(self._charge(self._pop(n)))))(n)
-                         for name, n in _CALLS.items()})
-        self.ops["GET"] = self.ops["LONG_BINGET"] = self.ops["BINGET"]
-
-    def walk(self, data: bytes, pos: int, stream: io.BytesIO) -> int:  # noqa: C901 - one loop over opcodes
-        """Check and model the pickle at ``data[pos:]`` up to its STOP; returns where it ends.
-        What ``torch.save`` writes most is read here; every other opcode by ``pickletools``'
-        own argument readers (``stream`` is ``data``), each length checked against what is there."""
-        stack, memo, marks, push, n = self.stack, self.memo, self.marks, self.stack.append, len(data)
-        from_bytes = int.from_bytes
-        try:
-            while True:
-                b = data[pos]
-                pos += 1
-                if b == 0x72:  # LONG_BINPUT
-                    memo[from_bytes(data[pos:pos + 4], "little")] = stack[-1]
-                    pos += 4
-                elif b == 0x71:  # BINPUT
-                    memo[data[pos]] = stack[-1]
-                    pos += 1
-                elif b == 0x68:  # BINGET
-                    push(memo.get(data[pos], _LEAF))
-                    pos += 1
-                elif b == 0x4B:  # BININT1
-                    push(_LEAF)
-                    pos += 1
-                elif b == 0x28:  # MARK
-                    marks.append(len(stack))
-                elif b == 0x58:  # BINUNICODE: a length, then UTF-8
-                    end = pos + 4 + from_bytes(data[pos:pos + 4], "little")
-                    if end > n:
-                        raise ValueError("a string runs past the end of the pickle")
-                    str(data[pos + 4:end], "utf-8", "surrogatepass")
-                    push(_LEAF)
-                    pos = end
-                elif b == 0x52:  # REDUCE: the callable of the arguments, charged (as _CALLS below)
-                    args = stack.pop()
-                    func = stack[-1]
-                    self.budget -= func[0] + args[0]
-                    if self.budget < 0 or args[1] >= _MAX_NESTING or func[1] >= _MAX_NESTING:
-                        self._charge([])
-                        self._new([args, func])
-                    stack[-1] = [func[0] + args[0] + 1, 1 + max(func[1], args[1])]
-                elif b == 0x74:  # TUPLE
-                    push(self._new(self._pop_mark(), True))
-                elif b == 0x85:  # TUPLE1
-                    item = stack[-1]
-                    if item[1] >= _MAX_NESTING:
-                        self._new([item])
-                    stack[-1] = (item[0] + 1, item[1] + 1)
-                elif b == 0x29:  # EMPTY_TUPLE
-                    push((1, 1))
-                elif b in (0x51, 0x88, 0x89):  # BINPERSID (a storage), NEWTRUE, NEWFALSE
-                    if b == 0x51:
-                        stack[-1] = _LEAF
-                    else:
-                        push(_LEAF)
-                else:
-                    code = _OPCODES.get(b)
-                    if code is None:
-                        raise ValueError(f"unknown pickle opcode 0x{b:02x} at byte {pos - 1}")
-                    stream.seek(pos)
-                    arg = code.arg.reader(stream) if code.arg is not None else None
-                    pos = stream.tell()
-                    self.op(code, arg)
-                    if b == 0x2E:  # STOP
-                        return pos
-        except IndexError:
-            raise ValueError("the pickle ends early or pops more than it pushed") from None
-
-    def op(self, code: Any, arg: Any) -> None:
-        """Take one opcode (as ``pickletools.genops`` gives it) into the model."""
-        if (step := self.ops.get(code.name)) is not None:
-            if code.name in ("BINPUT", "LONG_BINPUT", "PUT"):
-                step(arg, self.stack[-1])
-            else:
-                step(arg)
-            return
-        before = code.stack_before  # anything else pushes fresh leaves for what it pops
-        if _MARK in before:
-            self._pop_mark()
-            self._pop(before.index(_MARK))
-        else:
-            self._pop(len(before))
-        self.stack.extend(_LEAF for _ in code.stack_after)
-        if code.stack_after and not before:  # a constant: push it without asking again
-            self.ops[code.name] = lambda arg: self.stack.append(_LEAF)
-
-    def _pop(self, n: int) -> list[Any]:
-        stack = self.stack
-        if n > len(stack):
-            raise ValueError("the pickle pops more than it pushed")
-        items = stack[len(stack) - n:]
-        del stack[len(stack) - n:]
-        return items
-
-    def _pop_mark(self) -> list[Any]:
-        if not self.marks:
-            raise ValueError("the pickle pops to a mark it never set")
-        return self._pop(len(self.stack) - self.marks.pop())
-
-    def _charge(self, items: list[Any], step: int = 1) -> list[Any]:
-        """Count what a dict's keys (every ``step``-th item), a set's items or a call's arguments hold."""
-        self.budget -= sum(c[0] for c in items[::step])
-        if self.budget < 0:
-            raise ValueError("its dict keys, set items and call arguments repeat more objects by memo "
-                             "reference than a pickle of its size could hold otherwise")
-        return items
-
-    def _new(self, items: list[Any], frozen: bool = False, extra: int = 1) -> Any:
-        """The cell of an object made of ``items`` (raises ValueError when it nests too deep)."""
-        if not items:
-            return (extra, 1) if frozen else [extra, 1]
-        sizes, depths = zip(*items)
-        depth = 1 + max(depths)
-        if depth > _MAX_NESTING:
-            raise ValueError(f"its objects nest more than {_MAX_NESTING} deep")
-        return (extra + sum(sizes), depth) if frozen else [extra + sum(sizes), depth]
-
-    def _into(self, items: list[Any]) -> None:
-        """``items`` put into the object on top of the stack (append, setitem, build)."""
-        if not self.stack:
-            raise ValueError("the pickle adds items to nothing")
-        target, grown = self.stack[-1], self._new(items, extra=0)
-        if type(target) is tuple:  # not a container (the unpickler will refuse): a cell of its own
-            target = self.stack[-1] = [target[0], target[1]]
-        target[0] += grown[0]
-        target[1] = max(target[1], grown[1])
-
-
 def load_pickles(data: bytes, max_pickles: int = 1, data_globals: frozenset[str] = frozenset()
                  ) -> tuple[list[Any], list[str], str | None]:
     """Run the scanning unpickler over ``max_pickles`` consecutive pickles in ``data`` (a legacy
     ``torch.save`` stream is several): (the objects read, the unsafe globals named, the error
     that stopped it or None). ``data_globals``: globals read as :class:`DataObject` records
-    instead of counted unsafe (the ZeRO source's :data:`DEEPSPEED_GLOBALS`). :meth:`_Shape.walk` first reads each pickle's opcodes, checking every
-    length field against the bytes that are there and what the objects would cost to hash; only
-    pickles that pass are unpickled."""
-    stream, checked, err = io.BytesIO(data), 0, None
-    shape, pos = _Shape(_BUDGET_BASE + _BUDGET_PER_BYTE * len(data)), 0
-    try:
-        for _ in range(max_pickles):
-            pos = shape.walk(data, pos, stream)
-            checked += 1
-    except (ValueError, struct.error, OverflowError, RecursionError, UnicodeDecodeError) as exc:
-        err = f"{type(exc).__name__}: {str(exc)[:160]}"
+    instead of counted unsafe (the ZeRO source's :data:`DEEPSPEED_GLOBALS`).
+    :func:`ckptctl.format.pickle_walk.check_pickles` first walks each pickle's opcodes, checking
+    every length field against the bytes that are there, what the objects would cost to hash and
+    the memory they would take (its budget); only pickles that pass are unpickled."""
+    checked, err = check_pickles(data, max_pickles)
     up = ScanUnpickler(data, data_globals)
     out: list[Any] = []
     try:
