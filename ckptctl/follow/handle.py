@@ -89,18 +89,19 @@ class Handler:
         except OSError:
             now = None
         if isinstance(exc, SaveChanged) or now is None or now.digest != fp.digest:
-            self.lost(save, judged, str(exc), now)
+            self.lost(save, judged, str(exc), fp)  # those files are lost; the save as it is now is judged anew
         elif exc.exit_code == EXIT_USAGE:
             self._refuse(save, fp, judged, str(exc), exc.hint)
         else:
             raise exc
 
-    def lost(self, save: Save, judged: Judgement, why: str, now: Fingerprint | None) -> None:
+    def lost(self, save: Save, judged: Judgement, why: str, tried: Fingerprint | None) -> None:
+        """Nothing published of ``save``; ``tried``: the files the export read (never tried again)."""
         rec = self.state.records.get(save.name)
         if rec is None or rec.get("status") not in ("published",):
             rec = {"name": save.name, "kind": save.kind, "step": save.step, "source": str(save.path),
                    "dest": str(self.dest(save.name)), "status": "lost", "identity": judged.identity}
-        rec["lost_digest"] = now.digest if now is not None else None
+        rec["lost_digest"] = tried.digest if tried is not None else None
         self.state.put(rec, {"event": "lost", "reason": why})
         self.emit(Event("lost", f"lost {save.name}: {why}", save.name, save.step, {"reason": why}))
 
