@@ -79,12 +79,56 @@ def _config_field_problem(acfg: dict[str, Any]) -> str | None:
     return None
 
 
-# A quantified group whose body is itself quantified: (a+)+, (\w+\.?\w*)*, (x{2,})+ ...
-_NESTED_QUANTIFIER = re.compile(r"\((?:[^()\\]|\\.)*(?:[+*]|\{\d*,?\d*\})(?:[^()\\]|\\.)*\)(?:[+*]|\{\d*,\d*\})")
+# Repetition a backtracking matcher can take exponential (or high polynomial) time over: a repeated
+# body that holds another repeat ((a+)+, (\w+\.?\w*)*) or an alternation ((.|.)*z, (a|ab)*c), or
+# more unbounded repeats in one pattern than _MAX_REPEATS (.*a.*b.*c.*d.*e).
+_MAX_REPEATS = 4
 
 
-def _backtracking_risk(pattern: str) -> bool:
-    return bool(_NESTED_QUANTIFIER.search(pattern))
+def _backtracking_risk(pattern: str) -> str | None:
+    """Why ``pattern`` may take ``re`` exponential time on a module name (None when it cannot):
+    read from ``re``'s own parse of it, never by running it."""
+    from re import _constants as C, _parser as P
+
+    repeats = 0
+
+    def walk(items: Any, repeated: bool) -> str | None:
+        nonlocal repeats
+        for op, av in items:
+            if op in (C.MAX_REPEAT, C.MIN_REPEAT, C.POSSESSIVE_REPEAT):
+                lo, hi, body = av
+                many = hi is C.MAXREPEAT or hi > 1
+                if many and op is not C.POSSESSIVE_REPEAT:
+                    if repeated:
+                        return "it nests quantifiers"
+                    repeats += 1
+                    if repeats > _MAX_REPEATS:
+                        return f"it has more than {_MAX_REPEATS} unbounded repeats"
+                why = walk(body, repeated or (many and op is not C.POSSESSIVE_REPEAT))
+            elif op is C.BRANCH:
+                if repeated:
+                    return "it repeats an alternation"
+                why = next((w for b in av[1] if (w := walk(b, repeated))), None)
+            elif op is C.SUBPATTERN:
+                why = walk(av[3], repeated)
+            elif op in (C.ASSERT, C.ASSERT_NOT):
+                why = walk(av[1], repeated)
+            elif op is C.ATOMIC_GROUP:
+                why = walk(av, False)
+            elif op is C.GROUPREF_EXISTS:
+                why = walk(av[1], repeated) or (walk(av[2], repeated) if av[2] else None)
+            elif op is C.GROUPREF and repeated:
+                why = "it repeats a back reference"
+            else:
+                why = None
+            if why:
+                return why
+        return None
+
+    try:
+        return walk(P.parse(pattern), False)
+    except (re.error, RecursionError, OverflowError, ValueError):
+        return "it cannot be parsed"
 
 
 def peft_target_match(acfg: dict[str, Any], key: str) -> bool:
@@ -187,11 +231,13 @@ def check_adapter(display: str, acfg: Any, tensors: Tensors, *,
     if problem:
         ctx.add("adapter.bad_config", ERROR, f"{display}: {problem}", _FIX_ADAPTER)
         return ctx.findings
-    risky = [p for p in _user_patterns(acfg) if _backtracking_risk(p)]
+    risky = [(p, why) for p in _user_patterns(acfg) if (why := _backtracking_risk(p))]
     if risky:
-        ctx.add("adapter.regex_not_checked", WARNING,
-                f"{display}: pattern {risky[0]!r} nests quantifiers (it can take exponential time); module "
-                "matching was skipped", "peft may hang on it too: write the pattern without nested repetition")
+        ctx.add("adapter.regex_not_checked", INFO,
+                f"{display}: pattern {risky[0][0]!r} was not run: {risky[0][1]}, which can take exponential "
+                "time; module matching was skipped",
+                "peft may hang on it too: write the pattern without repetition over a quantifier or an "
+                "alternation (a list of module names, or one alternation not repeated)")
         return ctx.findings
 
     modules: dict[str, _Module] = {}
