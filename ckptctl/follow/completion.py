@@ -227,11 +227,30 @@ def _zero_root(root: Path, tag_folder: str, fp: Fingerprint, identity: dict[str,
         return f"no *_model_states.pt in {tag_name}"
     if not ranks:
         return f"no *_optim_states.pt in {tag_name}"
-    if ranks != set(range(max(ranks) + 1)):
-        gap = min(set(range(max(ranks) + 1)) - ranks)
-        return f"optimizer states of rank {gap} missing in {tag_name}"
+    world = _world(root / tag_name, fp, prefix)
+    if world is None:
+        return f"the optimizer states of rank 0 in {tag_name} are not readable yet"
+    if ranks != set(range(world)):
+        gap = sorted(set(range(world)) - ranks) or sorted(ranks - set(range(world)))
+        return f"optimizer states of rank {gap[0]} missing in {tag_name} (saved by {world} ranks)"
     identity["tag"] = tag_name
     identity["rank_files"] = dict(sorted(sizes.items()))
+    return None
+
+
+def _world(folder: Path, fp: Fingerprint, prefix: str) -> int | None:
+    """The data-parallel world size rank 0's optimizer states record (DeepSpeed's
+    ``partition_count``), read by the ZeRO source's own allow-list reader; None when unreadable."""
+    from ckptctl.errors import InputError
+    from ckptctl.sources.zero.files import read_optim_states
+
+    for rel in sorted(fp.files):
+        m = _OPTIM.match(rel[len(prefix):]) if rel.startswith(prefix) else None
+        if m is not None and m.group(1) == "0" and "/" not in rel[len(prefix):]:
+            try:
+                return read_optim_states(folder / rel[len(prefix):], "rank 0's optimizer states").world
+            except (InputError, OSError):
+                return None
     return None
 
 
