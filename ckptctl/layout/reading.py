@@ -32,7 +32,6 @@ the commands both ways and compares their documents byte for byte.
 
 from __future__ import annotations
 
-import hashlib
 import os
 
 from ckptctl.fastpaths import enabled
@@ -75,10 +74,16 @@ class MetadataReading:
         if raw is None:  # unreadable before any decoding: nothing to keep
             return hdr
         kept = self._headers.setdefault((hdr.file_size, len(raw)), [])
-        known = bytes(raw) if len(raw) <= KEEP_BYTES else hashlib.sha256(raw).digest()
+        known = bytes(raw) if len(raw) <= KEEP_BYTES else _digest(raw)
         for seen, decoded in kept:
             if seen == known and (decoded.path == hdr.path or not decoded.findings):
                 return decoded.copy(hdr.path)
         decode_header(hdr, raw, fast=self.fast)
         kept.append((known, hdr))
         return hdr.copy()
+
+
+def _digest(raw: bytearray) -> bytes:
+    import hashlib  # only for a header over KEEP_BYTES (hashlib's import is a cost every command would pay)
+
+    return hashlib.sha256(raw).digest()
