@@ -28,6 +28,7 @@ def export(
     only: Annotated[Optional[str], typer.Option("--only", help=ONLY_HELP)] = None,
     names: Annotated[Optional[str], typer.Option("--names", help="Tensor names to write: hf (default; a Megatron checkpoint is mapped to its HF family) or megatron (Megatron's own, unmapped).")] = None,
     vocab_size: Annotated[Optional[int], typer.Option("--vocab-size", help="Megatron: keep the first N rows of the embedding and output layer (when the arguments do not give the tokenizer's size).")] = None,
+    config: Annotated[Optional[str], typer.Option("--config", metavar="CONFIG_JSON", help="Megatron: the model's Hugging Face config.json, for a checkpoint without its arguments (checked against the tensors, published as given).")] = None,
     no_mtp: Annotated[bool, typer.Option("--no-mtp", help="Megatron: leave the multi-token-prediction (MTP) layers out on purpose.")] = False,
     no_fsync: NoFsyncOpt = False,
     timeout: TimeoutOpt = 300.0,
@@ -58,7 +59,7 @@ def export(
     multi_rank = int(os.environ.get("WORLD_SIZE", "1")) > 1
     try:
         _run(out, src, dst, max_shard_size, dtype, overwrite, manifest, label, key, only, no_fsync, timeout,
-             dry_run, json_, multi_rank, names, vocab_size, no_mtp)
+             dry_run, json_, multi_rank, names, vocab_size, no_mtp, config)
     except typer.Exit as done:
         if multi_rank and done.exit_code:
             _leave(done.exit_code)
@@ -77,7 +78,7 @@ def _leave(code: int) -> None:
 
 
 def _run(out, src, dst, max_shard_size, dtype, overwrite, manifest, label, key, only, no_fsync, timeout, dry_run,
-         json_, multi_rank, names=None, vocab_size=None, no_mtp=False) -> None:
+         json_, multi_rank, names=None, vocab_size=None, no_mtp=False, config=None) -> None:
     with out.guard():
         from ckptctl.api import export as run_export
         from ckptctl.errors import UsageError
@@ -91,7 +92,7 @@ def _run(out, src, dst, max_shard_size, dtype, overwrite, manifest, label, key, 
         reporter = ProgressReporter(out)
         opts = ExportOptions(max_shard_size=max_shard_size, dtype=dtype, overwrite=overwrite, fsync=not no_fsync,
                              manifest=manifest, label=label, dry_run=dry_run, progress=reporter, names=names,
-                             vocab_size=vocab_size, no_mtp=no_mtp,
+                             vocab_size=vocab_size, no_mtp=no_mtp, config=config,
                              command=" ".join(["ckptctl", "export", src, dst]))
         where = resolve(src)
         if where.note:

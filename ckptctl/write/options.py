@@ -64,6 +64,7 @@ class ExportOptions:
     names: str | None = None  # hf (None) | megatron: see NAMES_CHOICES
     vocab_size: int | None = None  # --vocab-size: the rows of a Megatron embedding and head kept
     no_mtp: bool = False  # --no-mtp: a Megatron checkpoint's MTP layers left out on purpose
+    config: str | None = None  # --config: the HF config.json a Megatron checkpoint without arguments maps to
     # A planned shard whose bytes already exist (``ShardPlan.link_from``): hard-linked, or with
     # False an independent copy (cloned where the filesystem can, else copied by the kernel).
     link_unchanged: bool = True
@@ -123,6 +124,6 @@ def validate(opts: ExportOptions, *, only: str | None = None, key: str | None = 
     if opts.variant is not None and (parsed is None or parsed.variant != opts.variant):
         raise UsageError(f"variant {opts.variant!r} is not a plain variant name", "use a name such as fp16")
     source_options = ((("vocab_size", opts.vocab_size),) if opts.vocab_size is not None else ()) + (
-        (("no_mtp", True),) if opts.no_mtp else ())
+        (("no_mtp", True),) if opts.no_mtp else ()) + ((("config", str(opts.config)),) if opts.config else ())
     return ExportSettings(size, target, only, key or None, keep_layout=keep, names=opts.names or None,
                           source_options=source_options)
