@@ -39,6 +39,7 @@ from ckptctl.sources.base import OpenFiles, Piece, SourceTensor, key_refused, re
 from ckptctl.sources.dcp.chunks import chunk_bytes_at
 from ckptctl.sources.dcp.hf import MAX_PIECES, Block, DcpHfSource, block_pieces, check_tiling, run_count, strides
 from ckptctl.sources.dcp.source import check_storage, read_dcp_metadata
+from ckptctl.sources.megatron.config import ArgsError
 from ckptctl.sources.megatron.files import Common, backend, read_common
 from ckptctl.sources.megatron.locate import MegatronLocation
 
@@ -184,6 +185,38 @@ def cut(blocks: list[Block], prefix: tuple[int, ...], start: int, stop: int, dst
     return out
 
 
+class NoArgsError(ArgsError):
+    """Neither the run's arguments nor ``--config``: the HF architecture is not known."""
+
+
+def _mapped(src: "MegatronSource", dtypes: dict[str, str], shapes: dict[str, tuple[int, ...]],
+            vocab_size: int | None, no_mtp: bool, config: str | None) -> tuple[Any, list[Any]]:
+    """The family and the output tensors: from ``--config`` when given (its field names in the
+    messages), else from the run's arguments. Raises ArgsError, MappingError, NoArgsError."""
+    from ckptctl.sources.megatron.config import OptionError
+    from ckptctl.sources.megatron.config_v3 import describe_any
+    from ckptctl.sources.megatron.mapping import MappingError, plan
+
+    args = src.common.args if src.common else None
+    if config is not None:
+        from ckptctl.sources.megatron.config_hf import describe_hf, in_config_words, read_target_config
+
+        if vocab_size is not None:
+            raise OptionError("--vocab-size with --config: the config's vocab_size is the vocabulary")
+        try:
+            desc = describe_hf(read_target_config(config), no_mtp)
+            return desc, plan(desc.family, shapes, desc.dims)
+        except MappingError as exc:
+            raise MappingError(in_config_words(str(exc))) from None
+    if not args:
+        where = ("common.pt holds no Megatron-LM arguments (args)" if (src.path / "common.pt").exists()
+                 else "there is no common.pt (megatron-core 0.17 and later write none)")
+        raise NoArgsError(f"{where}, so the HF architecture is not known")
+    main = dtypes.get("embedding.word_embeddings.weight") or next(iter(dtypes.values()))
+    desc = describe_any(args, dt.CONFIG_NAMES.get(main), vocab_size, no_mtp)
+    return desc, plan(desc.family, shapes, desc.dims)
+
+
 class MegatronSource(DcpHfSource):
     """The model weights of one Megatron ``torch_dist`` iteration folder (module docstring)."""
 
@@ -201,15 +234,16 @@ class MegatronSource(DcpHfSource):
     @classmethod
     def open_location(cls, loc: MegatronLocation, *, names: bool = False, max_pieces: int = MAX_PIECES,
                       fallback: bool = False, min_run: int = MIN_RUN_BYTES,
-                      vocab_size: int | None = None, no_mtp: bool = False) -> "MegatronSource":
+                      vocab_size: int | None = None, no_mtp: bool = False,
+                      config: str | None = None) -> "MegatronSource":
         """The weights at ``loc``: HF names through the mapping, or Megatron's (``names``).
         Raises InputError (a damaged checkpoint, an architecture no mapping covers; with
         ``fallback``, inspect's, the latter gives Megatron's names and ``mapping_error`` says why).
         ``max_pieces=0`` streams every tensor (the reference); ``min_run``: see :func:`pieces_of`;
-        ``vocab_size``: ``--vocab-size`` (the rows of the embedding and head kept)."""
-        from ckptctl.sources.megatron.config import ArgsError, OptionError
-        from ckptctl.sources.megatron.config_v3 import describe_any
-        from ckptctl.sources.megatron.mapping import MappingError, plan
+        ``vocab_size``: ``--vocab-size`` (the rows of the embedding and head kept); ``no_mtp``:
+        ``--no-mtp``; ``config``: ``--config`` (the target config.json, :mod:`.config_hf`)."""
+        from ckptctl.sources.megatron.config import OptionError
+        from ckptctl.sources.megatron.mapping import MappingError
 
         root = loc.folder
         kind = backend(root)
@@ -239,21 +273,19 @@ class MegatronSource(DcpHfSource):
             raise from_oserror(exc, "cannot read the Megatron checkpoint") from None
         finally:
             files.close()
-        args = src.common.args if src.common else None
         desc, outputs = None, None
         try:
-            if not names and not args:
-                raise ArgsError("common.pt holds no Megatron-LM arguments (args), so the HF architecture is not known")
             if not names:
-                main = dtypes.get("embedding.word_embeddings.weight") or next(iter(dtypes.values()))
-                desc = describe_any(args or {}, dt.CONFIG_NAMES.get(main), vocab_size, no_mtp)
-                outputs = plan(desc.family, shapes, desc.dims)
+                desc, outputs = _mapped(src, dtypes, shapes, vocab_size, no_mtp, config)
         except OptionError as exc:
-            raise UsageError(f"{root}: {exc}", "pass a size no larger than the rows stored") from None
+            raise UsageError(f"{root}: {exc}", "drop --vocab-size" if config else
+                             "pass a size no larger than the rows stored") from None
         except (ArgsError, MappingError) as exc:
             if not fallback:
-                raise InputError(f"{root}: {exc}", "export the Megatron names as they are with --names megatron, "
-                                 "and map them with your own code") from None
+                hint = ("pass the model's Hugging Face config.json with --config CONFIG_JSON, or export the Megatron "
+                        "names as they are with --names megatron" if isinstance(exc, NoArgsError) else
+                        "export the Megatron names as they are with --names megatron, and map them with your own code")
+                raise InputError(f"{root}: {exc}", hint) from None
             src.mapping_error = str(exc)
         if desc is None or outputs is None:
             for fqn in sorted(items):
@@ -299,7 +331,7 @@ class MegatronSource(DcpHfSource):
 
 def open_location(loc: MegatronLocation, path: Path, *, key: str | None = None, names: str | None = None,
                   max_pieces: int | None = None, vocab_size: int | None = None, no_mtp: bool = False,
-                  **_: Any) -> MegatronSource:
+                  config: str | None = None, **_: Any) -> MegatronSource:
     """The registry's open hook (``sources/kinds.py``): the Megatron checkpoint ``find_megatron``
     found at ``path``, under HF names through the mapping, or Megatron's own with ``names``
     ``megatron``. ``max_pieces`` unset: the ``pieces`` fast path's switch (``ckptctl.fastpaths``).
@@ -311,4 +343,4 @@ def open_location(loc: MegatronLocation, path: Path, *, key: str | None = None, 
     if key:
         raise key_refused(path, "Megatron-core", key, "the model's tensors are read (the optimizer state is left out)")
     return MegatronSource.open_location(loc, names=names == "megatron", max_pieces=max_pieces, vocab_size=vocab_size,
-                                        no_mtp=no_mtp)
+                                        no_mtp=no_mtp, config=config)
