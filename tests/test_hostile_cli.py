@@ -101,10 +101,9 @@ def test_head_1_in_a_shell_pipeline(ckpt):
 
 
 def test_quiet_success_prints_nothing(ckpt, tmp_path):
-    """The cron line of docs/GC_TMP.md logs nothing when all is well."""
-    for args in (["export", "-q", ckpt, tmp_path / "out"], ["export", "-q", ckpt, tmp_path / "out", "--overwrite"],
-                 ["resave", "-q", tmp_path / "out", "--dtype", "bf16"], ["inspect", "-q", ckpt],
-                 ["verify", "-q", ckpt], ["gc-tmp", "-q", tmp_path], ["gc-tmp", "-q", "--check", tmp_path]):
+    """The cron line of docs/GC_TMP.md logs nothing when all is well (nothing to remove, nothing
+    found); -q keeps other commands' results on stdout (tests/test_cli_screens.py)."""
+    for args in (["gc-tmp", "-q", tmp_path], ["gc-tmp", "-q", "--check", tmp_path]):
         r = run_ckptctl(*args)
         assert r.returncode == 0 and r.stdout == "" and r.stderr == "", (args, r.stdout, r.stderr)
 

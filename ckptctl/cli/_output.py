@@ -72,6 +72,11 @@ def human_size(n: int) -> str:
     return filesize.decimal(n, precision=2)
 
 
+def plural(n: int, word: str, many: str | None = None) -> str:
+    """``1 error``, ``2 errors``, ``1,000 leftovers`` (``many``: an irregular plural)."""
+    return f"{n:,} {word if n == 1 else (many or word + 's')}"
+
+
 _PIPE_WIDTH = 100_000
 _ROWS_AT_ONCE = 4096
 # what json's encoder (ensure_ascii=False) escapes in a string: a name without any is its own text
@@ -212,12 +217,15 @@ class Output:
             os.close(devnull)
             raise typer.Exit(EXIT_BROKEN_PIPE) from None
 
-    def print(self, renderable: Any = "", *, always: bool = False) -> None:
-        """Data for people on stdout; nothing with ``-q`` unless ``always`` (a failure's findings).
-        Off a terminal each line is written without its trailing padding (rich pads table cells
-        and titles to the table's width)."""
-        if self.verbosity < 0 and not always:
-            return
+    @property
+    def color(self) -> bool:
+        """Colour on stdout: a terminal, and neither ``NO_COLOR`` nor ``TERM=dumb`` (rich's reading)."""
+        return self.out.is_terminal and not self.out.no_color and self.out.color_system is not None
+
+    def print(self, renderable: Any = "") -> None:
+        """Data for people on stdout: the command's result, also with ``-q`` (which silences
+        stderr only). Off a terminal each line is written without its trailing padding (rich pads
+        table cells and titles to the table's width)."""
         if self.out.is_terminal:
             self.out.print(renderable)
             return

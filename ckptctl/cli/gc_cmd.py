@@ -52,7 +52,7 @@ def gc_tmp(
     if json_:
         out.emit_json(out.document(code == 0, check=check, **result.to_dict()))
     else:
-        _render(out, result, always=code != 0)
+        _render(out, result, always=code != 0 or bool(result.removed) or bool(result.count(gc.Decision.WOULD_REMOVE)))
     for p in result.problems:
         out.error(f"{p.path}: {p.message}")
     if result.problems:
@@ -88,14 +88,18 @@ def _owner_cell(c) -> str:
 
 
 def _render(out: Output, result, *, always: bool) -> None:
-    """The table and the summary line on stdout (with -q only when something needs attention)."""
+    """The table and the summary line on stdout. With -q only the result that matters: what was
+    (or would be) removed, or what needs attention; nothing when nothing was (the cron line)."""
     from ckptctl.gc import Decision, format_age
+
+    if out.verbosity < 0 and not always:
+        return
 
     labels = {Decision.WOULD_REMOVE: "would remove"}
 
     roots = ", ".join(str(r) for r in result.roots)
     if not result.candidates:
-        out.print(f"nothing to clean up below {roots} ({result.scanned:,} entries looked at)", always=always)
+        out.print(f"nothing to clean up below {roots} ({result.scanned:,} entries looked at)")
         return
     from rich.table import Table
 
@@ -108,7 +112,7 @@ def _render(out: Output, result, *, always: bool) -> None:
         if c.recovery and c.decision == Decision.REMOVED:
             decision += f" ({c.recovery})"
         table.add_row(str(c.path), _owner_cell(c), format_age(c.age), human_size(c.size), decision, c.reason)
-    out.print(table, always=always)
+    out.print(table)
     kept = result.count(Decision.KEPT)
     if result.options.dry_run:
         line = (f"would remove {result.count(Decision.WOULD_REMOVE)}, freeing {human_size(result.bytes_to_free)}; "
@@ -118,4 +122,4 @@ def _render(out: Output, result, *, always: bool) -> None:
         deferred = result.count(Decision.DEFERRED)
         if deferred:
             line += f"; deferred {deferred} (files still open elsewhere)"
-    out.print(line + f" ({result.scanned:,} entries looked at in {result.seconds:.2f}s)", always=always)
+    out.print(line + f" ({result.scanned:,} entries looked at in {result.seconds:.2f}s)")

@@ -9,7 +9,7 @@ import typer
 
 from ckptctl.cli._options import (DryRunOpt, DtypeOpt, JsonOpt, LabelOpt, ManifestOpt, NoFsyncOpt, QuietOpt,
                                   VerboseOpt)
-from ckptctl.cli._output import Output, ProgressReporter
+from ckptctl.cli._output import Output, ProgressReporter, plural
 from ckptctl.cli.export_cmd import render_result, render_root
 
 def resave(
@@ -42,6 +42,7 @@ def resave(
 
             raise UsageError("--static applies to --repair (the only resave that runs verify)",
                              "add --repair, or drop --static")
+        before = _shards(directory)
         reporter = ProgressReporter(out)
         opts = ExportOptions(max_shard_size=max_shard_size, dtype=dtype, overwrite=overwrite, fsync=not no_fsync,
                              manifest=manifest, label=label, dry_run=dry_run, progress=reporter,
@@ -54,6 +55,11 @@ def resave(
         if json_:
             out.emit_json(out.document(True, **result.to_dict()))
             return
+        if isinstance(result, ResaveResult) and not result.unchanged:
+            after = sorted(f["name"] for f in result.export.files)
+            if before and after != before:
+                out.info(f"layout changed: {plural(len(before), 'shard')} -> {plural(len(after), 'shard')}"
+                         + ("" if max_shard_size else " (pass --max-shard-size to choose the size)"))
         if result.unchanged:
             out.print(f"nothing to repair: {directory} is sound; nothing was written")
             return
@@ -68,3 +74,13 @@ def resave(
         render_result(out, result.export)
         if result.export.linked:
             out.print(("would link" if dry_run else "linked") + " unchanged: " + ", ".join(result.export.linked))
+
+
+def _shards(directory: str) -> list[str]:
+    """The safetensors files DIR holds now (what a changed layout is compared with)."""
+    import os
+
+    try:
+        return sorted(n for n in os.listdir(directory) if n.endswith(".safetensors"))
+    except OSError:
+        return []

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Optional
 import typer
 
 from ckptctl.cli._options import JsonOpt, QuietOpt, VerboseOpt
-from ckptctl.cli._output import Output, human_size
+from ckptctl.cli._output import Output, human_size, plural
 from ckptctl.errors import EXIT_FINDINGS, EXIT_OK, EXIT_OPERATIONAL, UsageError
 
 if TYPE_CHECKING:
@@ -81,7 +81,7 @@ def verify(
         if json_:
             out.emit_json(out.document(code == EXIT_OK, **report.to_dict(level)))
         else:
-            _render(out, report, level, always=code != EXIT_OK)
+            _render(out, report, level)
             _checks(out, report)
         _verdict(out, report, level, code)
     raise typer.Exit(code)
@@ -138,41 +138,94 @@ def _shown_file(path: str, root: str) -> str:
     return path
 
 
-def _render(out: Output, report: "Report", level: str, *, always: bool) -> None:
-    """The findings tables on stdout (with -q only when the verdict is not OK)."""
-    if out.verbosity < 0 and not always:
-        return  # Output.print would print nothing: no table is built (nor rich.table imported)
-    from rich.table import Table  # here: not on --help's import path
-
+def _render(out: Output, report: "Report", level: str) -> None:
+    """The findings on stdout, also with -q: one line each, ``path: severity code: message``, and an
+    indented ``hint:`` (grep-able, whole at any width); with -v the notes too, and the tables."""
     show_info = out.verbosity >= 1
-    if len(report.results) > 1:
-        summary = Table(title="checkpoints", title_justify="left")
-        for col in ("path", "kind", "errors", "warnings", "verdict"):
-            summary.add_column(col, justify="right" if col in ("errors", "warnings") else "left",
-                               overflow="fold")
+    if show_info:  # -v: the tables, with the notes
+        if len(report.results) > 1:
+            out.print(_summary_table(report, level))
         for r in report.results:
-            c = r.counts()
-            verdict = "io-error" if r.io_error else ("fail" if r.failed(level) else "ok")
-            summary.add_row(r.path, r.kind, str(c["error"]), str(c["warning"]), verdict)
-        out.print(summary, always=always)
+            if r.findings:
+                out.print(_findings_table(r, r.findings))
+        return
     for r in report.results:
-        rows = [f for f in r.findings if show_info or f.severity != "info"]
-        if not rows:
-            continue
-        table = Table(title=r.path, title_justify="left")
-        for col in ("code", "severity", "file", "tensor", "message", "hint"):
-            table.add_column(col, overflow="fold")
         seen: dict[tuple[str, str], int] = {}
-        for f in rows:
+        for f in r.findings:
+            if f.severity == "info":
+                continue
             key = (f.code, f.path)
             seen[key] = seen.get(key, 0) + 1
             if seen[key] <= MAX_ROWS_PER_CODE:
-                table.add_row(f.code, f.severity, _shown_file(f.path, r.root), f.tensor or "", f.message, f.hint or "")
+                out.print(finding_line(f, r.root, color=out.color))
+                if f.hint:
+                    out.print(f"    hint: {f.hint}")
         for (code, path), n in seen.items():
             if n > MAX_ROWS_PER_CODE:
-                table.add_row(code, "", _shown_file(path, r.root), "",
-                              f"... and {n - MAX_ROWS_PER_CODE} more {code} findings (see --json)", "")
-        out.print(table, always=always)
+                out.print(f"{path}: ... and {n - MAX_ROWS_PER_CODE} more {code} findings (see --json)")
+
+
+SEVERITY_STYLE = {"error": "bold red", "warning": "yellow", "info": "cyan"}
+
+
+def finding_message(message: str, path: str, root: str) -> str:
+    """A finding's message without the path its line starts with: a message that opens with the
+    finding's own file drops it; one that opens with another file of the checkpoint (the index
+    that maps a tensor to this shard) keeps that file's name only."""
+    for lead in sorted({path, root}, key=len, reverse=True):
+        if lead and message.startswith(lead) and message[len(lead):len(lead) + 1] in (":", " ", "/"):
+            rest = message[len(lead):]
+            if lead == path and rest[:1] in (":", " "):
+                return rest.lstrip(": ") or message
+            if rest.startswith("/"):
+                return rest[1:]
+    return message
+
+
+def finding_line(f: Any, root: str, *, color: bool) -> Any:
+    """``path: severity code: message`` (the severity styled when ``color``), ``(tensor T)`` added
+    when the message does not name the tensor."""
+    from rich.text import Text
+
+    message = finding_message(f.message, f.path, root)
+    if f.tensor and f.tensor not in message:
+        message += f" (tensor {f.tensor})"
+    return Text.assemble(f"{f.path}: ", (f.severity, SEVERITY_STYLE.get(f.severity, "") if color else ""),
+                         f" {f.code}: {message}")
+
+
+def _summary_table(report: "Report", level: str) -> Any:
+    from rich.table import Table  # here: not on --help's import path
+
+    summary = Table(title="checkpoints", title_justify="left")
+    for col in ("path", "kind", "errors", "warnings", "verdict"):
+        summary.add_column(col, justify="right" if col in ("errors", "warnings") else "left", overflow="fold")
+    for r in report.results:
+        c = r.counts()
+        verdict = "io-error" if r.io_error else ("fail" if r.failed(level) else "ok")
+        summary.add_row(r.path, r.kind, str(c["error"]), str(c["warning"]), verdict)
+    return summary
+
+
+def _findings_table(r: Any, rows: list) -> Any:
+    """-v: a checkpoint's findings as a table (file relative to its root, the tensor a column)."""
+    from rich.table import Table
+
+    table = Table(title=r.path, title_justify="left")
+    for col in ("code", "severity", "file", "tensor", "message", "hint"):
+        table.add_column(col, overflow="fold", no_wrap=col == "code")
+    seen: dict[tuple[str, str], int] = {}
+    for f in rows:
+        key = (f.code, f.path)
+        seen[key] = seen.get(key, 0) + 1
+        if seen[key] <= MAX_ROWS_PER_CODE:
+            table.add_row(f.code, f.severity, _shown_file(f.path, r.root), f.tensor or "",
+                          finding_message(f.message, f.path, r.root), f.hint or "")
+    for (code, path), n in seen.items():
+        if n > MAX_ROWS_PER_CODE:
+            table.add_row(code, "", _shown_file(path, r.root), "",
+                          f"... and {n - MAX_ROWS_PER_CODE} more {code} findings (see --json)", "")
+    return table
 
 
 def _checks(out: Output, report: "Report") -> None:
@@ -188,8 +241,8 @@ def _verdict(out: Output, report: "Report", level: str, code: int) -> None:
     c = report.counts()
     n = len(report.results)
     failed = sum(1 for r in report.results if r.failed(level) or r.io_error)
-    counts = f"{c['error']} errors, {c['warning']} warnings, {c['info']} notes"
-    what = f"{n} checkpoint{'s' if n != 1 else ''}"
+    counts = f"{plural(c['error'], 'error')}, {plural(c['warning'], 'warning')}, {plural(c['info'], 'note')}"
+    what = plural(n, "checkpoint")
     if code == EXIT_OPERATIONAL:
         out.err.print(f"verify: I/O ERROR: could not read everything in {what} ({counts})", style="bold red")
     elif code == EXIT_FINDINGS:
