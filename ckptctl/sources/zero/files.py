@@ -67,6 +67,8 @@ class ModelStates:
     frozen_fragments: dict[str, Flat]
     world: int | None
     version: str | None
+    global_steps: int | None = None  # the engine's step count when it saved (None: not recorded)
+    skipped_steps: int = 0  # steps the engine skipped (an fp16 overflow): the optimizer did not take them
 
 
 @dataclass
@@ -79,6 +81,7 @@ class OptimStates:
     world: int
     groups: list[Flat]
     paddings: list[list[int]] | None = None
+    steps: tuple[int | float, ...] = ()  # the optimizer's step counters, distinct, sorted (none recorded: empty)
 
 
 def rank_files(loc: ZeroLocation) -> tuple[dict[int, str], list[str], list[str]]:
@@ -195,8 +198,10 @@ def read_model_states(path: Path, what: str) -> ModelStates:
         raise InputError(f"{path}: shared_params is not a map of names", _REBUILD)
     world = obj.get("dp_world_size")
     version = obj.get("ds_version")
+    steps, skipped = obj.get("global_steps"), obj.get("skipped_steps")
     return ModelStates(path, groups, dict(shared), buffers, frozen_shapes, fragments,
-                       world if type(world) is int else None, version if isinstance(version, str) else None)
+                       world if type(world) is int else None, version if isinstance(version, str) else None,
+                       steps if type(steps) is int else None, skipped if type(skipped) is int else 0)
 
 
 def read_optim_states(path: Path, what: str) -> OptimStates:
@@ -219,11 +224,64 @@ def read_optim_states(path: Path, what: str) -> OptimStates:
     if not isinstance(refs, list) or not refs:
         raise InputError(f"{path}: no {key} in the optimizer state", _REBUILD)
     groups = [_flat(path, r, members, prefix, f"{key}[{i}]") for i, r in enumerate(refs)]
+    for i, g in enumerate(groups):
+        if not dt.BY_NAME[g.dtype].floating:
+            raise InputError(f"{path}: {key}[{i}] holds {g.dtype}, not floating point (DeepSpeed's master weights "
+                             "always are): the file is damaged or was not saved by DeepSpeed", _REBUILD)
     pads = osd.get("param_alignment_paddings")
     if pads is not None and not (isinstance(pads, list) and all(
             isinstance(g, list) and all(type(x) is int and x >= 0 for x in g) for g in pads)):
         raise InputError(f"{path}: param_alignment_paddings is not a list of counts", _REBUILD)
-    return OptimStates(path, stage, world, groups, pads)
+    inner = osd.get("optimizer_state_dict" if stage == 3 else "base_optimizer_state")
+    return OptimStates(path, stage, world, groups, pads, _step_counters(path, inner, members, prefix))
+
+
+def _step_counters(path: Path, state: Any, members: Mapping[str, Any], prefix: str) -> tuple[int | float, ...]:
+    """The distinct step counters of a rank's wrapped optimizer state (``state``: torch's
+    ``{"state": {i: {"step": ...}}, "param_groups": [...]}``, or a list of per-group states):
+    each parameter state's ``step`` and each group's, a number or a one-element tensor read
+    from its record. Raises InputError for a step that is neither."""
+    found: list[Any] = []
+    if isinstance(state, Mapping):
+        per_param = state.get("state")
+        found += [v.get("step") for v in (per_param.values() if isinstance(per_param, Mapping) else ())
+                  if isinstance(v, Mapping)]
+        groups = state.get("param_groups")
+        found += [g.get("step") for g in (groups if isinstance(groups, list) else ()) if isinstance(g, Mapping)]
+    elif isinstance(state, list):
+        found += [v.get("step") for v in state if isinstance(v, Mapping)]
+    out: set[int | float] = set()
+    for i, step in enumerate(x for x in found if x is not None):
+        if isinstance(step, TensorRef):
+            step = _scalar(path, step, members, prefix, f"optimizer step counter {i}")
+        if type(step) not in (int, float) or step != step:
+            raise InputError(f"{path}: optimizer step counter {i} is {step!r}, not a number", _REBUILD)
+        out.add(int(step) if step == int(step) else step)
+    return tuple(sorted(out))
+
+
+_SCALARS = {"F32": "<f", "F64": "<d", "F16": "<e", "I64": "<q", "I32": "<i", "I16": "<h", "U8": "<B"}
+
+
+def _scalar(path: Path, ref: TensorRef, members: Mapping[str, Any], prefix: str, what: str) -> int | float:
+    """The value of the one-element tensor ``ref`` of ``path``, read from its record."""
+    import struct
+
+    flat = _flat(path, ref, members, prefix, what)
+    if flat.numel != 1 or flat.dtype not in _SCALARS and flat.dtype != "BF16":
+        raise InputError(f"{path}: {what} is not one number ({flat.numel} elements of {flat.dtype})", _REBUILD)
+    fd = open_regular(path)
+    try:
+        raw = os.pread(fd, flat.itemsize, flat.offset)
+    except OSError as exc:
+        raise from_oserror(exc, f"cannot read {path}") from None
+    finally:
+        os.close(fd)
+    if len(raw) != flat.itemsize:
+        raise InputError(f"{path}: {what} lies past the end of the file", "the file is truncated: " + _REBUILD)
+    if flat.dtype == "BF16":
+        return struct.unpack("<f", b"\0\0" + raw)[0]
+    return struct.unpack(_SCALARS[flat.dtype], raw)[0]
 
 
 ZERO_HINT = ("it is one file of a DeepSpeed ZeRO checkpoint: export its folder, `ckptctl export {folder} DST` "

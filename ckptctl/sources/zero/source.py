@@ -81,6 +81,7 @@ class ZeroCheckpoint:
                                  "the files come from different runs: " + _REBUILD)
         self.files = [where / optim[r] for r in range(self.world)]
         self.models = self._read_models(where, model)
+        check_steps(where, self.optim, self.models, self.stage)
         self.version = self.models[0].version
 
     def _read_models(self, where: Path, present: list[str]) -> list[ModelStates]:
@@ -141,6 +142,37 @@ class ZeroCheckpoint:
         """What inspect shows: stage, world size, tag, DeepSpeed version, the rank files."""
         return {"stage": self.stage, "world_size": self.world, "tag": self.loc.tag, "ds_version": self.version,
                 "folder": str(self.loc.folder), "files": [str(f) for f in self.files]}
+
+
+def _steps(steps: tuple[int | float, ...]) -> str:
+    return " and ".join(map(str, steps))
+
+
+def check_steps(where: Path, optim: list[OptimStates], models: list[ModelStates], stage: int) -> None:
+    """Every rank's files are of one save: the ranks' optimizer step counters agree, the model
+    states' ``global_steps`` agree (one file per rank at stage 3), and no optimizer has taken
+    more steps than the engine counted (``global_steps - skipped_steps``). An optimizer behind
+    the engine is what a run resumed without its optimizer state saves, and is accepted. Raises
+    InputError naming the rank and both steps (a rank file of another step: a tag re-used after
+    a save that died, a half-finished copy)."""
+    hint = "the files come from different saves: copy the whole step folder again, or " + _REBUILD
+    counted = [(r, o.steps) for r, o in enumerate(optim) if o.steps]
+    for r, steps in counted[1:]:
+        if steps != counted[0][1]:
+            raise InputError(f"{where}: rank {r}'s optimizer states are at step {_steps(steps)}, rank {counted[0][0]}'s "
+                             f"at step {_steps(counted[0][1])}: the rank files are of different saves", hint)
+    engine = [(r, m) for r, m in enumerate(models) if m.global_steps is not None]
+    for r, m in engine[1:]:
+        if m.global_steps != engine[0][1].global_steps:
+            raise InputError(f"{where}: rank {r}'s model states say global step {m.global_steps}, rank {engine[0][0]}'s "
+                             f"{engine[0][1].global_steps}: the rank files are of different saves", hint)
+    if counted and engine:
+        r, steps = max(counted, key=lambda rs: rs[1][-1])
+        m = engine[0][1]
+        if steps[-1] > m.global_steps - m.skipped_steps:
+            whose = "the model states" if stage < 3 else "the model states of every rank"
+            raise InputError(f"{where}: rank {r}'s optimizer states are at step {_steps(steps)}, {whose} at global "
+                             f"step {m.global_steps}: the files are of different saves", hint)
 
 
 def _whole(flat: Flat) -> Piece:
