@@ -2,16 +2,19 @@
 
 They are read into memory (they are small; :mod:`ckptctl.format.small` bounds the read and never
 blocks on a FIFO or reads a device) when the job is planned; config.json's
-``dtype``/``torch_dtype`` follow the stored dtype when ``--dtype`` converted tensors.
+``dtype``/``torch_dtype`` follow the stored dtype when ``--dtype`` converted tensors. A config.json
+holding a number that is not finite (``NaN``, ``Infinity``: a Megatron ``rotary_base`` of infinity)
+is refused before anything is written.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
-from typing import Iterable
+from typing import Any, Iterable
 
-from ckptctl.errors import from_oserror
+from ckptctl.errors import InputError, from_oserror
 from ckptctl.format import dtypes as dt
 from ckptctl.format import names as N
 from ckptctl.format import small
@@ -35,8 +38,45 @@ def read_extras(extras: dict[str, Path | bytes], entries: list[Entry]) -> dict[s
                 raise from_oserror(exc, f"cannot read {name}", phase="plan") from None
         if name == N.CONFIG and stored:
             blob = sync_config_dtype(blob, stored)
+        if name == N.CONFIG:
+            refuse_non_finite(blob, src)
         out[name] = blob
     return out
+
+
+def _non_finite(obj: Any, path: str) -> tuple[str, float] | None:
+    """The first value of ``obj`` that is a float but not a finite number (its path), or None."""
+    stack = [(obj, path)]
+    while stack:
+        obj, path = stack.pop()
+        if isinstance(obj, float) and not math.isfinite(obj):
+            return path, obj
+        if isinstance(obj, dict):
+            stack.extend((v, f"{path}.{k}" if path else str(k)) for k, v in reversed(list(obj.items())))
+        elif isinstance(obj, list):
+            stack.extend((v, f"{path}[{i}]") for i, v in reversed(list(enumerate(obj))))
+    return None
+
+
+def refuse_non_finite(raw: bytes, src: Path | bytes) -> None:
+    """Raise InputError when config.json ``raw`` holds a number that is not finite (``NaN``,
+    ``Infinity``, or a literal past the float range such as ``1e999``): JSON has no such value,
+    and a model built from it (a ``rope_theta`` of infinity) computes nothing useful. ``src``:
+    the file it was copied from, or bytes the source made (Megatron's arguments)."""
+    try:
+        cfg = small.loads(raw)
+    except ValueError:
+        return  # not JSON: carried as it is (verify reports it)
+    found = _non_finite(cfg, "")
+    if found is None:
+        return
+    key, value = found
+    if isinstance(src, Path):
+        raise InputError(f"{src}: {key} is {value}, not a finite number; the export would write it to config.json",
+                         "set a finite value in the source's config.json (JSON has no NaN or Infinity)")
+    raise InputError(f"the config.json made from the source would hold {key} = {value}, not a finite number",
+                     "the source's own settings give it (Megatron's arguments: rotary_base, norm epsilon ...): "
+                     "fix them, or give the model's config.json with --config")
 
 
 def dominant_float(entries: Iterable[Entry]) -> str | None:
