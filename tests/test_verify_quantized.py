@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import subprocess
 import sys
@@ -276,11 +277,16 @@ def test_other_quantizations_are_notes_that_say_which(fp8, tmp_path: Path, edit:
 
 
 def test_a_quantizer_that_refuses_the_environment_is_a_note(fp8, tmp_path: Path) -> None:
-    """Without accelerate (hidden from a real interpreter), transformers' fp8 quantizer refuses to
-    load (ImportError), and from_pretrained raises; verify says so, in the quantizer's own words."""
+    """Without accelerate (hidden from real interpreters: verify's and its class-check child's),
+    transformers' fp8 quantizer refuses to load (ImportError), and from_pretrained raises; verify
+    says so, in the quantizer's own words."""
     d = fp8["llama"][0]
-    code = (  # Python refuses to import a module whose sys.modules entry is None: as if not installed
-        "import json, sys\nsys.modules['accelerate'] = None\n"
+    # Python refuses to import a module whose sys.modules entry is None: as if not installed, in every
+    # process started with this PYTHONPATH (the box's child included)
+    (tmp_path / "sitecustomize.py").write_text("import sys\nsys.modules['accelerate'] = None\n")
+    path = os.pathsep.join(p for p in (str(tmp_path), os.environ.get("PYTHONPATH", "")) if p)
+    code = (
+        "import json, sys\n"
         "from ckptctl.verify import verify_path\nimport transformers\n"
         f"res = verify_path({str(d)!r})\n"
         "note = [f.message for f in res.findings if f.code == 'config.class_not_checked']\n"
@@ -288,7 +294,7 @@ def test_a_quantizer_that_refuses_the_environment_is_a_note(fp8, tmp_path: Path)
         "except ImportError as exc:\n    raised = str(exc)\n"
         "print(json.dumps({'note': note, 'raised': raised}))\n")
     p = subprocess.run([sys.executable, "-c", code, str(d)], capture_output=True, text=True, timeout=120,
-                       env=clean_env({"PYTHONWARNINGS": "ignore"}), check=False)
+                       env=clean_env({"PYTHONWARNINGS": "ignore", "PYTHONPATH": path}), check=False)
     assert p.returncode == 0, p.stderr[-2000:]
     out = json.loads(p.stdout.strip().splitlines()[-1])
     assert "requires accelerate" in out["raised"]

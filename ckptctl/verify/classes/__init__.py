@@ -12,25 +12,28 @@ any other quantized checkpoint, or any failure while building is a note
 (``config.class_not_checked``) that names the check that did not run and why; the static rules
 then stand alone.
 
-Nothing here imports torch or a library at import time: :func:`model_class_step` imports the
-oracle of the library it needs when it runs (:mod:`.transformers_class`, :mod:`.diffusers_class`,
-:mod:`.peft_class`).
+The build runs in a box (issue 44, :mod:`.box`): a child process with a wall-clock limit, an
+address-space limit and no network, one per verify run, fed plain data (config.json as parsed,
+the tensors' names, dtypes and shapes) and answering plain data (an :class:`~.outcome.Outcome`
+or why not). What config.json alone shows to be absurd never reaches it (:mod:`.bounds`); a
+bound hit, a child that dies and a build that needs the network are notes naming the bound.
+Nothing here imports torch or a library: the child imports the oracle of the library it needs
+(:mod:`.transformers_class`, :mod:`.diffusers_class`, :mod:`.peft_class`).
 """
 
 from __future__ import annotations
 
-import copy
 import importlib.util
-import re
+import os
 import sys
-from collections.abc import Iterator
 from typing import Any
 
 from ckptctl import layout as L
 from ckptctl.findings import ERROR, INFO, WARNING
 from ckptctl.format import names as N
 from ckptctl.format import small
-from ckptctl.verify.classes.outcome import NotChecked, Outcome, Refused
+from ckptctl.verify.classes.bounds import check_adapter, check_config
+from ckptctl.verify.classes.outcome import NotChecked, Outcome
 from ckptctl.verify.classes.quantized import method_name, not_built, quantization
 from ckptctl.verify.context import MAX_JSON_BYTES, STATIC_ASKED, Context, FamilyTensors
 from ckptctl.verify.weights import transformers_rank
@@ -40,10 +43,6 @@ IMPORT_NAMES = {"transformers": "transformers", "diffusers": "diffusers",
                 "sentence-transformers": "sentence_transformers"}
 MAX_LISTED = 50  # keys listed in a finding's details
 MAX_SHAPE_FINDINGS = 100  # one finding per mismatched tensor, up to this many
-# config keys that count repeated modules (num_hidden_layers, n_layer, num_local_experts,
-# layers_per_block, ...), and the largest count a class is built with
-COUNT_KEY = re.compile(r"(layers?|experts|blocks?|layers_per_block)$")
-MAX_COUNT = 1 << 16
 
 
 def importable(name: str) -> bool:
@@ -82,43 +81,25 @@ def _library(ctx: Context, cfg: dict[str, Any]) -> tuple[str, str | None]:
     return "transformers", None
 
 
-def _oracle(library: str, doc: dict[str, Any], fam: FamilyTensors, cls: str | None, where: str) -> Outcome:
-    cfg = copy.deepcopy(doc)  # the libraries may change what they are given; the parsed document is shared
-    if library == "transformers":
-        from ckptctl.verify.classes.transformers_class import check_transformers
+def _request(library: str, doc: dict[str, Any], fam: FamilyTensors, cls: str | None, where: str) -> dict[str, Any]:
+    """What the box's child builds (:mod:`.child`): plain data."""
+    from ckptctl.verify.classes.box import rows
 
-        return check_transformers(cfg, fam.tensors, where, cls)
-    if library == "diffusers":
-        from ckptctl.verify.classes.diffusers_class import check_diffusers
-
-        return check_diffusers(cfg, fam.tensors, cls, single_file=not fam.family.index)
-    from ckptctl.verify.classes.diffusers_class import check_st_module
-
-    if cls is None:
+    if library == "sentence-transformers" and cls is None:
         raise NotChecked("modules.json names no module class")
-    return check_st_module(cfg, fam.tensors, cls)
-
-
-def _counts(doc: Any, depth: int = 0) -> Iterator[tuple[str, Any]]:
-    """Every (key, value) of a count of repeated modules in config.json and its sub-configs."""
-    if depth > 8 or not isinstance(doc, dict):
-        return
-    for k, v in doc.items():
-        if isinstance(v, dict):
-            yield from _counts(v, depth + 1)
-        elif isinstance(k, str) and COUNT_KEY.search(k):
-            yield k, v
+    op = {"transformers": "transformers", "diffusers": "diffusers"}.get(library, "st")
+    return {"op": op, "cfg": doc, "tensors": rows(fam.tensors), "cls": cls, "where": os.path.abspath(where),
+            "single_file": not fam.family.index}
 
 
 def precheck(library: str, cfg: dict[str, Any], cls: str | None, *, quantized: bool = False) -> None:
     """Raise :class:`NotChecked` for what config.json alone rules out, before any import. A count
-    of layers or experts past :data:`MAX_COUNT` (config.json is untrusted input: the class would be
-    built with that many modules) is one; so is a quantized checkpoint, unless ``quantized`` (the
+    of layers or experts, or a label map, past the bounds of :mod:`.bounds` (config.json is
+    untrusted input: the class would be built with that many modules) is one; so is a quantized
+    checkpoint, unless ``quantized`` (the
     caller builds a transformers class with its quantizer) and it is one that :mod:`.quantized`
     builds (fp8 block-quantized)."""
-    for k, v in _counts(cfg):
-        if isinstance(v, int) and not isinstance(v, bool) and v > MAX_COUNT:
-            raise NotChecked(f"config.json's {k} is {v:,}: a class with that many modules is not built")
+    check_config(cfg)
     q = quantization(cfg)
     if q is not None:
         why = not_built(cfg)
@@ -137,9 +118,32 @@ def precheck(library: str, cfg: dict[str, Any], cls: str | None, *, quantized: b
         raise NotChecked("config.json has no model_type: transformers cannot pick a config class")
 
 
-def _note(ctx: Context, shown: str, library: str, why: str) -> str:
+def activation_finding(ctx: Context, shown: str, cfg: dict[str, Any]) -> None:
+    """A sentence-transformers module's ``activation_function`` that is not a ``torch.nn`` class
+    path: sentence-transformers imports a ``torch.*`` path to load it (that module's code runs),
+    and ignores any other without trust_remote_code. verify imports neither (issue 44): the class
+    is built with the module's default activation."""
+    from ckptctl.verify.classes.diffusers_class import torch_nn_class
+
+    act = cfg.get("activation_function")
+    if not isinstance(act, str) or torch_nn_class(act) is not None:
+        return
+    fix = "set activation_function to a torch.nn class (torch.nn.modules.activation.Tanh, torch.nn.Identity)"
+    if act.startswith("torch."):
+        ctx.add("config.st_activation", ERROR, shown,
+                f"activation_function {act[:200]!r} is not a torch.nn class: sentence-transformers imports "
+                f"{act.rpartition('.')[0][:200]!r} to load it (that module's code runs, and its loader raises unless "
+                "it is a torch.nn.Module class); verify imports nothing a file names", fix, None, value=act[:200])
+    else:
+        ctx.add("config.st_activation", WARNING, shown,
+                f"activation_function {act[:200]!r} is not a torch.nn class: sentence-transformers replaces it with "
+                "Tanh (with a warning), or imports and runs it with trust_remote_code; verify imports nothing a "
+                "file names", fix, None, value=act[:200])
+
+
+def _note(ctx: Context, shown: str, library: str, why: str, **details: Any) -> str:
     ctx.add("config.class_not_checked", INFO, shown, f"the model-class check ({library}) did not run: {why}; "
-            "the static config rules stand alone", None, library=library, reason=why)
+            "the static config rules stand alone", None, library=library, reason=why, **details)
     return why
 
 
@@ -171,21 +175,69 @@ def model_class_step(ctx: Context) -> str | None:
         return _note(ctx, shown, library, f"{library} is not installed")
     if not importable("torch"):
         return _note(ctx, shown, library, "torch is not installed")
+    if library == "sentence-transformers":
+        activation_finding(ctx, shown, cfg)
     try:
-        outcome = _oracle(library, cfg, fam, cls, str(ctx.root))
+        request = _request(library, cfg, fam, cls, str(ctx.root))
     except NotChecked as exc:
         return _note(ctx, shown, library, exc.reason)
-    except Refused as exc:  # the loader raises the same: the static rules still run (class_checked stays False)
-        ctx.add("config.class_refused", ERROR, shown, f"{library} cannot build the model from config.json: "
-                f"{exc.reason}; its from_pretrained raises the same", "fix config.json to the model that was saved",
-                None, library=library, reason=exc.reason)
+    box = _box(ctx)
+    answer = box.ask(request)
+    return _answered(ctx, shown, fam, library, answer, box)
+
+
+def _box(ctx: Context) -> Any:
+    """The box the check runs in: the options' own (``class_box``, a caller's), else the process's
+    shared one (:func:`.box.shared_box`)."""
+    from ckptctl.verify.classes.box import shared_box
+
+    own = getattr(ctx.options, "class_box", None)
+    return own if own is not None else shared_box()
+
+
+def _bound_reason(answer: dict[str, Any], box: Any) -> str:
+    which, detail = answer.get("which"), answer.get("reason", "")
+    if which == "time":
+        return f"building the class ran past the box's time limit of {box.timeout:g} s (CKPTCTL_CLASS_TIMEOUT)"
+    if which == "memory":
+        return (f"building the class needs more than the box's {box.memory / (1 << 30):.3g} GiB of address space "
+                f"(CKPTCTL_CLASS_MEMORY): {detail}")
+    return (f"building the class needs the network, which the box never has ({detail}): config.json names "
+            "something to download (a Hub repository, a kernel, a pretrained backbone)")
+
+
+def _answered(ctx: Context, shown: str, fam: FamilyTensors, library: str, answer: dict[str, Any],
+              box: Any) -> str | None:
+    """The findings of the box's answer to one class check; why it did not run, or None."""
+    kind = answer.get("kind")
+    if kind == "outcome":
+        report_outcome(ctx, shown, fam, outcome_of(answer["outcome"]))
+        if library != "peft":
+            ctx.class_checked = True
         return None
-    except Exception as exc:  # noqa: BLE001 -- a library failing on a config is a note, never a traceback
-        first = (str(exc).strip().splitlines() or [""])[0][:300]
-        return _note(ctx, shown, library, f"building the class failed: {type(exc).__name__}: {first}")
-    report_outcome(ctx, shown, fam, outcome)
-    ctx.class_checked = True
-    return None
+    if kind == "refused" and library == "peft":
+        return _note(ctx, shown, library, f"building the adapted class failed: Refused: {answer['reason']}")
+    if kind == "refused":  # the loader raises the same: the static rules still run (class_checked stays False)
+        ctx.add("config.class_refused", ERROR, shown, f"{library} cannot build the model from config.json: "
+                f"{answer['reason']}; its from_pretrained raises the same", "fix config.json to the model that was saved",
+                None, library=library, reason=answer["reason"])
+        return None
+    if kind == "not_checked":
+        return _note(ctx, shown, library, answer["reason"])
+    if kind == "bound":
+        return _note(ctx, shown, library, _bound_reason(answer, box), bound=answer.get("which"))
+    if kind == "died":
+        return _note(ctx, shown, library, f"{answer.get('reason')} under the box's bounds ({box.bounds()})",
+                     bound="died")
+    what = "building the adapted class failed" if library == "peft" else "building the class failed"
+    return _note(ctx, shown, library, f"{what}: {answer.get('reason')}")
+
+
+def outcome_of(doc: dict[str, Any]) -> Outcome:
+    """An :class:`Outcome` from the dict the child sent."""
+    out = Outcome(**doc)
+    out.mismatched = [(k, tuple(got), tuple(want)) for k, got, want in out.mismatched]
+    return out
 
 
 def _adapter_precheck(acfg: dict[str, Any]) -> None:
@@ -232,19 +284,18 @@ def adapter_class_step(ctx: Context, fam: FamilyTensors) -> str | None:
             raise NotChecked("the base model's config.json is not a JSON object")
         precheck("transformers", base_cfg, None)
         _adapter_precheck(acfg)
+        check_adapter(acfg, fam.tensors)
         for lib in ("peft", "transformers", "torch"):
             if not importable(lib):
                 raise NotChecked(f"{lib} is not installed")
-        from ckptctl.verify.classes.peft_class import check_peft
-
-        outcome = check_peft(copy.deepcopy(acfg), fam.tensors, copy.deepcopy(base_cfg))
     except NotChecked as exc:
         return _note(ctx, shown, "peft", exc.reason)
-    except Exception as exc:  # noqa: BLE001 -- never a traceback: a note says what failed
-        first = (str(exc).strip().splitlines() or [""])[0][:300]
-        return _note(ctx, shown, "peft", f"building the adapted class failed: {type(exc).__name__}: {first}")
-    report_outcome(ctx, shown, fam, outcome)
-    return None
+    from ckptctl.verify.classes.box import rows
+
+    request = {"op": "peft", "cfg": base_cfg, "acfg": acfg, "tensors": rows(fam.tensors)}
+    box = _box(ctx)
+    answer = box.ask(request)
+    return _answered(ctx, shown, fam, "peft", answer, box)
 
 
 def _listed(keys: list[str]) -> str:

@@ -16,23 +16,26 @@ names (only inside the ``sentence_transformers`` package), built from its folder
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from typing import Any
 
 from ckptctl.format.tensor import TensorSpec
-from ckptctl.verify.classes.outcome import NotChecked, Outcome, split_unexpected
+from ckptctl.verify.classes.outcome import NotChecked, Outcome, Refused, split_unexpected
 
 ST_PACKAGE = "sentence_transformers"
 
 
 def _empty_weights() -> Any:
+    """Parameters and buffers on the meta device (a buffer made from the config, a positional
+    table of ``sample_size / patch_size`` squared rows, costs nothing there)."""
     try:
         from accelerate import init_empty_weights
     except ImportError:
         import torch
 
         return torch.device("meta")
-    return init_empty_weights()
+    return init_empty_weights(include_buffers=True)
 
 
 def check_diffusers(cfg: dict[str, Any], tensors: Mapping[str, TensorSpec], class_name: str | None,
@@ -63,8 +66,6 @@ def check_diffusers(cfg: dict[str, Any], tensors: Mapping[str, TensorSpec], clas
             fixed = model._fix_state_dict_keys_on_load(dict(keys))
             keys = dict(fixed) if isinstance(fixed, dict) else keys
     ignore = list(getattr(cls, "_keys_to_ignore_on_load_unexpected", None) or [])
-    import re
-
     unexpected = sorted(k for k in keys if k not in expected and not any(re.search(p, k) for p in ignore))
     mismatched = sorted((keys[k], tuple(tensors[keys[k]].shape), expected[k]) for k in keys
                         if k in expected and tuple(tensors[keys[k]].shape) != expected[k])
@@ -74,6 +75,37 @@ def check_diffusers(cfg: dict[str, Any], tensors: Mapping[str, TensorSpec], clas
                    on_missing="initialises them (\"newly initialized\" warning)",
                    on_mismatch="raises (\"Cannot load ... expected shape\")",
                    on_unexpected="drops them (\"Some weights of the model checkpoint ... were not used\")")
+
+
+# what sentence-transformers writes for an activation (``fullname``: torch.nn.modules.activation.Tanh)
+# and what a user may write (torch.nn.Tanh): the only names the class check resolves
+TORCH_NN_CLASS = re.compile(r"torch\.nn\.(?:modules\.([a-z_]+)\.)?([A-Z][A-Za-z0-9_]*)")
+
+
+def torch_nn_class(name: Any) -> str | None:
+    """The class name of a ``torch.nn`` activation path (``torch.nn.Tanh``,
+    ``torch.nn.modules.activation.Tanh``), or None for any other value."""
+    m = TORCH_NN_CLASS.fullmatch(name) if isinstance(name, str) else None
+    return m.group(2) if m else None
+
+
+def resolve_activation(path: str) -> Any:
+    """The ``torch.nn`` class ``path`` names, from the modules torch has already imported (no
+    import runs: issue 44). sentence-transformers imports the path to load it; a path that is not
+    a ``torch.nn.Module`` class there makes its loader raise, and so :class:`Refused`."""
+    import sys
+
+    import torch
+
+    name = torch_nn_class(path)
+    cls = getattr(torch.nn, name, None) if name else None
+    module = path.rpartition(".")[0]
+    loaded = sys.modules.get(module)
+    if not (isinstance(cls, type) and issubclass(cls, torch.nn.Module)) or \
+            (module != "torch.nn" and getattr(loaded, name, None) is not cls):
+        raise Refused(f"its activation_function {path!r} is not a torch.nn.Module class (sentence-transformers' "
+                      "Dense.load raises)")
+    return cls
 
 
 def check_st_module(cfg: dict[str, Any], tensors: Mapping[str, TensorSpec], class_path: str) -> Outcome:
@@ -103,11 +135,8 @@ def check_st_module(cfg: dict[str, Any], tensors: Mapping[str, TensorSpec], clas
         accepted = set(inspect.signature(cls).parameters)
         kwargs = {k: v for k, v in cfg.items() if k in accepted and k != "activation_function"}
         act = cfg.get("activation_function")
-        if "activation_function" in accepted and isinstance(act, str) and act.startswith("torch."):
-            mod_name, _, name = act.rpartition(".")
-            act_cls = getattr(importlib.import_module(mod_name), name, None)
-            if isinstance(act_cls, type) and issubclass(act_cls, torch.nn.Module):
-                kwargs["activation_function"] = act_cls
+        if "activation_function" in accepted and torch_nn_class(act) is not None:
+            kwargs["activation_function"] = resolve_activation(act)
         with torch.device("meta"):
             if isinstance(kwargs.get("activation_function"), type):
                 kwargs["activation_function"] = kwargs["activation_function"]()

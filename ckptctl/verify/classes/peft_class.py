@@ -1,6 +1,7 @@
 """peft as the oracle: the adapter's config applied to its base model's class, built on the meta
 device, and peft's own loading of the adapter's keys into it (``PeftModel.load_adapter``:
-``set_peft_model_state_dict``, then the missing keys it reports, those of this adapter).
+``set_peft_model_state_dict``, then the missing keys it reports, those of this adapter), the
+adapter's layers injected on the meta device (``low_cpu_mem_usage``).
 
 The base model's class is built as :func:`~.transformers_class.build_meta` builds any
 transformers class, from the base model's config.json (``--base``, or the adapter's
@@ -35,7 +36,8 @@ def check_peft(acfg: dict[str, Any], tensors: Mapping[str, TensorSpec], base_cfg
         base, _ = build_meta(base_cfg)
         config = peft.PeftConfig.from_peft_type(**{k: v for k, v in acfg.items() if k != "base_model_name_or_path"})
         config.inference_mode = True
-        model = peft.PeftModel(base, config, adapter_name=ADAPTER)
+        # the adapter's layers made on the meta device (peft's init_empty_weights), never on the CPU first
+        model = peft.PeftModel(base, config, adapter_name=ADAPTER, low_cpu_mem_usage=True)
         cls = f"{peft_type} on {type(base).__name__}"
         try:
             result = set_peft_model_state_dict(model, meta_state_dict(tensors), adapter_name=ADAPTER)

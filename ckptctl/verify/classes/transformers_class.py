@@ -29,6 +29,7 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 from ckptctl.format.tensor import TensorSpec
+from ckptctl.verify.classes.guard import BoundHit, bound_hit
 from ckptctl.verify.classes.matching import match_keys
 from ckptctl.verify.classes.outcome import NotChecked, Outcome, Refused, split_unexpected
 from ckptctl.verify.classes.quantized import (
@@ -49,7 +50,7 @@ def _config(cfg: dict[str, Any]) -> Any:
     # {"__float__": "Infinity"}: how transformers writes inf and NaN (Mamba2's time_step_limit), decoded
     # as its from_pretrained decodes config.json
     decode = getattr(PretrainedConfig, "_decode_special_floats", None)
-    doc = dict(decode(cfg) if callable(decode) else cfg)
+    doc = offline(dict(decode(cfg) if callable(decode) else cfg))
     mt = doc.get("model_type")
     remote = isinstance(doc.get("auto_map"), dict) and "AutoConfig" in doc["auto_map"]
     if not isinstance(mt, str) or mt not in CONFIG_MAPPING:
@@ -61,7 +62,27 @@ def _config(cfg: dict[str, Any]) -> Any:
         raise NotChecked(f"the installed transformers does not know model_type {mt!r}")
     if mt == "mistral" and "layer_types" in doc:  # AutoConfig's own heuristic
         doc["model_type"] = mt = "ministral"
-    return CONFIG_MAPPING[mt].from_dict(doc)
+    config = CONFIG_MAPPING[mt].from_dict(doc)
+    config._attn_implementation = EAGER  # sets every sub-config's too: no kernel is fetched or run
+    return config
+
+
+ATTN_KEYS = ("attn_implementation", "_attn_implementation")
+EAGER = "eager"
+
+
+def offline(doc: Any, depth: int = 0) -> Any:
+    """config.json as the class check builds it (issue 44): no attention implementation of its own
+    (a kernel repository's name makes transformers fetch it; the class is built with ``eager``,
+    whose modules are the same) and no pretrained backbone (``use_pretrained_backbone`` false:
+    its weights would be downloaded, and the checkpoint's own replace them on load), in every
+    sub-config. The shapes of the class do not depend on either."""
+    if depth > 8 or not isinstance(doc, dict):
+        return doc
+    out = {k: offline(v, depth + 1) for k, v in doc.items() if k not in ATTN_KEYS}
+    if "use_pretrained_backbone" in out:
+        out["use_pretrained_backbone"] = False
+    return out
 
 
 def _auto_alternative(arch: str, model_type: str) -> str | None:
@@ -210,12 +231,16 @@ def build_loaded(cfg: dict[str, Any], class_name: str | None = None) -> tuple[An
 def refusing(step: str) -> Iterator[None]:
     """A step ``from_pretrained`` runs the same way: the library's own error there is
     :class:`Refused` (its loader raises it too). What says "not here" passes on: NotChecked, and
-    a missing package or exhausted memory or recursion (a fact of this machine: a note)."""
+    a missing package or exhausted memory or recursion (a fact of this machine: a note), and what
+    hit a bound of the box (:func:`~.guard.bound_hit`: memory, the network) as :class:`BoundHit`."""
     try:
         yield
-    except (NotChecked, ImportError, MemoryError, RecursionError):
+    except (NotChecked, ImportError, MemoryError, RecursionError, BoundHit):
         raise
     except Exception as exc:  # noqa: BLE001 -- the library's refusal, whatever its type
+        which = bound_hit(exc)  # not the library's judgement: a bound of the box (memory, network)
+        if which is not None:
+            raise BoundHit(which, exc) from None
         first = (str(exc).strip().splitlines() or [""])[0][:300]
         raise Refused(f"{step} raises {type(exc).__name__}: {first}") from None
 
