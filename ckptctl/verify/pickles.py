@@ -2,7 +2,10 @@
 
 Nothing in a checked pickle ever runs: it is read by :mod:`ckptctl.format.torch_pickle` (the
 reader the export source uses too), which turns allow-listed globals into inert recorders of
-tensor metadata and records every other global as unsafe.
+tensor metadata and records every other global as unsafe. A DeepSpeed states file (by its name:
+``*_optim_states.pt``, ``*_model_states.pt``) is read as the ZeRO source reads it: DeepSpeed's own
+data classes (:data:`~ckptctl.format.torch_pickle.DEEPSPEED_GLOBALS`: the loss scaler, the stage
+enum, the fragment address) are data, not ``pickle.unsafe_global``; anything else it names still is.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from ckptctl.findings import ERROR, INFO, WARNING, Finding
 from ckptctl.format import dtypes as dt
 from ckptctl.format.header import sniff
 from ckptctl.format.tensor import TensorSpec
-from ckptctl.format.torch_pickle import TensorRef, keep_name, load_pickles
+from ckptctl.format.torch_pickle import DEEPSPEED_GLOBALS, TensorRef, keep_name, load_pickles
 
 _MAX_PICKLE = 1 << 30  # a data.pkl larger than this is not a state dict we can describe
 
@@ -50,10 +53,13 @@ def scan_torch_file(path: str, display: str) -> PickleScan:
         add("pickle.html_page", ERROR, f"{display} is an HTML/XML page, not a torch checkpoint",
             "the download saved an error or login page: download the file again")
         return res
+    from ckptctl.sources.zero.files import is_states_file
+
+    data = DEEPSPEED_GLOBALS if is_states_file(os.path.basename(path)) else frozenset()
     if zipfile.is_zipfile(path):
-        _scan_zip(path, display, res, add)
+        _scan_zip(path, display, res, add, data)
     else:
-        _scan_legacy(path, display, res, add)
+        _scan_legacy(path, display, res, add, data)
     if res.unsafe:
         names = sorted(set(res.unsafe))
         add("pickle.unsafe_global", ERROR,
@@ -64,7 +70,8 @@ def scan_torch_file(path: str, display: str) -> PickleScan:
     return res
 
 
-def _scan_zip(path: str, display: str, res: PickleScan, add: Callable[..., None]) -> None:
+def _scan_zip(path: str, display: str, res: PickleScan, add: Callable[..., None], data_globals: frozenset[str]
+              ) -> None:
     try:
         zf = zipfile.ZipFile(path)
     except (zipfile.BadZipFile, OSError, ValueError) as exc:
@@ -89,7 +96,7 @@ def _scan_zip(path: str, display: str, res: PickleScan, add: Callable[..., None]
             add("pickle.bad_archive", ERROR, f"{display}: cannot read data.pkl ({exc})",
                 "the file is truncated or corrupt: export or download it again")
             return
-        objs, unsafe, err = load_pickles(data)
+        objs, unsafe, err = load_pickles(data, data_globals=data_globals)
         res.unsafe.extend(unsafe)
         if err:
             add("pickle.unreadable", ERROR, f"{display}: data.pkl is not a valid pickle ({err})",
@@ -99,7 +106,8 @@ def _scan_zip(path: str, display: str, res: PickleScan, add: Callable[..., None]
         _collect(objs[0], display, res, add, records=sizes, prefix=prefix + "data/")
 
 
-def _scan_legacy(path: str, display: str, res: PickleScan, add: Callable[..., None]) -> None:
+def _scan_legacy(path: str, display: str, res: PickleScan, add: Callable[..., None], data_globals: frozenset[str]
+                 ) -> None:
     size = os.path.getsize(path)
     if size > _MAX_PICKLE:
         add("pickle.legacy_format", WARNING, f"{display}: not a zip torch.save file and too large to scan",
@@ -107,7 +115,7 @@ def _scan_legacy(path: str, display: str, res: PickleScan, add: Callable[..., No
         return
     with open(path, "rb") as f:
         data = f.read()
-    objs, unsafe, err = load_pickles(data, max_pickles=4)
+    objs, unsafe, err = load_pickles(data, max_pickles=4, data_globals=data_globals)
     res.unsafe.extend(unsafe)
     if err and len(objs) < 4:
         if not objs:
