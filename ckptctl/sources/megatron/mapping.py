@@ -231,6 +231,11 @@ class MappingError(ValueError):
     """A tensor the mapping cannot take: the message says which and why."""
 
 
+class Contradiction(MappingError):
+    """A tensor whose shape contradicts what the arguments (or ``--config``) say: a size, the
+    layer or expert count (verify's ``megatron.args_disagree``)."""
+
+
 def _split(rule: Rule, rows: int, d: Dims, fqn: str) -> list[list[tuple[int, int]]]:
     """The row ranges of each output of ``rule.op`` over a slab of ``rows`` rows."""
     op = rule.op
@@ -238,17 +243,17 @@ def _split(rule: Rule, rows: int, d: Dims, fqn: str) -> list[list[tuple[int, int
         return [[(0, rows)]]
     if op == VOCAB:
         if d.vocab > rows:
-            raise MappingError(f"{fqn} has {rows} rows, fewer than the vocabulary of {d.vocab}")
+            raise Contradiction(f"{fqn} has {rows} rows, fewer than the vocabulary of {d.vocab}")
         return [[(0, d.vocab)]]
     if op == GLU:
         ffn = d.size(rule.ffn)
         if rows != 2 * ffn:
-            raise MappingError(f"{fqn} has {rows} rows; a gated MLP of FFN size {ffn} has {2 * ffn}")
+            raise Contradiction(f"{fqn} has {rows} rows; a gated MLP of FFN size {ffn} has {2 * ffn}")
         return [[(0, ffn)], [(ffn, 2 * ffn)]]
     per_group = d.heads // d.groups
     group_rows = (per_group + 2) * d.head_dim
     if rows != d.groups * group_rows:
-        raise MappingError(f"{fqn} has {rows} rows; {d.heads} heads in {d.groups} query groups of "
+        raise Contradiction(f"{fqn} has {rows} rows; {d.heads} heads in {d.groups} query groups of "
                            f"{d.head_dim} channels make {d.groups * group_rows}")
     q = [(g * group_rows, g * group_rows + per_group * d.head_dim) for g in range(d.groups)]
     k = [(a + per_group * d.head_dim, a + (per_group + 1) * d.head_dim) for a, _ in q]
@@ -262,7 +267,7 @@ def check_shape(rule: Rule, fqn: str, shape: tuple[int, ...], d: Dims) -> None:
     if not rule.shape:
         return
     if len(shape) != len(rule.shape):
-        raise MappingError(f"{fqn} has shape {list(shape)}; a {len(rule.shape)}-dimensional tensor was expected")
+        raise Contradiction(f"{fqn} has shape {list(shape)}; a {len(rule.shape)}-dimensional tensor was expected")
     for j, (got, name) in enumerate(zip(shape, rule.shape)):
         if name == "vocab":
             continue  # checked by the cut (at least the vocabulary)
@@ -270,7 +275,7 @@ def check_shape(rule: Rule, fqn: str, shape: tuple[int, ...], d: Dims) -> None:
         if name == "hidden" and not want:
             continue
         if got != want:
-            raise MappingError(f"{fqn} has {got} in dimension {j} of {list(shape)}, but the arguments say "
+            raise Contradiction(f"{fqn} has {got} in dimension {j} of {list(shape)}, but the arguments say "
                                f"{SIZES[name]} = {want}")
 
 
@@ -282,7 +287,7 @@ def rule_outputs(rule: Rule, fqn: str, shape: tuple[int, ...], d: Dims, lead: tu
     does not fit the arguments."""
     if rule.scope != MODEL and fmt is None:  # a stacked tensor: every layer
         if not shape or shape[0] != d.layers:
-            raise MappingError(f"{fqn} stacks {shape[0] if shape else 0} layers; the arguments say {d.layers}")
+            raise Contradiction(f"{fqn} stacks {shape[0] if shape else 0} layers; the arguments say {d.layers}")
         for i in range(d.layers):
             yield from rule_outputs(rule, fqn, shape, d, (i,), {"i": i})
         return
@@ -290,7 +295,7 @@ def rule_outputs(rule: Rule, fqn: str, shape: tuple[int, ...], d: Dims, lead: tu
     k0 = len(lead)
     if rule.scope == EXPERT:
         if len(shape) <= k0 or shape[k0] != d.experts:
-            raise MappingError(f"{fqn} has shape {list(shape)}; the arguments say {d.experts} experts (num_experts)")
+            raise Contradiction(f"{fqn} has shape {list(shape)}; the arguments say {d.experts} experts (num_experts)")
         prefixes = [(lead + (e,), {**fmt, "e": e}) for e in range(d.experts)]
     else:
         prefixes = [(lead, fmt)]
@@ -358,11 +363,11 @@ def _check_layer_keys(per: dict[int, set[str]], stacked: dict[str, tuple[int, ..
         raise MappingError(f"both stacked ({layered[0]}) and per-layer (decoder.layers.{min(per)}.*) keys are stored")
     missing = [i for i in range(d.layers) if i not in per]
     if missing:
-        raise MappingError(f"layer {missing[0]} (decoder.layers.{missing[0]}.*) is missing; the arguments say "
+        raise Contradiction(f"layer {missing[0]} (decoder.layers.{missing[0]}.*) is missing; the arguments say "
                            f"{d.layers} layers (num_layers)")
     extra = sorted(i for i in per if i >= d.layers)
     if extra:
-        raise MappingError(f"decoder.layers.{extra[0]}.* is stored; the arguments say {d.layers} layers (num_layers)")
+        raise Contradiction(f"decoder.layers.{extra[0]}.* is stored; the arguments say {d.layers} layers (num_layers)")
 
 
 def plan(family: Family, tensors: dict[str, tuple[int, ...]], d: Dims) -> list[Output]:

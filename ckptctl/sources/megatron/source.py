@@ -207,7 +207,7 @@ def _mapped(src: "MegatronSource", dtypes: dict[str, str], shapes: dict[str, tup
             desc = describe_hf(read_target_config(config), no_mtp)
             return desc, plan(desc.family, shapes, desc.dims)
         except MappingError as exc:
-            raise MappingError(in_config_words(str(exc))) from None
+            raise type(exc)(in_config_words(str(exc))) from None
     if not args:
         where = ("common.pt holds no Megatron-LM arguments (args)" if (src.path / "common.pt").exists()
                  else "there is no common.pt (megatron-core 0.17 and later write none)")
@@ -229,6 +229,9 @@ class MegatronSource(DcpHfSource):
         self.origin: dict[str, str] = {}  # exported name -> the Megatron tensor it comes from
         self.mapping_error: str | None = None  # why no mapping applies (inspect's fallback)
         self.notes: list[str] = []  # what the export keeps that the user may want to know (a padded vocabulary)
+        self.disagrees = False  # mapping_error is a tensor contradicting the arguments (or --config)
+        self.keys = "stacked"  # how the layers are saved: stacked or per-layer (decoder.layers.{i}.*)
+        self.mtp_layers = 0  # MTP layers stored (mtp.layers.{k}.*)
         self._min_run = MIN_RUN_BYTES
 
     @classmethod
@@ -243,7 +246,7 @@ class MegatronSource(DcpHfSource):
         ``vocab_size``: ``--vocab-size`` (the rows of the embedding and head kept); ``no_mtp``:
         ``--no-mtp``; ``config``: ``--config`` (the target config.json, :mod:`.config_hf`)."""
         from ckptctl.sources.megatron.config import OptionError
-        from ckptctl.sources.megatron.mapping import MappingError
+        from ckptctl.sources.megatron.mapping import Contradiction, MappingError, split_layers
 
         root = loc.folder
         kind = backend(root)
@@ -273,6 +276,9 @@ class MegatronSource(DcpHfSource):
             raise from_oserror(exc, "cannot read the Megatron checkpoint") from None
         finally:
             files.close()
+        per = split_layers(shapes)[1]
+        src.keys = "per-layer" if per else "stacked"
+        src.mtp_layers = len({n.split(".")[2] for n in shapes if n.startswith("mtp.layers.")})
         desc, outputs = None, None
         try:
             if not names:
@@ -287,6 +293,7 @@ class MegatronSource(DcpHfSource):
                         "export the Megatron names as they are with --names megatron, and map them with your own code")
                 raise InputError(f"{root}: {exc}", hint) from None
             src.mapping_error = str(exc)
+            src.disagrees = isinstance(exc, Contradiction)
         if desc is None or outputs is None:
             for fqn in sorted(items):
                 src._add(fqn, fqn, dtypes[fqn], shapes[fqn], blocks[fqn], max_pieces)
@@ -326,6 +333,8 @@ class MegatronSource(DcpHfSource):
                 "checkpoint_version": common.version if common and isinstance(common.version, (int, float)) else None,
                 "args": summary(common.args) if common and common.args else None,
                 "mapping": self.family, "mapping_error": self.mapping_error, "notes": list(self.notes),
+                "family": (self.config or {}).get("architectures", [None])[0], "keys": self.keys,
+                "mtp_layers": self.mtp_layers,
                 "inert_globals": common.stubs if common else []}
 
 
