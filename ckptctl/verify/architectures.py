@@ -64,6 +64,9 @@ class Spec:
     rules: tuple[Rule, ...]
     position: str | None = None
     dims: Callable[[ConfigFields], Dims] | None = None
+    # the model types whose layout these rules describe (the config's, or its text_config's): for
+    # another family with the same names the shapes are not checked, and a note says so
+    model_types: frozenset[str] = frozenset()
 
 
 def _mul(*xs: int | None) -> int | None:
@@ -96,6 +99,17 @@ def _llama_dims(c: ConfigFields) -> Dims:
         d.q_head_dim *= 2
     return d
 
+
+# Families whose layers are Llama's (q/k/v/o of num_attention_heads and num_key_value_heads x
+# head_dim, a fused qkv_proj as q + k + v, gate/up/down or gate_up of intermediate_size), read
+# from each family's modeling code; their multimodal text towers name them in text_config.
+LLAMA_TYPES = frozenset({
+    "llama", "mistral", "mixtral", "ministral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "gemma", "gemma2",
+    "gemma3", "gemma3_text", "phi", "phi3", "phimoe", "stablelm", "cohere", "cohere2", "olmo", "olmo2", "olmo3",
+    "olmoe", "deepseek_v2", "deepseek_v3", "glm", "glm4", "glm4_moe", "granite", "granitemoe",
+    "granitemoeshared", "helium", "smollm3", "ernie4_5", "ernie4_5_moe", "exaone4", "hunyuan_v1_dense",
+    "hunyuan_v1_moe", "arcee", "apertus", "seed_oss", "dots1", "bitnet", "starcoder2", "minicpm", "nemotron",
+    "qwen2_vl_text", "qwen2_5_vl_text", *GATED_QUERY_TYPES})
 
 # GPT-2 tensor names with Conv1D weights ([in, out]) and with nn.Linear weights ([out, in]);
 # another model_type with GPT-2 names is not shape-checked (a rule does not guess a layout)
@@ -161,7 +175,7 @@ LLAMA = Spec("llama-style", "embed_tokens.weight", "layers", "lm_head.weight", (
     Rule("mlp.down_proj.weight", lambda d: (d.hidden, d.inter), _MLP, "hidden_size by intermediate_size"),
     Rule("mlp.gate_up_proj.weight", lambda d: (_mul(2, d.inter), d.hidden), _MLP,
          "2 x intermediate_size by hidden_size"),
-), dims=_llama_dims)
+), dims=_llama_dims, model_types=LLAMA_TYPES)
 
 _LAYOUT = " (Conv1D stores [in, out] for gpt2, nn.Linear [out, in] for gpt_neo and gpt_bigcode)"
 GPT2 = Spec("gpt2", "wte.weight", "h", "lm_head.weight", (
@@ -173,7 +187,7 @@ GPT2 = Spec("gpt2", "wte.weight", "h", "lm_head.weight", (
     Rule("mlp.c_fc.weight", lambda d: _io(d, d.hidden, d.inter), _MLP,
          "n_embd to n_inner (default 4 x n_embd)" + _LAYOUT),
     Rule("mlp.c_proj.weight", lambda d: _io(d, d.inter, d.hidden), _MLP, "n_inner to n_embd" + _LAYOUT),
-), position="wpe.weight", dims=_gpt2_dims)
+), position="wpe.weight", dims=_gpt2_dims, model_types=CONV1D_TYPES | LINEAR_TYPES)
 
 def _dense_4h(inter: str) -> tuple[Rule, Rule]:
     """The MLP of GPT-NeoX and Falcon/Bloom: ``dense_h_to_4h`` and ``dense_4h_to_h``, whose
@@ -188,7 +202,7 @@ NEOX = Spec("gpt-neox", "embed_in.weight", "layers", "embed_out.weight", (
     Rule("attention.dense.weight", lambda d: (d.hidden, _mul(d.heads, d.head_dim)), _ATT,
          "hidden_size by num_attention_heads x head_dim"),
     *_dense_4h("intermediate_size"),
-), dims=_gpt2_dims)
+), dims=_gpt2_dims, model_types=frozenset({"gpt_neox"}))
 
 FALCON = Spec("falcon/bloom", "word_embeddings.weight", "h", "lm_head.weight", (
     Rule("self_attention.query_key_value.weight",
@@ -199,9 +213,21 @@ FALCON = Spec("falcon/bloom", "word_embeddings.weight", "h", "lm_head.weight", (
     Rule("self_attention.dense.weight", lambda d: (d.hidden, _mul(d.heads, d.head_dim)), _ATT,
          "hidden_size by hidden_size"),
     *_dense_4h("ffn_hidden_size"),
-), dims=_falcon_dims)
+), dims=_falcon_dims, model_types=frozenset({"falcon", "bloom"}))
 
 SPECS = (LLAMA, GPT2, NEOX, FALCON)
+
+
+def unknown_family(spec: Spec, cfg: dict) -> str | None:
+    """The model type to name when ``cfg``'s family (its model_type, or its text_config's) is not
+    one whose layout ``spec``'s rules describe; None when it is, or when the config names none
+    (config.missing_field says that). Untrusted: only strings count."""
+    text = cfg.get("text_config")
+    types = [t for t in (cfg.get("model_type"), text.get("model_type") if isinstance(text, dict) else None)
+             if isinstance(t, str)]
+    if not types or any(t in spec.model_types for t in types):
+        return None
+    return types[0]
 
 # architectures whose name says the model generates text (its config wants a generation config and
 # a tokenizer, and an untied lm_head must be stored)

@@ -26,7 +26,7 @@ from ckptctl.config_fields import ConfigFields, as_int
 from ckptctl.findings import ERROR, INFO, WARNING, Finding, PathFindings
 from ckptctl.format import names as N
 from ckptctl.format.tensor import TensorSpec
-from ckptctl.verify.architectures import GENERATIVE, SPECS, Dims, Spec
+from ckptctl.verify.architectures import GENERATIVE, SPECS, Dims, Spec, unknown_family
 from ckptctl.verify.context import Context
 from ckptctl.verify.stacks import EXTRA_LAYER_FIELDS, check_experts, check_stacks, count_findings
 from ckptctl.tensor_names import RunPattern, TensorNames, dtypes, run_pattern
@@ -50,6 +50,11 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt
 DIFFUSERS_KEYS = ("_diffusers_version", "_class_name")
 
 _FIX_CONFIG = "fix config.json (or re-export the checkpoint from the model that produced it)"
+# (stored, config dtype) pairs transformers converts with a loss either way when it builds the
+# model in the config's dtype (its default): float16 to bfloat16 drops 3 bits of every mantissa,
+# bfloat16 to float16 drops 3 bits of exponent (values past 65504 become inf). A float32 checkpoint
+# declared in half precision is the usual export of fp32 masters: a warning, not this.
+LOSSY_DTYPES = frozenset({("F16", "BF16"), ("BF16", "F16")})
 
 
 # Every name _detect matches ends with one of these (an embedding, a layer's first rule, or a
@@ -151,6 +156,15 @@ def check_config(display: str, cfg: Any, tensors: Tensors, *, check_dtype: bool 
     spec, root = found
     assert spec.dims is not None
     dims = spec.dims(c)
+    other = unknown_family(spec, cfg)
+    if other is not None:  # the same names, another layout: counted, not shape-checked
+        _check_layers(ctx, spec, root, dims, names, quantized, sum(as_int(c.get(f)) or 0 for f in EXTRA_LAYER_FIELDS),
+                      shapes=False)
+        ctx.add("config.not_checked", INFO,
+                f"{display}: model_type {other!r} has {spec.name} tensor names, but its layout is not one the static "
+                f"rules know; layer counts checked, shapes not checked (the model-class check decides them)",
+                None, model_type=other)
+        return ctx.findings
     generative = any(isinstance(a, str) and a.endswith(GENERATIVE) for a in archs) or not archs
     _check_embeddings(ctx, spec, root, dims, names, c, generative, quantized)
     _check_layers(ctx, spec, root, dims, names, quantized,
@@ -219,6 +233,15 @@ def _check_dtype(ctx: PathFindings, c: ConfigFields, tensors: Tensors) -> None:
     dominant = _dominant_float(tensors)
     if dominant is not None and dominant != want:
         counts = _float_counts(tensors)
+        if (dominant, want) in LOSSY_DTYPES and len(counts) == 1:
+            ctx.add("config.dtype_lossy", ERROR,
+                    f"{ctx.path}: dtype is {raw!r} but every float tensor is stored in {dominant}: transformers builds "
+                    f"the model in {raw} and converts each weight on load, with a loss ({dominant} and {want} each "
+                    "hold values the other cannot), so the loaded model is not the stored one",
+                    f"set \"dtype\" in config.json to the stored {dominant.lower()}, or convert the weights with "
+                    "`ckptctl resave --dtype` if the model is meant to run in the config's dtype",
+                    config=raw, tensors=dominant)
+            return
         ctx.add("config.dtype_mismatch", WARNING,
                 f"{ctx.path}: dtype is {raw!r} but most parameters are {dominant} "
                 f"({counts[dominant]:,} of {sum(counts.values()):,})",
@@ -284,12 +307,14 @@ def _layer_patterns(root: str, spec: Spec) -> tuple[RunPattern, RunPattern]:
 
 
 def _check_layers(ctx: PathFindings, spec: Spec, root: str, d: Dims, tensors: "Tensors | TensorNames",
-                  quantized: bool, extra_layers: int) -> None:
+                  quantized: bool, extra_layers: int, *, shapes: bool = True) -> None:
     names = TensorNames.of(tensors)
     indices, rules = _layer_patterns(root, spec)
     present = {int(i) for (i,) in names.runs(indices)}
     if d.layers is not None:
         count_findings(ctx, f"{root}{spec.layer}", present, d.layers, "num_hidden_layers", extra_layers)
+    if not shapes:
+        return
     if quantized:
         ctx.add("config.not_checked", INFO, f"{ctx.path}: quantized checkpoint; projection shapes not checked")
         return

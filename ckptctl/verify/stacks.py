@@ -46,6 +46,11 @@ EXPERT_INDEX_AT = re.compile(r"\.experts\.(?=(\d+)\.)")
 # per-stack layer counts of encoder-decoder configs: stack -> field names, preferred first
 STACK_FIELDS = {"encoder": ("encoder_layers", "num_layers", "num_hidden_layers"),
                 "decoder": ("decoder_layers", "num_decoder_layers", "num_layers", "num_hidden_layers")}
+# a stack below a part naming one of these belongs to a sub-model (a vision or audio tower, a
+# backbone, a speech pre-net) whose depth is in its own sub-config: not counted against the text
+# model's fields, and said so in a note
+SUBMODEL_PARTS = ("vision", "visual", "audio", "backbone", "image", "prenet", "postnet")
+_SWAP = re.compile(r"(en|de)coder")
 EXPERT_FIELDS = ("num_local_experts", "n_routed_experts", "num_experts", "moe_num_experts")
 # extra decoder layers the config declares beside num_hidden_layers (DeepSeek-V3/GLM multi-token prediction)
 EXTRA_LAYER_FIELDS = ("num_nextn_predict_layers",)
@@ -95,36 +100,51 @@ def count_findings(ctx: PathFindings, where: str, present: set[int], expected: i
                 f"fix {field}, or drop the stale layers with ckptctl resave", extra=extra[:200], stack=where)
 
 
+def _stack_of(where: str) -> tuple[str | None, bool]:
+    """(``encoder`` or ``decoder`` when the container sits right in such a module, e.g.
+    ``model.encoder.layers``, SpeechT5's ``encoder.wrapped_encoder.layers``; whether it belongs to a
+    sub-model: :data:`SUBMODEL_PARTS`)."""
+    parts = where.split(".")
+    parent = parts[-2] if len(parts) > 1 else ""
+    sub = any(m in p for p in parts[:-1] for m in SUBMODEL_PARTS)
+    return next((s for s in ("encoder", "decoder") if parent.endswith(s)), None), sub
+
+
 def check_stacks(ctx: PathFindings, cfg: dict, tensors: "Tensors | TensorNames", *, skip: str | None = None) -> bool:
-    """Every layer stack against its count in the config. ``skip``: a container the caller has
-    already checked. Returns whether any stack was checked."""
+    """Every layer stack against its count in the config: the text model's stack against
+    ``num_hidden_layers``, an encoder-decoder's encoder and decoder stacks against their own
+    fields. A stack whose depth no field these rules know gives (a sub-model's, or one beside an
+    encoder-decoder's two) is not counted, and one note names them. ``skip``: a container the
+    caller has already checked. Returns whether any stack was checked."""
     c = ConfigFields(cfg)
     stacks = {k: v for k, v in containers(tensors).items() if k != skip}
     checked = False
     enc_dec = bool(cfg.get("is_encoder_decoder"))
     if enc_dec:  # a stack whose every layer is gone is still a stack: its sibling names it
-        swap = {"encoder": "decoder", "decoder": "encoder"}
         for where in list(stacks):
-            parts = where.split(".")
-            for i, p in enumerate(parts):
-                if p in swap:
-                    stacks.setdefault(".".join(parts[:i] + [swap[p]] + parts[i + 1:]), set())
+            stack, sub = _stack_of(where)
+            if stack is not None and not sub:
+                sibling = _SWAP.sub(lambda m: "decoder" if m.group(1) == "en" else "encoder", where)
+                stacks.setdefault(sibling, set())
     extra_allowed = sum(as_int(c.get(f)) or 0 for f in EXTRA_LAYER_FIELDS)
+    unknown: list[str] = []
     for where, present in sorted(stacks.items()):
-        parts = where.split(".")
-        stack = next((s for s in ("encoder", "decoder") if s in parts), None)
-        if enc_dec and stack is not None:
-            fields = STACK_FIELDS[stack]
-        elif not enc_dec and where.endswith(("vision_model.encoder.layers", "vision_tower.encoder.layers",
-                                             "visual.blocks", "vision_model.encoder.layer")):
-            continue  # a vision tower's depth is in vision_config, not the text fields
-        else:
-            fields = ("num_hidden_layers",)
+        stack, sub = _stack_of(where)
+        if sub or (enc_dec and stack is None):
+            unknown.append(where)
+            continue
+        fields = STACK_FIELDS[stack] if enc_dec and stack is not None else ("num_hidden_layers",)
         field, expected = next(((f, v) for f in fields if (v := as_int(c.get(f))) is not None), (None, None))
         if expected is None or expected < 0:
             continue
-        count_findings(ctx, where, present, expected, field, extra_allowed if stack is None else 0)
+        count_findings(ctx, where, present, expected, field, extra_allowed if not enc_dec else 0)
         checked = True
+    if unknown:
+        mt = cfg.get("model_type")
+        ctx.add("config.not_checked", INFO,
+                f"{ctx.path}: layer stacks whose depth is not a config field these rules know (a sub-model's, "
+                f"model_type {mt!r}): {_first(unknown, len(unknown), 4)}; their layer counts not checked",
+                stacks=unknown[:20])
     return checked
 
 
