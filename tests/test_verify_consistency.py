@@ -390,3 +390,53 @@ def test_sharded_bart_index_total_parameters(tmp_path: Path) -> None:
     (d / "model.safetensors.index.json").write_text(json.dumps(index))
     rc, found = verify(d)
     assert found.get("index.total_parameters_mismatch") == "warning", found
+
+
+def test_whisper_suppress_tokens_past_a_small_vocabulary_are_not_an_error(tmp_path: Path) -> None:
+    """Whisper's generation config lists (begin_)suppress_tokens of the full vocabulary; on a model
+    with a smaller one, generate() works (the processors mask the vocabulary by membership), so
+    verify reports no error for them."""
+    from transformers import GenerationConfig, WhisperConfig, WhisperForConditionalGeneration
+
+    torch.manual_seed(0)
+    cfg = WhisperConfig(vocab_size=64, d_model=16, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+                        decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32, num_mel_bins=8,
+                        max_source_positions=16, max_target_positions=32, pad_token_id=0, bos_token_id=1,
+                        eos_token_id=2, decoder_start_token_id=1)
+    d = tmp_path / "whisper"
+    WhisperForConditionalGeneration(cfg).save_pretrained(d)
+    GenerationConfig(decoder_start_token_id=1, eos_token_id=2, pad_token_id=0, max_length=6,
+                     begin_suppress_tokens=[220, 50257], suppress_tokens=[1, 50358]).save_pretrained(d)
+    model = WhisperForConditionalGeneration.from_pretrained(d)
+    out = model.generate(torch.zeros(1, 8, 32), max_new_tokens=3)  # the processors mask 220 and 50257 away
+    assert out.shape[0] == 1 and int(out.max()) < 64
+    rc, found = verify(d)
+    assert "config.generation_token_id" not in found and rc == 0, found
+
+
+@pytest.mark.parametrize("stored,declared", [(torch.float16, "bfloat16"), (torch.bfloat16, "float16")])
+def test_half_precision_weights_declared_in_the_other_half_are_lossy(tmp_path: Path, stored, declared) -> None:
+    """Every weight stored in float16 with config.json saying bfloat16 (or the other way round):
+    from_pretrained builds the model in the config's dtype and converts each weight, so the loaded
+    weights are not the stored ones; verify says so with an error, in both modes."""
+    from safetensors.torch import load_file
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(0)
+    d = tmp_path / "m"
+    model = LlamaForCausalLM(llama_config()).to(stored)
+    with torch.no_grad():
+        model.model.layers[0].self_attn.q_proj.weight[0, 0] = 70000.0 if stored == torch.bfloat16 else 1.0009765625
+    model.save_pretrained(d)
+    rc, found = verify(d)
+    assert rc == 0 and "config.dtype_lossy" not in found, found
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["dtype"] = declared
+    (d / "config.json").write_text(json.dumps(cfg))
+    stored_q = load_file(d / "model.safetensors")["model.layers.0.self_attn.q_proj.weight"]
+    loaded = LlamaForCausalLM.from_pretrained(d)
+    assert str(loaded.dtype) == f"torch.{declared}"
+    assert not torch.equal(loaded.model.layers[0].self_attn.q_proj.weight.float(), stored_q.float())  # changed
+    for args in ((), ("--static",)):
+        rc, found = verify(d, *args)
+        assert rc == 1 and found.get("config.dtype_lossy") == "error" and "config.dtype_mismatch" not in found, found

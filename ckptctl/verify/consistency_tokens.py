@@ -16,10 +16,12 @@ from ckptctl.format import small
 from ckptctl.verify.context import MAX_JSON_BYTES, Context
 
 GENERATION_CONFIG = "generation_config.json"
-# generation_config.json fields that hold token ids (one id, a list of ids, or lists of them)
+# generation_config.json fields that hold token ids (one id, a list of ids, or lists of them) that
+# generation indexes the logits or the embedding with. Not suppress_tokens nor begin_suppress_tokens:
+# their logits processors mask the vocabulary by membership (torch.isin), so an id past it is
+# harmless (a Whisper generation config may list ids of a larger vocabulary).
 ID_FIELDS = ("bos_token_id", "eos_token_id", "pad_token_id", "decoder_start_token_id", "forced_bos_token_id",
-             "forced_eos_token_id", "suppress_tokens", "begin_suppress_tokens", "no_timestamps_token_id",
-             "bad_words_ids")
+             "forced_eos_token_id", "no_timestamps_token_id", "bad_words_ids")
 _FIX_GEN = "fix the ids in generation_config.json (or resize the embeddings and re-export the model)"
 
 
