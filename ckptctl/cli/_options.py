@@ -2,27 +2,47 @@
 
 from __future__ import annotations
 
+from enum import StrEnum
 from typing import Annotated, Optional
 
 import typer
 
+from ckptctl.format.dtypes import TARGETS
+from ckptctl.format.names import PRESETS
 from ckptctl.sources.kinds import SHAPES, only_help
+from ckptctl.write.options import NAMES_CHOICES, ONLY_CHOICES
+
+
+def choices(name: str, values: tuple[str, ...] | list[str]) -> type[StrEnum]:
+    """A choice type for Typer from one list of values (shown in help, completed by every shell,
+    refused with the house usage error otherwise). A ``StrEnum``: each value is its own string."""
+    return StrEnum(name, {v: v for v in values})  # type: ignore[return-value]
+
+
+# Each from its one list: the dtypes --dtype converts to (format/dtypes.py), the source kinds of the
+# registry and the layout's shapes (write/options.py ONLY_CHOICES), the name sets, gc-tmp's presets.
+Dtype = choices("Dtype", ("keep", *TARGETS))
+Only = choices("Only", ONLY_CHOICES)
+NameSet = choices("NameSet", NAMES_CHOICES)
+Preset = choices("Preset", tuple(PRESETS))
 
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print exactly one JSON document on stdout.")]
-QuietOpt = Annotated[int, typer.Option("--quiet", "-q", count=True, help="Less output on stderr (no progress).")]
-VerboseOpt = Annotated[int, typer.Option("--verbose", "-v", count=True, help="More output on stderr.")]
+QuietOpt = Annotated[int, typer.Option("--quiet", "-q", count=True, show_default=False,
+                                       help="Nothing on stderr but errors (no progress, no summaries); the result stays on stdout.")]
+VerboseOpt = Annotated[int, typer.Option("--verbose", "-v", count=True, show_default=False,
+                                         help="More output on stderr (and verify's findings as tables).")]
 KeyOpt = Annotated[Optional[str], typer.Option(
-    "--key", help="For training checkpoints: the key that holds the state dict (e.g. model, state_dict).")]
+    "--key", metavar="KEY", help="For training checkpoints: the key that holds the state dict (e.g. model, state_dict).")]
 DryRunOpt = Annotated[bool, typer.Option("--dry-run", help="Show the plan and change nothing.")]
 # --only: every source kind (sources/kinds.py), in probe order, then the layout's shapes.
 ONLY_HELP = only_help(*SHAPES)
 
 
-# Validated by the core (a UsageError inside Output.guard), so --json still gets its document.
-DtypeOpt = Annotated[str, typer.Option("--dtype",
-                                       help="keep, bf16, fp16 or fp32 (floating tensors only; config.json follows).")]
+OnlyOpt = Annotated[Optional[Only], typer.Option("--only", help=ONLY_HELP, show_default=False)]
+DtypeOpt = Annotated[Dtype, typer.Option("--dtype",
+                                         help="Store floating tensors as this dtype (config.json follows).")]
 ManifestOpt = Annotated[bool, typer.Option("--manifest", help="Write ckptctl.manifest.json (every file's size and sha256).")]
-LabelOpt = Annotated[Optional[str], typer.Option("--label", help="A label recorded in the manifest, e.g. the training step.")]
+LabelOpt = Annotated[Optional[str], typer.Option("--label", metavar="TEXT", help="A label recorded in the manifest, e.g. the training step.")]
 NoFsyncOpt = Annotated[bool, typer.Option("--no-fsync", help="Skip fsync (scratch output only: not crash-safe).")]
 TimeoutOpt = Annotated[float, typer.Option(
     "--timeout", metavar="SECONDS",

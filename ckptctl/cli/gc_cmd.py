@@ -6,12 +6,11 @@ from typing import Annotated, List, Optional
 
 import typer
 
-from ckptctl.cli._options import DryRunOpt, JsonOpt, QuietOpt, VerboseOpt
+from ckptctl.cli._options import DryRunOpt, JsonOpt, Preset, QuietOpt, VerboseOpt
 from ckptctl.cli._output import Output, human_size
 from ckptctl.errors import EXIT_FINDINGS, EXIT_OPERATIONAL, Interrupted, UsageError
-from ckptctl.format.names import PRESETS
 
-_PRESETS_HELP = f"{', '.join(PRESETS)} (see docs/GC_TMP.md); repeatable"
+_PRESETS_HELP = "see docs/GC_TMP.md; repeatable"
 
 
 def gc_tmp(
@@ -20,7 +19,7 @@ def gc_tmp(
     min_age: Annotated[str, typer.Option("--min-age", metavar="AGE", help="Nothing modified more recently than this is removed, even a dead writer's staging.")] = "60s",
     max_depth: Annotated[int, typer.Option("--max-depth", metavar="N", help="How deep below each root to look (1 = the root's own entries).")] = 4,
     pattern: Annotated[Optional[List[str]], typer.Option("--pattern", metavar="GLOB", help="Also remove entries whose name matches this glob, judged by age only; repeatable.")] = None,
-    preset: Annotated[Optional[List[str]], typer.Option("--preset", metavar="NAME", help=f"Also remove what another tool leaks, judged by age only: {_PRESETS_HELP}.")] = None,
+    preset: Annotated[Optional[List[Preset]], typer.Option("--preset", help=f"Also remove what another tool leaks, judged by age only: {_PRESETS_HELP}.")] = None,
     check: Annotated[bool, typer.Option("--check", help="Remove nothing; exit 1 when anything leaked (for monitoring).")] = False,
     dry_run: DryRunOpt = False,
     json_: JsonOpt = False,
@@ -36,7 +35,7 @@ def gc_tmp(
 
         opts = gc.GcOptions(older_than=_duration(parse_duration, "--older-than", older_than),
                             min_age=_duration(parse_duration, "--min-age", min_age),
-                            max_depth=max_depth, presets=tuple(preset or ()), patterns=tuple(pattern or ()),
+                            max_depth=max_depth, presets=tuple(p.value for p in preset or ()), patterns=tuple(pattern or ()),
                             dry_run=dry_run or check)
         try:
             result = gc.run(roots, opts, progress=out.debug)

@@ -7,15 +7,15 @@ from typing import Annotated, Any, Optional
 
 import typer
 
-from ckptctl.cli._options import ONLY_HELP, JsonOpt, KeyOpt, QuietOpt, VerboseOpt
+from ckptctl.cli._options import JsonOpt, KeyOpt, OnlyOpt, QuietOpt, VerboseOpt
 from ckptctl.cli._output import JsonRows, Output, human_size
 
 
 def inspect(
     path: Annotated[str, typer.Argument(metavar="PATH", help="Checkpoint directory, weights file, or repo id in the local HF cache.")],
     tensors: Annotated[bool, typer.Option("--tensors", help="List every tensor.")] = False,
-    filter_: Annotated[Optional[str], typer.Option("--filter", help="Only tensors whose name matches this glob.")] = None,
-    only: Annotated[Optional[str], typer.Option("--only", help=ONLY_HELP)] = None,
+    filter_: Annotated[Optional[str], typer.Option("--filter", metavar="GLOB", help="Only tensors whose name matches this glob.")] = None,
+    only: OnlyOpt = None,
     key: KeyOpt = None,
     json_: JsonOpt = False,
     quiet: QuietOpt = 0,
@@ -28,12 +28,7 @@ def inspect(
         from ckptctl.gcpause import paused
         from ckptctl.inspect import inspect_path
         from ckptctl.resolve import resolve
-
-        from ckptctl.write.options import ONLY_CHOICES
-
-        if only is not None and only not in ONLY_CHOICES:
-            raise UsageError(f"--only must be one of {', '.join(ONLY_CHOICES)}, not {only!r}",
-                             f"drop --only to see which kind `ckptctl inspect {path}` reads")
+        only = only.value if only is not None else None  # a choice Typer checked (its house usage error)
 
         if key is not None:
             from ckptctl.write.options import check_key
