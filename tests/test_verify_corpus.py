@@ -117,6 +117,9 @@ ASSERTED_ELSEWHERE = {
     "megatron.not_mapped": ("test_source_kinds.py",
                             "test_verify_of_a_megatron_checkpoint_no_mapping_covers_passes_with_a_note"),
     "megatron.damaged": ("test_source_kinds.py", "test_verify_of_a_damaged_megatron_checkpoint_fails_naming_it"),
+    "megatron.args_disagree": ("test_megatron_verify.py",
+                               "test_arguments_contradicting_a_tensor_fail_verify_naming_the_argument"),
+    "megatron.vocab_padded": ("test_megatron_verify.py", "test_a_sound_checkpoint_verifies_and_inspect_shows_its_layout"),
     "deep.zip_crc_mismatch": ("test_verify_deep.py", "test_deep_checks_the_crc32_of_every_record_of_a_bin"),
     # root reads every file it can stat, so the one real read error is /proc/self/mem given as a
     # file (inside a directory it is a link that leaves the checkpoint); exit 3, not 1
