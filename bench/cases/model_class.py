@@ -12,8 +12,13 @@ and build the class on the meta device, against the import alone and against ``v
 * ``llama70b``: Llama-3-70B's config (80 layers, 8192 hidden, 128,256 vocab); its 723 header
   entries are made from the config (no 140 GB file), and the check is called as verify calls it.
 
+* ``10 small``: ten hard-linked copies of a 4 MB Llama (``Spec(4 MB, single)``) verified in one
+  call, against one of them alone: the class check runs in the box's child process (issue 44),
+  one per verify run, so the ten pay the library import once (the difference is ten builds of a
+  tiny class).
+
 Target: the class check's cost over ``--static`` at most the library import time + 2 s, and peak
-RSS under 1 GiB. The import is what ``from_pretrained`` of these models imports (``import
+RSS under 1 GiB (the peak of verify and of the box's child, which verify waits for). The import is what ``from_pretrained`` of these models imports (``import
 transformers`` alone is lazy: its modeling code, which brings torch's compiler modules, is most of
 the cost).
 """
@@ -25,12 +30,14 @@ import sys
 from functools import partial
 
 from bench.cases.resave import linked_copy
-from bench.gen import WORK, MoeSpec, ensure
+from bench.gen import WORK, MoeSpec, Spec, ensure
 from bench.harness import CKPTCTL, Case, Command
 
 SPEC = MoeSpec()
 SRC = WORK / SPEC.name()  # the generated checkpoint (ensure), its fp8 quantization_config kept
 MOE = WORK / "out" / "moe-class"
+SMALL = Spec(size=4 * 10**6, single=True)
+TEN = [WORK / "out" / "class-ten" / str(i) for i in range(10)]  # linked copies of SMALL
 LLAMA_70B = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 8192,
              "intermediate_size": 28672, "num_hidden_layers": 80, "num_attention_heads": 64,
              "num_key_value_heads": 8, "vocab_size": 128256, "max_position_embeddings": 131072,
@@ -61,6 +68,10 @@ LLAMA_CHECK = (
 
 
 def _prepare() -> None:
+    small = ensure(SMALL)
+    for d in TEN:
+        if not (d / "config.json").is_file():
+            linked_copy(small, d)
     src = ensure(SPEC)
     if not (MOE / "config.json").is_file() or "quantization_config" in json.loads((MOE / "config.json").read_text()):
         linked_copy(src, MOE)
@@ -85,7 +96,10 @@ def _cases() -> list[Case]:
               Command("verify --static (moe)", _accept_findings([*CKPTCTL, "verify", str(MOE), "-q", "--static"])),
               Command("verify, class check (moe)", _accept_findings([*CKPTCTL, "verify", str(MOE), "-q"])),
               Command("verify, class check (moe, fp8 config)", _accept_findings([*CKPTCTL, "verify", str(SRC), "-q"])),
-              Command("class check (llama-70b)", [sys.executable, "-c", LLAMA_CHECK, json.dumps(LLAMA_70B)])],
+              Command("class check (llama-70b)", [sys.executable, "-c", LLAMA_CHECK, json.dumps(LLAMA_70B)]),
+              Command("verify, class check (1 small)", _accept_findings([*CKPTCTL, "verify", str(TEN[0]), "-q"])),
+              Command("verify, class check (10 small, one call)",
+                      _accept_findings([*CKPTCTL, "verify", *map(str, TEN), "-q"]))],
              prepare=partial(_prepare)),
     ]
 
