@@ -386,6 +386,9 @@ def check_writable(parent: Path) -> None:
     if st.f_flag & os.ST_RDONLY:
         raise OperationalError(f"{parent} is on a read-only filesystem",
                                "write to a writable location or remount the filesystem read-write", phase="plan")
+    if st.f_blocks == 0:  # /proc, /sys: a kernel's view, no storage (statvfs says 0 blocks, not 0 free)
+        raise OperationalError(f"{parent} is not a real filesystem (no storage: /proc, /sys and the like)",
+                               "write to a directory on a disk; nothing was written", phase="plan")
 
 
 def free_space(path: Path) -> int:
