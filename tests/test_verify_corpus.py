@@ -112,6 +112,7 @@ def _returned_code(fn: object) -> str:
 ASSERTED_ELSEWHERE = {
     "zero.checkpoint": ("test_zero_inspect.py", "test_verify_reports_the_zero_checkpoint_and_passes"),
     "config.class_refused": ("test_verify_quantized.py", "test_a_weight_block_size_transformers_refuses"),
+    "config.st_activation": ("test_verify_class_box.py", "test_the_issues_hostile_configs_through_the_cli"),
     "zero.damaged": ("test_zero_hostile.py", "test_broken_zero_checkpoint_is_refused_and_nothing_is_published"),
     "megatron.checkpoint": ("test_source_kinds.py", "test_export_inspect_and_verify_choose_megatron_for_each_megatron_fixture"),
     "megatron.not_mapped": ("test_source_kinds.py",
