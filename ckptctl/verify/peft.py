@@ -291,6 +291,13 @@ def check_adapter(display: str, acfg: Any, tensors: Tensors, *,
                 "ignores them", "list the module in modules_to_save, or drop the keys", tensor=unexpected[0],
                 keys=unexpected[:50])
 
+    by_parameter = _parameter_targeted(acfg, modules)
+    if by_parameter:  # peft's ParamWrapper: rows r x experts, nested base_layer names, no .weight in the base
+        ctx.add("adapter.not_checked", INFO,
+                f"{display}: {len(by_parameter)} LoRA modules target parameters (target_parameters: "
+                f"{_first_of(acfg.get('target_parameters'))}): only generic checks ran on them",
+                None, modules=sorted(by_parameter)[:50])
+        modules = {m: info for m, info in modules.items() if m not in by_parameter}
     untargeted = [mod for mod in modules if not peft_target_match(acfg, mod)]
     if untargeted:
         first = untargeted[0]
@@ -303,6 +310,29 @@ def check_adapter(display: str, acfg: Any, tensors: Tensors, *,
     if base is not None:
         _check_against_base(ctx, acfg, modules, base, base_label or "base model")
     return ctx.findings
+
+
+def _first_of(value: Any) -> str:
+    items = value if isinstance(value, list) else [value]
+    return ", ".join(repr(x) for x in items[:3]) + (" ..." if len(items) > 3 else "")
+
+
+def _parameter_targeted(acfg: dict[str, Any], modules: dict[str, "_Module"]) -> set[str]:
+    """The LoRA modules peft made for ``target_parameters`` (a LoRA on a parameter, such as an MoE
+    expert tensor, not on a module): the module of an entry (the entry without its parameter
+    name) ends the module's name once peft's nested ``.base_layer`` wrappers are taken off."""
+    targets = acfg.get("target_parameters")
+    if not isinstance(targets, list):
+        return set()
+    owners = {t.rsplit(".", 1)[0] for t in targets if isinstance(t, str) and "." in t}
+    out = set()
+    for mod in modules:
+        plain = mod
+        while plain.endswith(".base_layer"):
+            plain = plain[: -len(".base_layer")]
+        if any(_valid_match(plain, o) for o in owners):
+            out.add(mod)
+    return out
 
 
 def _check_lora_shapes(ctx: PathFindings, acfg: dict[str, Any], modules: dict[str, _Module], r: int) -> None:
