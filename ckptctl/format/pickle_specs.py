@@ -55,6 +55,7 @@ def _flat(obj: dict[Any, Any]) -> PickleSpecs | None:
             return None
         name = str(k)
         specs[name] = v.spec(name)
-        view = (v.storage.key, v.offset, v.shape, v.stride) if v.storage is not None else (name,)
+        tied = v.storage is not None and not v.storage.retyped  # a re-typed storage's view is no tie
+        view = (v.storage.key, v.offset, v.shape, v.stride) if tied else (name,)
         by_view.setdefault(view, []).append(name)
     return PickleSpecs(specs, [sorted(g) for g in by_view.values()])

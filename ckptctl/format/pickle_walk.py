@@ -54,7 +54,8 @@ _COST = {"EMPTY_SET": 216, "EMPTY_DICT": 64, "EMPTY_LIST": 56, "FROZENSET": 216,
          "BYTEARRAY8": 80, "BINBYTES": 40, "SHORT_BINBYTES": 40, "BINBYTES8": 40, "STRING": 80,
          "BINSTRING": 80, "SHORT_BINSTRING": 80, "UNICODE": 80, "SHORT_BINUNICODE": 80, "BINUNICODE8": 80,
          "TUPLE": 40, "TUPLE1": 48, "TUPLE2": 56, "TUPLE3": 64, "EXT1": 64, "EXT2": 64, "EXT4": 64}
-_SLOT, _ENTRY, _CALL, _ARG = 8, 64, 256, 40  # a stack slot; a dict or set entry; a call's result; an object among its arguments
+# a stack slot; a dict or set entry; a call's result; an object among a call's arguments
+_SLOT, _ENTRY, _CALL, _ARG = 8, 64, 256, 40
 _EMPTY = {0x8F: _SLOT + _COST["EMPTY_SET"], 0x7D: _SLOT + _COST["EMPTY_DICT"], 0x5D: _SLOT + _COST["EMPTY_LIST"]}
 _PUT = 96  # a new memo entry: the C unpickler's slot and this walk's own dict entry
 _FRESH = (1, 1)  # an empty container, not yet filled (a list cell of its own once it is filled or memoised)

@@ -21,7 +21,7 @@ from __future__ import annotations
 import io
 import pickle
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from ckptctl.format import dtypes as dt
@@ -71,6 +71,9 @@ class StorageRef:
     location: str
     type_name: str = ""  # the torch storage class named (``FloatStorage``, ``UntypedStorage``)
     exact: bool = True  # False when a field had to be coerced (a damaged or crafted pickle)
+    # the first storage of its key, named again with another type or size (torch.save never
+    # writes that): torch.load gives the first, so does this record, but its views are no tie
+    retyped: bool = False
 
 
 @dataclass
@@ -279,7 +282,10 @@ class ScanUnpickler(pickle.Unpickler):
             exact = (len(pid) == 5 and isinstance(stype, _StorageType) and isinstance(pid[2], str)
                      and type(pid[4]) is int and pid[4] >= 0)
             if exact and pid[2] in self._storages:
-                return self._storages[pid[2]]
+                first = self._storages[pid[2]]
+                if (first.type_name, first.numel) != (stype.type_name, numel):
+                    return replace(first, retyped=True)
+                return first
             ref = StorageRef(str(pid[2]), dtype, numel, str(pid[3]),
                              stype.type_name if isinstance(stype, _StorageType) else "", exact)
             if exact:

@@ -28,8 +28,16 @@ Refused whoever reads the file (InputError, exit 2): an archive whose ``byteorde
 anything but ``little`` (``big``: its bytes are big-endian; anything else torch refuses itself,
 "Unknown endianness type"), and a state dict with two keys of one name (``1`` and ``"1"``: both
 would be tensor ``"1"``, and one would be lost). A storage named again by a later tensor with
-another storage type is the first one's, as ``torch.load`` builds it
-(:class:`ckptctl.format.torch_pickle.ScanUnpickler`).
+another storage type (or size) is the first one's, as ``torch.load`` builds it
+(:class:`ckptctl.format.torch_pickle.ScanUnpickler`); ``torch.save`` never writes that, so the
+later tensor's view is its own tensor even where it equals an earlier one's (it is exported as
+``torch.load`` gives it, under its name, not dropped as a tie).
+
+The archive is the directory of its first record, as torch's reader takes it
+(``PyTorchStreamReader``), and every record must lie in it (torch refuses the file otherwise,
+"file in archive is not in a subdirectory", and so does this reader): ``data.pkl``, ``version``
+and ``byteorder`` are read there only; a ``byteorder`` record deeper down is not torch's and is
+not read.
 """
 
 from __future__ import annotations
@@ -77,31 +85,41 @@ class _Damaged(Exception):
 def read_archive_pickle(fd: int, shown: str, limit: int, hint: str) -> tuple[bytes, dict[str, Member], str]:
     """The ``data.pkl`` bytes of the ``torch.save`` zip archive open at ``fd`` (stored, at most
     ``limit`` bytes), its members, and its record prefix (``archive/``). ``shown`` names the file
-    in errors: InputError with ``hint`` for anything that is not such an archive; OSError as it
-    comes (the caller names the read)."""
+    in errors: InputError with ``hint`` for anything that is not such an archive (or one of
+    another byte order); OSError as it comes (the caller names the read)."""
     with os.fdopen(fd, "rb", closefd=False) as f:
         if f.read(4) != b"PK\x03\x04":
             raise InputError(f"{shown} is not a torch.save zip archive (truncated or damaged)", hint)
         try:
-            members, _little = archive_members(f)
+            members, little, prefix = archive_members(f)
         except _Damaged as exc:
             raise InputError(f"{shown} is truncated or damaged ({str(exc)[:120]})", hint) from None
-        pkls = [n for n in members if n.split("/")[1:] == ["data.pkl"]]
-        if len(pkls) != 1 or not members[pkls[0]].stored or members[pkls[0]].size > limit:
+        if not little:
+            _refuse_byte_order(f, shown, prefix)
+        pkl = members.get(f"{prefix}data.pkl")
+        if not prefix or pkl is None or not pkl.stored or pkl.size > limit:
             raise InputError(f"{shown} has no readable data.pkl", hint)
-        f.seek(members[pkls[0]].offset)
-        return f.read(members[pkls[0]].size), members, pkls[0][:-len("data.pkl")]
+        f.seek(pkl.offset)
+        return f.read(pkl.size), members, prefix
 
 
-def archive_members(f: Any) -> tuple[dict[str, Member], bool]:
+def archive_members(f: Any) -> tuple[dict[str, Member], bool, str]:
     """The members of the zip archive in the seekable binary file ``f`` (name -> data offset,
-    size, stored) and whether it is little-endian (``byteorder`` absent or ``little``). Raises
-    ``_Damaged`` on a broken archive and OSError on I/O errors."""
+    size, stored), whether it is little-endian (its ``byteorder`` record absent or ``little``),
+    and its prefix: the directory of the first record, with its slash, as torch's reader takes
+    it. Raises ``_Damaged`` on a broken archive, and on one with a record outside that directory
+    (torch refuses it too), and OSError on I/O errors."""
     try:
         size = f.seek(0, os.SEEK_END)
         with zipfile.ZipFile(f) as z:
             infos = z.infolist()
             little = True
+            first = infos[0].filename if infos else ""
+            prefix = first[:first.index("/") + 1] if "/" in first else ""
+            stray = next((i.filename for i in infos if not prefix or not i.filename.startswith(prefix)), None)
+            if stray is not None:  # torch's reader refuses the file ("not in a subdirectory")
+                raise _Damaged(f"record {stray} is outside the archive's directory {prefix or '(none)'}, "
+                               "which torch.load refuses")
             out: dict[str, Member] = {}
             for info in infos:
                 f.seek(info.header_offset)
@@ -116,11 +134,11 @@ def archive_members(f: Any) -> tuple[dict[str, Member], bool]:
                 if info.filename in out:
                     raise _Damaged(f"member {info.filename} is stored twice")
                 out[info.filename] = Member(start, info.file_size, stored)
-                if info.filename.split("/")[1:] == ["byteorder"]:  # exactly "little" (torch's test)
+                if prefix and info.filename == f"{prefix}byteorder":  # exactly "little" (torch's test)
                     little = info.file_size < 64 and z.read(info) == b"little"
     except (zipfile.BadZipFile, zipfile.LargeZipFile, EOFError, ValueError, struct.error) as exc:
         raise _Damaged(str(exc) or type(exc).__name__) from None
-    return out, little
+    return out, little, prefix
 
 
 def _kind(obj: Any) -> str:
@@ -181,23 +199,21 @@ def _load(f: Any, path: Any, max_pickle: int) -> tuple[dict[str, Member], str, A
     if f.read(4) != b"PK\x03\x04":
         return None  # legacy (pre-1.6) format or not torch: torch.load says which
     try:
-        members, little = archive_members(f)
+        members, little, prefix = archive_members(f)
     except _Damaged as exc:
         raise InputError(f"{path}: not a readable torch checkpoint (damaged zip archive: {str(exc)[:160]})",
                          _COMPLETE) from None
     if not little:
-        _refuse_byte_order(f, path, members)
-    pkls = [n for n in members if n.split("/")[1:] == ["data.pkl"]]
-    if len(pkls) != 1 or not members[pkls[0]].stored or members[pkls[0]].size > max_pickle:
-        return None
-    prefix = pkls[0][:-len("data.pkl")]
+        _refuse_byte_order(f, path, prefix)
+    pkl = members.get(f"{prefix}data.pkl")
+    if not prefix or pkl is None or not pkl.stored or pkl.size > max_pickle:
+        return None  # torch's reader finds no data.pkl where it looks (or a record we cannot map): it says
     version = members.get(f"{prefix}version") or members.get(f"{prefix}.data/version")
     if version is None:  # torch's reader refuses such an archive
         raise InputError(f"{path}: not a readable torch checkpoint (the zip archive has no version record)", _COMPLETE)
     f.seek(version.offset)
     if not version.stored or version.size > 16 or not f.read(version.size).strip().isdigit():
         return None
-    pkl = members[pkls[0]]
     f.seek(pkl.offset)
     raw = f.read(pkl.size)
     objs, unsafe, err = load_pickles(raw)
@@ -242,9 +258,9 @@ def read_archive(path: Path, key: str | None) -> dict[str, ArchiveTensor] | None
     return out
 
 
-def _refuse_byte_order(f: Any, path: Any, members: dict[str, Member]) -> None:
-    """Refuse the archive in ``f``, whose ``byteorder`` record is not ``little``."""
-    name = next(n for n in members if n.split("/")[1:] == ["byteorder"])
+def _refuse_byte_order(f: Any, path: Any, prefix: str) -> None:
+    """Refuse the archive in ``f``, whose ``byteorder`` record (in ``prefix``) is not ``little``."""
+    name = f"{prefix}byteorder"
     f.seek(0)
     with zipfile.ZipFile(f) as z:
         order = z.read(name)[:32].decode("latin-1")
@@ -302,6 +318,7 @@ def _record(path: Path, name: str, ref: TensorRef | Inert, members: dict[str, Me
         if n != 1 and s != expect:
             contiguous = False
         expect *= n
-    ident: tuple[Any, ...] = (st.key, ref.offset, shape, stride, d.name) if numel else (name,)
+    # a view of a re-typed storage (see the module docstring) is its own tensor, never a tie
+    ident: tuple[Any, ...] = (st.key, ref.offset, shape, stride, d.name) if numel and not st.retyped else (name,)
     offset = rec.offset + ref.offset * itemsize if contiguous and numel else None
     return ArchiveTensor(name, d.name, shape, ident, offset)

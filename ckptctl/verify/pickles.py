@@ -146,7 +146,7 @@ def _collect(obj: Any, display: str, res: PickleScan, add: Callable[..., None], 
                 _check_storage(str(k), v, display, add, records, prefix)
     groups: dict[tuple[Any, ...], list[str]] = {}
     for k, v in obj.items():
-        if isinstance(v, TensorRef) and v.storage is not None:
+        if isinstance(v, TensorRef) and v.storage is not None and not v.storage.retyped:  # re-typed: no tie
             groups.setdefault((v.storage.key, v.offset, v.shape, v.stride), []).append(str(k))
     for names in groups.values():
         if len(names) > 1:  # tied weights pickled twice: keep the embedding, as transformers does
