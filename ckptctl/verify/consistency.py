@@ -6,7 +6,8 @@ library reads silently, or whose disagreement with the weights no loader notices
 - files: a Trainer checkpoint folder without the model, ZeRO-3's 0-element placeholders, torch's
   DCP-HF ``sharded/`` folder left inside a Hugging Face root, the headers of a model's native
   weights (:mod:`.consistency_files`);
-- a sentence-transformers root's module dimensions (:mod:`.consistency_st`);
+- a sentence-transformers root's module dimensions (:mod:`.consistency_st`), a diffusers
+  pipeline's components against each other (:mod:`.consistency_pipeline`);
 - with ``--deep``, the bytes of a pickle family that holds the same tensors as the safetensors
   family beside it (:mod:`.consistency_twins`).
 """
@@ -14,6 +15,7 @@ library reads silently, or whose disagreement with the weights no loader notices
 from __future__ import annotations
 
 from ckptctl.verify import consistency_files as F
+from ckptctl.verify.consistency_pipeline import pipeline_components
 from ckptctl.verify.consistency_st import st_dimensions
 from ckptctl.verify.consistency_tokens import generation_config, tokenizer_added, vocab_size
 from ckptctl.verify.context import Context
@@ -32,6 +34,7 @@ def consistency_step(ctx: Context) -> str | None:
     generation_config(ctx, vocab)
     tokenizer_added(ctx, vocab)
     st_dimensions(ctx)
+    pipeline_components(ctx)
     if ctx.options.deep and any(f.twin_of for f in ctx.layout.families):
         from ckptctl.verify.consistency_twins import compare_twins
 
