@@ -139,7 +139,7 @@ def test_key_and_conflicting_options_are_usage_errors(megatron_ckpts, tmp_path):
     r = invoke("export", src, tmp_path / "b", "--names", "megatron", "--only", "safetensors")
     assert r.exit_code == 2 and "--names megatron reads a Megatron checkpoint" in r.stderr
     r = invoke("export", src, tmp_path / "c", "--names", "nemo")
-    assert r.exit_code == 2 and "unknown --names 'nemo'" in r.stderr
+    assert r.exit_code == 2 and "'nemo' is not one of 'hf', 'megatron'" in r.stderr  # a typed choice
     (tmp_path / "plain").mkdir()
     r = invoke("export", tmp_path / "plain", tmp_path / "d", "--only", "megatron")
     assert r.exit_code == 2 and "is not a Megatron-core torch_dist checkpoint" in r.stderr

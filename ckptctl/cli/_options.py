@@ -19,6 +19,11 @@ def choices(name: str, values: tuple[str, ...] | list[str]) -> type[StrEnum]:
     return StrEnum(name, {v: v for v in values})  # type: ignore[return-value]
 
 
+def plain(value: Optional[str]) -> Optional[str]:
+    """A choice as the plain string the core takes (None stays None)."""
+    return None if value is None else str(value)
+
+
 # Each from its one list: the dtypes --dtype converts to (format/dtypes.py), the source kinds of the
 # registry and the layout's shapes (write/options.py ONLY_CHOICES), the name sets, gc-tmp's presets.
 Dtype = choices("Dtype", ("keep", *TARGETS))

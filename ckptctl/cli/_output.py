@@ -77,6 +77,17 @@ def plural(n: int, word: str, many: str | None = None) -> str:
     return f"{n:,} {word if n == 1 else (many or word + 's')}"
 
 
+NAMES_SHOWN = 8  # names listed on one summary line; --json has them all
+
+
+def names_line(what: str, names: Sequence[str]) -> str:
+    """``removed from the old version: a, b, c`` for a few names, the first ``NAMES_SHOWN`` and a
+    count for many (1,000 removed shards are one short line, not 35 kB)."""
+    shown = ", ".join(names[:NAMES_SHOWN])
+    more = len(names) - NAMES_SHOWN
+    return f"{what}: {shown}" + (f" and {more:,} more (--json lists them all)" if more > 0 else "")
+
+
 _PIPE_WIDTH = 100_000
 _ROWS_AT_ONCE = 4096
 # what json's encoder (ensure_ascii=False) escapes in a string: a name without any is its own text

@@ -10,24 +10,24 @@ from typing import Annotated, Iterator, Optional
 
 import typer
 
-from ckptctl.cli._options import (ONLY_HELP, DryRunOpt, DtypeOpt, JsonOpt, KeyOpt, LabelOpt, ManifestOpt, NoFsyncOpt,
-                                  QuietOpt, TimeoutOpt, VerboseOpt)
-from ckptctl.cli._output import Output, ProgressReporter, human_size
+from ckptctl.cli._options import (DryRunOpt, DtypeOpt, JsonOpt, KeyOpt, LabelOpt, ManifestOpt, NameSet, NoFsyncOpt,
+                                  OnlyOpt, QuietOpt, TimeoutOpt, VerboseOpt, plain)
+from ckptctl.cli._output import Output, ProgressReporter, human_size, names_line
 from ckptctl.cli.follow_cmd import (ExitWhenIdleOpt, FollowOpt, FromOpt, KeepBestOpt, KeepEveryOpt, KeepLastOpt,
                                     OnceOpt, OnPublishOpt, PollOpt, PriorityOpt, QuietPeriodOpt, VerifyOpt)
 
 def export(
     src: Annotated[str, typer.Argument(metavar="SRC", help="Source: safetensors file/dir, .bin/.pt, PEFT adapter dir, DCP dir, DeepSpeed ZeRO or Megatron torch_dist checkpoint, or a cached repo id.")],
     dst: Annotated[str, typer.Argument(metavar="DST", help="Destination directory (published atomically).")],
-    max_shard_size: Annotated[str, typer.Option("--max-shard-size", help="Shard size limit: 5GB (decimal, as huggingface_hub) or 2GiB.")] = "5GB",
+    max_shard_size: Annotated[str, typer.Option("--max-shard-size", metavar="SIZE", help="Shard size limit: 5GB (decimal, as huggingface_hub) or 2GiB.")] = "5GB",
     dtype: DtypeOpt = "keep",
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an existing destination atomically.")] = False,
     manifest: ManifestOpt = False,
     label: LabelOpt = None,
     key: KeyOpt = None,
-    only: Annotated[Optional[str], typer.Option("--only", help=ONLY_HELP)] = None,
-    names: Annotated[Optional[str], typer.Option("--names", help="Tensor names to write: hf (default; a Megatron checkpoint is mapped to its HF family) or megatron (Megatron's own, unmapped).")] = None,
-    vocab_size: Annotated[Optional[int], typer.Option("--vocab-size", help="Megatron: keep the first N rows of the embedding and output layer (when the arguments do not give the tokenizer's size).")] = None,
+    only: OnlyOpt = None,
+    names: Annotated[Optional[NameSet], typer.Option("--names", show_default=False, help="Tensor names to write: hf (default; a Megatron checkpoint is mapped to its HF family) or megatron (Megatron's own, unmapped).")] = None,
+    vocab_size: Annotated[Optional[int], typer.Option("--vocab-size", metavar="N", help="Megatron: keep the first N rows of the embedding and output layer (when the arguments do not give the tokenizer's size).")] = None,
     config: Annotated[Optional[str], typer.Option("--config", metavar="CONFIG_JSON", help="Megatron: the model's Hugging Face config.json, for a checkpoint without its arguments (checked against the tensors, published as given).")] = None,
     no_mtp: Annotated[bool, typer.Option("--no-mtp", help="Megatron: leave the multi-token-prediction (MTP) layers out on purpose.")] = False,
     no_fsync: NoFsyncOpt = False,
@@ -50,6 +50,7 @@ def export(
     priority: PriorityOpt = "low",
 ) -> None:
     """Write a checkpoint as HF safetensors shards + index + config/tokenizer files, atomically."""
+    dtype, only, names = plain(dtype), plain(only), plain(names)
     if follow:  # SRC is a training job's output: every completed save (cli/follow_cmd.py, docs/FOLLOW.md)
         from ckptctl.cli.follow_cmd import run_follow
 
@@ -93,7 +94,7 @@ def _run(out, src, dst, max_shard_size, dtype, overwrite, manifest, label, key, 
         opts = ExportOptions(max_shard_size=max_shard_size, dtype=dtype, overwrite=overwrite, fsync=not no_fsync,
                              manifest=manifest, label=label, dry_run=dry_run, progress=reporter, names=names,
                              vocab_size=vocab_size, no_mtp=no_mtp, config=config,
-                             command=" ".join(["ckptctl", "export", src, dst]))
+                             command=None)  # the owner record takes this process's real command line
         where = resolve(src)
         if where.note:
             out.info(f"exporting {where.note}")
@@ -164,22 +165,26 @@ def render_result(out: Output, result) -> None:
     _file_rows(table, result)
     out.print(table)
     space = f" ({human_size(result.space_available)} free)" if result.space_available is not None else ""
-    lines = [f"{result.tensors:,} tensors, {result.parameters:,} parameters, "
-             f"{human_size(result.bytes_to_write)} to write{space}"]
+    size = f"{human_size(result.bytes_to_write)} to write{space}" if result.dry_run else \
+        f"{human_size(result.bytes_to_write)} written"
+    lines = [f"{result.tensors:,} tensors, {result.parameters:,} parameters, {size}"]
     if result.converted:
         lines.append(f"{result.converted:,} tensors converted")
     if result.aliases:
         lines.append("tied tensors stored once: " + ", ".join(f"{k} -> {v}" for k, v in sorted(result.aliases.items())))
     if result.removed:
-        lines.append(("would remove" if result.dry_run else "removed") + " from the old version: " + ", ".join(result.removed))
+        lines.append(names_line(("would remove" if result.dry_run else "removed") + " from the old version",
+                                result.removed))
     if result.carried:
-        lines.append(("would keep" if result.dry_run else "kept") + ": " + ", ".join(result.carried))
+        lines.append(names_line("would keep" if result.dry_run else "kept", result.carried))
     if result.recovered:
         lines.append("recovered an interrupted publish: " + "; ".join(result.recovered))
     if not result.dry_run:
-        lines.append(f"{human_size(result.bytes_cloned)} cloned (shared with the source), "
-                     f"{human_size(result.bytes_copied_by_kernel)} copied by the kernel, "
-                     f"{human_size(result.bytes_streamed)} streamed")
+        how = [f"{human_size(n)} {what}" for n, what in (
+            (result.bytes_cloned, "cloned (shared with the source)"),
+            (result.bytes_copied_by_kernel, "copied by the kernel"), (result.bytes_streamed, "streamed")) if n]
+        if how:  # only what happened: no "0 bytes cloned" where the filesystem cannot clone
+            lines.append(", ".join(how))
         lines.append(f"published by {result.publish} in {result.seconds:.2f}s")
     for line in lines:
         out.print(line)
@@ -207,12 +212,12 @@ def render_root(out: Output, result) -> None:
     lines = [f"{len(result.components)} components with weights, {result.tensors:,} tensors, "
              f"{result.parameters:,} parameters"]
     if result.copied:
-        lines.append(("would copy" if result.dry_run else "copied") + " from the root: " + ", ".join(result.copied))
+        lines.append(names_line(("would copy" if result.dry_run else "copied") + " from the root", result.copied))
     if result.removed:
-        lines.append(("would remove" if result.dry_run else "removed") + " from the old version: "
-                     + ", ".join(result.removed))
+        lines.append(names_line(("would remove" if result.dry_run else "removed") + " from the old version",
+                                result.removed))
     if result.kept:
-        lines.append(("would keep" if result.dry_run else "kept") + ": " + ", ".join(result.kept))
+        lines.append(names_line("would keep" if result.dry_run else "kept", result.kept))
     if result.recovered:
         lines.append("recovered an interrupted publish: " + "; ".join(result.recovered))
     if not result.dry_run:

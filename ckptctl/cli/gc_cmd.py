@@ -7,7 +7,7 @@ from typing import Annotated, List, Optional
 import typer
 
 from ckptctl.cli._options import DryRunOpt, JsonOpt, Preset, QuietOpt, VerboseOpt
-from ckptctl.cli._output import Output, human_size
+from ckptctl.cli._output import Output, human_size, plural
 from ckptctl.errors import EXIT_FINDINGS, EXIT_OPERATIONAL, Interrupted, UsageError
 
 _PRESETS_HELP = "see docs/GC_TMP.md; repeatable"
@@ -61,7 +61,7 @@ def gc_tmp(
             out.err.print("hint: fix the permissions (or run as the owner of those paths) and run gc-tmp again; "
                           "everything else was handled", style="cyan")
     elif check and result.leaked:
-        out.err.print(f"hint: {len(result.leaked)} leftover(s) found; run `ckptctl gc-tmp` without --check "
+        out.err.print(f"hint: {plural(len(result.leaked), 'leftover')} found; run `ckptctl gc-tmp` without --check "
                       "(same options) to remove them", style="cyan")
     if code:
         raise typer.Exit(code)

@@ -44,10 +44,20 @@ def inspect(
             with paused():  # a tuple per row, none in a cycle: no collection needed while they stream
                 out.emit_json(doc, rows=JsonRows("tensors", *res.tensors.columns()))
             return
-        _render(out, res, show_tensors=tensors or bool(filter_))
+        _render(out, res, show_tensors=tensors or bool(filter_), filtered=bool(filter_))
 
 
-def _render(out: Output, res, *, show_tensors: bool) -> None:
+def config_value(value: Any) -> str:
+    """A config.json value as its file shows it to people: a list as ``a, b``, text unquoted, the
+    rest as JSON (``true``, ``null``), never a Python repr."""
+    import json
+
+    if isinstance(value, list) and all(isinstance(v, str) for v in value):
+        return ", ".join(value)
+    return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False, default=str)
+
+
+def _render(out: Output, res, *, show_tensors: bool, filtered: bool = False) -> None:
     from rich.table import Table  # only when rendering: keeps `--help` from importing it
 
     summary = Table(show_header=False, box=None, pad_edge=False)
@@ -66,7 +76,7 @@ def _render(out: Output, res, *, show_tensors: bool) -> None:
     summary.add_row("parameters", f"{res.parameters:,}")
     summary.add_row("tensor bytes", f"{res.total_bytes:,} ({human_size(res.total_bytes)})")
     for key, value in res.config.items():
-        summary.add_row(key, str(value))
+        summary.add_row(key, config_value(value))
     out.print(summary)
 
     _render_state(out, res)
@@ -86,6 +96,8 @@ def _render(out: Output, res, *, show_tensors: bool) -> None:
     shard_rows = {s["name"]: s for s in res.shards()}
     for f in res.files:
         s = shard_rows.get(f["name"])
+        if filtered and s is not None and not s["tensors"]:
+            continue  # --filter: the shards that hold a matching tensor
         files.add_row(f["name"], f["role"], human_size(f["size"]) if f["size"] is not None else "?",
                       f"{s['tensors']:,}" if s else "", f"{s['parameters']:,}" if s else "")
     out.print(files)

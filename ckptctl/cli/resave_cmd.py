@@ -8,17 +8,17 @@ from typing import Annotated, Optional
 import typer
 
 from ckptctl.cli._options import (DryRunOpt, DtypeOpt, JsonOpt, LabelOpt, ManifestOpt, NoFsyncOpt, QuietOpt,
-                                  VerboseOpt)
-from ckptctl.cli._output import Output, ProgressReporter, plural
+                                  VerboseOpt, plain)
+from ckptctl.cli._output import Output, ProgressReporter, names_line, plural
 from ckptctl.cli.export_cmd import render_result, render_root
 
 def resave(
     directory: Annotated[str, typer.Argument(metavar="DIR", help="Checkpoint directory to rewrite in place.")],
-    output: Annotated[Optional[str], typer.Option("--output", "-o", help="Write the result here instead of replacing DIR.")] = None,
-    max_shard_size: Annotated[Optional[str], typer.Option("--max-shard-size", help="Re-shard: 5GB (decimal) or 2GiB.")] = None,
+    output: Annotated[Optional[str], typer.Option("--output", "-o", metavar="OUT", help="Write the result here instead of replacing DIR.")] = None,
+    max_shard_size: Annotated[Optional[str], typer.Option("--max-shard-size", metavar="SIZE", help="Re-shard: 5GB (decimal) or 2GiB.")] = None,
     dtype: DtypeOpt = "keep",
     repair: Annotated[bool, typer.Option("--repair", help="Fix what verify finds when the fix is certain.")] = False,
-    prefer: Annotated[Optional[str], typer.Option("--prefer", help="Which family to keep when two are complete: index, single, safetensors, pytorch, or a file of the family (e.g. model-00001-of-00002.safetensors), as the refusal lists them.")] = None,
+    prefer: Annotated[Optional[str], typer.Option("--prefer", metavar="FAMILY|FILE", help="Which family to keep when two are complete: index, single, safetensors, pytorch, or a file of the family (e.g. model-00001-of-00002.safetensors), as the refusal lists them.")] = None,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="With --output: replace an existing OUT.")] = False,
     static: Annotated[bool, typer.Option("--static", help="With --repair: verify with the static rules only, as `verify --static` (no model-class check: torch and transformers are not imported).")] = False,
     link: Annotated[bool, typer.Option("--link", help="With --output: hard-link unchanged shards instead of cloning or copying them (OUT then shares inodes with DIR).")] = False,
@@ -31,6 +31,7 @@ def resave(
     verbose: VerboseOpt = 0,
 ) -> None:
     """Re-shard, change dtype, or repair a checkpoint in place, atomically, copying nothing that did not change."""
+    dtype = plain(dtype)
     out = Output("resave", json_mode=json_, quiet=quiet + (1 if json_ else 0), verbose=verbose)
     with out.guard():
         from ckptctl.resave import ResaveResult
@@ -46,7 +47,7 @@ def resave(
         reporter = ProgressReporter(out)
         opts = ExportOptions(max_shard_size=max_shard_size, dtype=dtype, overwrite=overwrite, fsync=not no_fsync,
                              manifest=manifest, label=label, dry_run=dry_run, progress=reporter,
-                             command=" ".join(["ckptctl", "resave", directory]))
+                             command=None)  # the owner record takes this process's real command line
         try:
             result = run_resave(directory, opts, output=output, repair=repair, prefer=prefer, link=link,
                                 static=static)
@@ -73,7 +74,7 @@ def resave(
             out.print(("to fix: " if dry_run else "fixed: ") + fix)
         render_result(out, result.export)
         if result.export.linked:
-            out.print(("would link" if dry_run else "linked") + " unchanged: " + ", ".join(result.export.linked))
+            out.print(names_line("would link unchanged" if dry_run else "linked unchanged", result.export.linked))
 
 
 def _shards(directory: str) -> list[str]:

@@ -7,6 +7,7 @@ The directory name itself (``_tmp_<dest>.<stamp>-<rand>``) is a file-name rule a
 from __future__ import annotations
 
 import os
+import shlex
 import socket
 import sys
 import time
@@ -39,8 +40,21 @@ def owner_record(dest: Path, command: str | None = None) -> dict[str, Any]:
         "start_time": process_start_time(pid),
         "created": time.time(),
         "dest": dest.name,
-        "command": command if command is not None else " ".join(sys.argv),
+        "command": command if command is not None else command_line(),
     }
+
+
+def command_line(argv: list[str] | None = None) -> str:
+    """This process's command line as a shell would take it again (quoted by ``shlex``), the
+    program shown as ``ckptctl`` when it is ckptctl (the console script or ``python -m ckptctl``):
+    what gc-tmp and a human read in a leftover's owner record."""
+    argv = list(sys.argv if argv is None else argv)
+    if not argv:
+        return TOOL
+    program = argv[0].replace(os.sep, "/")
+    if os.path.basename(program) == TOOL or program.endswith(f"{TOOL}/__main__.py"):
+        return shlex.join([TOOL, *argv[1:]])
+    return shlex.join(argv)
 
 
 def _read_record(path: Path) -> dict[str, Any] | None:
