@@ -72,6 +72,20 @@ def test_a_torch_archive_of_twenty_million_empty_sets_is_refused_by_every_comman
     assert BUDGET in found["message"], found
 
 
+def test_a_compressed_data_pkl_is_walked_before_torch_inflates_it(tmp_path):
+    """A deflated data.pkl (the payload in 20 KB): the records cannot map it, so torch.load read it,
+    unbounded."""
+    src, out = tmp_path / "src", tmp_path / "out"
+    src.mkdir()
+    with zipfile.ZipFile(src / "pytorch_model.bin", "w", zipfile.ZIP_STORED) as z:
+        z.writestr("archive/data.pkl", _payload(), compress_type=zipfile.ZIP_DEFLATED)
+        z.writestr("archive/byteorder", "little")
+        z.writestr("archive/version", "3\n")
+    assert (src / "pytorch_model.bin").stat().st_size < 1 << 20
+    _refused(_run("export", src, out, "--no-fsync"))
+    assert not out.exists()
+
+
 @NEEDS_DEEPSPEED
 def test_a_zero_model_states_file_of_empty_sets_is_refused(zero_ckpts, tmp_path):
     folder, out = tmp_path / "global_step3", tmp_path / "out"

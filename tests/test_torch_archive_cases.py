@@ -139,3 +139,19 @@ def test_a_big_endian_zero_rank_file_is_refused(zero_ckpts, tmp_path):
     lines = r.stderr.strip().splitlines()
     assert r.returncode == 2 and len(lines) == 2 and "byte order is 'big'" in lines[0], r.stderr
     assert not out.exists()
+
+
+def test_a_sound_archive_with_a_compressed_data_pkl_still_exports_what_torch_loads(tmp_path):
+    """The records cannot map a deflated data.pkl: torch.load reads the file, after the walk
+    (``tests/test_pickle_budget.py``: the walk refuses a hostile one first)."""
+    src = tmp_path / "src"
+    src.mkdir()
+    p = src / "pytorch_model.bin"
+    torch.save({"a": torch.arange(6, dtype=torch.float32), "b": torch.ones(2, 3, dtype=torch.bfloat16)}, p)
+    old = zipfile.ZipFile(p)
+    records = [(i.filename, old.read(i)) for i in old.infolist()]
+    old.close()
+    with zipfile.ZipFile(p, "w", zipfile.ZIP_STORED) as z:
+        for name, data in records:
+            z.writestr(name, data, compress_type=zipfile.ZIP_DEFLATED if name.endswith("/data.pkl") else None)
+    _same_as_torch(src, tmp_path / "out")

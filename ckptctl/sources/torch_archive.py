@@ -53,6 +53,7 @@ from typing import Any, Mapping
 
 from ckptctl.errors import InputError, from_oserror
 from ckptctl.format import dtypes as dt
+from ckptctl.format.pickle_walk import check_pickles
 from ckptctl.format.torch_pickle import Inert, TensorRef, load_pickles
 from ckptctl.sources.base import FileId, changed
 
@@ -206,8 +207,11 @@ def _load(f: Any, path: Any, max_pickle: int) -> tuple[dict[str, Member], str, A
     if not little:
         _refuse_byte_order(f, path, prefix)
     pkl = members.get(f"{prefix}data.pkl")
-    if not prefix or pkl is None or not pkl.stored or pkl.size > max_pickle:
-        return None  # torch's reader finds no data.pkl where it looks (or a record we cannot map): it says
+    if not prefix or pkl is None or pkl.size > max_pickle:
+        return None  # torch's reader finds no data.pkl where it looks (or one too large to read here): it says
+    if not pkl.stored:  # torch inflates it: walked first, so torch never builds what the budget refuses
+        _check_compressed(f, path, f"{prefix}data.pkl")
+        return None
     version = members.get(f"{prefix}version") or members.get(f"{prefix}.data/version")
     if version is None:  # torch's reader refuses such an archive
         raise InputError(f"{path}: not a readable torch checkpoint (the zip archive has no version record)", _COMPLETE)
@@ -225,6 +229,20 @@ def _load(f: Any, path: Any, max_pickle: int) -> tuple[dict[str, Member], str, A
     if err or not objs:
         raise InputError(f"{path}: not a readable torch checkpoint (data.pkl: {err})", _COMPLETE)
     return members, prefix, objs[0]
+
+
+def _check_compressed(f: Any, path: Any, name: str) -> None:
+    """Walk the compressed ``data.pkl`` record ``name`` of the archive in ``f`` as every pickle
+    is walked (:func:`ckptctl.format.pickle_walk.check_pickles`). Raises InputError."""
+    f.seek(0)
+    try:
+        with zipfile.ZipFile(f) as z:
+            raw = z.read(name)
+    except (zipfile.BadZipFile, EOFError, ValueError, NotImplementedError, RuntimeError) as exc:
+        raise InputError(f"{path}: not a readable torch checkpoint ({name}: {str(exc)[:160]})", _COMPLETE) from None
+    _checked, err = check_pickles(raw)
+    if err:
+        raise InputError(f"{path}: not a readable torch checkpoint (data.pkl: {err})", _COMPLETE)
 
 
 def read_archive(path: Path, key: str | None) -> dict[str, ArchiveTensor] | None:
