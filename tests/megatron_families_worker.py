@@ -13,6 +13,8 @@ field names), then loaded at degree 1 by Megatron's own loader, whose forward on
 - ``qwen3_moe_ep2`` / ``qwen3_moe_grouped_ep2``: QK norms + 4 experts top-2 at EP2, sequential
   and grouped experts (``moe_grouped_gemm``); the grouped one records a HuggingFaceTokenizer
   (its size is not in the arguments).
+- ``qwen3_moe_dense_ep2``: 3 layers, the middle one dense (``moe_layer_freq=[1, 0, 1]``, HF's
+  ``mlp_only_layers=[1]``): per-layer keys.
 
 Shims (``/work/shared/reference/frameworks-on-cpu.md``): those of ``tests/megatron_worker.py``,
 and for grouped experts ``grouped_gemm.ops.gmm`` as a loop of matmuls, ``config.bf16`` set after
@@ -37,6 +39,9 @@ FIXTURES = {
                       tied=False, eps=1e-6, rotary_base=1000000.0, tokenizer="NullTokenizer"),
     "qwen3_moe_ep2": dict(tp=1, ep=2, layers=2, heads=4, groups=2, kv=16, ffn=96, experts=4, moe_ffn=32,
                           grouped=False, tied=False, eps=1e-6, rotary_base=1000000.0, tokenizer="NullTokenizer"),
+    "qwen3_moe_dense_ep2": dict(tp=1, ep=2, layers=3, heads=4, groups=2, kv=16, ffn=96, experts=4, moe_ffn=32,
+                                grouped=False, tied=False, eps=1e-6, rotary_base=1000000.0, tokenizer="NullTokenizer",
+                                freq=[1, 0, 1]),
     "qwen3_moe_grouped_ep2": dict(tp=1, ep=2, layers=2, heads=4, groups=2, kv=16, ffn=96, experts=4, moe_ffn=32,
                                   grouped=True, tied=True, eps=1e-6, rotary_base=1000000.0,
                                   tokenizer="HuggingFaceTokenizer"),
@@ -73,7 +78,7 @@ def _config(spec: dict, tp: int, ep: int):
         use_cpu_initialization=True, params_dtype=torch.float32, pipeline_dtype=torch.float32,
         tensor_model_parallel_size=tp, expert_model_parallel_size=ep, num_moe_experts=experts, moe_router_topk=2,
         moe_ffn_hidden_size=spec.get("moe_ffn"), moe_token_dispatcher_type="allgather", moe_aux_loss_coeff=0.0,
-        moe_grouped_gemm=spec["grouped"], bias_activation_fusion=False, masked_softmax_fusion=False,
+        moe_grouped_gemm=spec["grouped"], moe_layer_freq=spec.get("freq", 1), bias_activation_fusion=False, masked_softmax_fusion=False,
         apply_rope_fusion=False, gradient_accumulation_fusion=False, persist_layer_norm=False,
         bias_dropout_fusion=False, init_method_std=0.05)
 
@@ -82,9 +87,13 @@ def _model(spec: dict, tp: int, ep: int):
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
     cfg = _config(spec, tp, ep)
     layer = get_gpt_layer_local_spec(num_experts=spec["experts"], moe_grouped_gemm=spec["grouped"],
                                      qk_layernorm=True, normalization="RMSNorm")
+    if "freq" in spec:  # layers that differ: the block spec (saved with per-layer keys)
+        layer = get_gpt_decoder_block_spec(cfg, use_transformer_engine=False, normalization="RMSNorm")
     model = GPTModel(cfg, layer, vocab_size=PADDED, max_sequence_length=64, pre_process=True, post_process=True,
                      share_embeddings_and_output_weights=spec["tied"], position_embedding_type="rope",
                      rotary_base=int(spec["rotary_base"]), parallel_output=False)
@@ -107,7 +116,8 @@ def _args(spec: dict, tp: int, ep: int) -> argparse.Namespace:
         else None, padded_vocab_size=PADDED, make_vocab_size_divisible_by=64, tokenizer_type=spec["tokenizer"],
         num_experts=experts, moe_router_topk=2, moe_ffn_hidden_size=spec.get("moe_ffn"),
         moe_router_score_function="softmax", moe_router_pre_softmax=False, moe_shared_expert_intermediate_size=None,
-        moe_grouped_gemm=spec["grouped"], moe_layer_freq=1, moe_aux_loss_coeff=0.0, multi_latent_attention=False,
+        moe_grouped_gemm=spec["grouped"], moe_layer_freq=spec.get("freq", 1), moe_aux_loss_coeff=0.0,
+        multi_latent_attention=False,
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=1, expert_model_parallel_size=ep,
         transformer_impl="local", ckpt_format="torch_dist", bf16=False, fp16=False, params_dtype=torch.float32,
         iteration=ITERATION, lr=0.05)

@@ -25,6 +25,7 @@ EXPECTED = {  # architecture, vocabulary exported, a tensor only this family has
     "qwen3_tp2": ("Qwen3ForCausalLM", 102, "model.layers.1.self_attn.q_norm.weight"),
     "qwen3_moe_ep2": ("Qwen3MoeForCausalLM", 102, "model.layers.1.mlp.experts.3.up_proj.weight"),
     "qwen3_moe_grouped_ep2": ("Qwen3MoeForCausalLM", 128, "model.layers.0.mlp.experts.0.down_proj.weight"),
+    "qwen3_moe_dense_ep2": ("Qwen3MoeForCausalLM", 102, "model.layers.1.mlp.gate_proj.weight"),
     "deepseek_tp2ep2": ("DeepseekV3ForCausalLM", 102, "model.layers.1.mlp.gate.e_score_correction_bias"),
     "glm_ep2_mtp": ("Glm4MoeForCausalLM", 102, "model.layers.2.eh_proj.weight"),
 }
@@ -84,6 +85,8 @@ def test_qwen3_head_dim_is_kv_channels_not_hidden_over_heads(exported):
     moe = json.loads((exported["qwen3_moe_ep2"] / "config.json").read_text())
     assert moe["num_experts"] == 4 and moe["moe_intermediate_size"] == 32 and moe["norm_topk_prob"] is True
     assert moe["decoder_sparse_step"] == 1 and moe["mlp_only_layers"] == []
+    dense = json.loads((exported["qwen3_moe_dense_ep2"] / "config.json").read_text())
+    assert dense["mlp_only_layers"] == [1] and dense["intermediate_size"] == 96  # moe_layer_freq [1, 0, 1]
 
 
 def test_vocab_size_trims_what_the_arguments_do_not_give(family_ckpts, tmp_path):

@@ -20,7 +20,8 @@ from tests.test_megatron_build import NEEDS_MEGATRON, iteration  # noqa: F401 - 
 REPO = Path(__file__).resolve().parent.parent
 BASE = REPO / "tests" / "megatron_worker.py"
 GROUPS = {  # worker: the fixtures it builds
-    REPO / "tests" / "megatron_families_worker.py": ("qwen3_tp2", "qwen3_moe_ep2", "qwen3_moe_grouped_ep2"),
+    REPO / "tests" / "megatron_families_worker.py": ("qwen3_tp2", "qwen3_moe_ep2", "qwen3_moe_grouped_ep2",
+                                                          "qwen3_moe_dense_ep2"),
     REPO / "tests" / "megatron_moe_worker.py": ("deepseek_tp2ep2", "glm_ep2_mtp"),
 }
 NAMES = tuple(n for names in GROUPS.values() for n in names)

@@ -28,7 +28,7 @@ def _without_common(src: Path, tmp: Path) -> Path:
     return run
 
 
-@pytest.mark.parametrize("name,mtp", [("qwen3_tp2", None), ("deepseek_tp2ep2", None),
+@pytest.mark.parametrize("name,mtp", [("qwen3_tp2", None), ("qwen3_moe_dense_ep2", None), ("deepseek_tp2ep2", None),
                                       ("glm_ep2_mtp", "model.layers.2.")])
 def test_without_common_pt_refused_then_exact_with_config(family_ckpts, exported, tmp_path, name, mtp):
     run = _without_common(family_ckpts[name], tmp_path)
@@ -58,6 +58,7 @@ BAD = [  # (fixture, config changes, what the message says)
     ("deepseek_tp2ep2", dict(kv_lora_rank=16), "--config says kv_lora_rank + qk_rope_head_dim = 24"),
     ("glm_ep2_mtp", dict(num_nextn_predict_layers=0), "mtp.layers.0.eh_proj.weight is not covered"),
     ("glm_ep2_mtp", dict(first_k_dense_replace=0), "mlp.router.weight is missing from layer 0"),
+    ("qwen3_moe_dense_ep2", dict(mlp_only_layers=[]), "mlp.router.weight is missing from layer 1"),
 ]
 
 

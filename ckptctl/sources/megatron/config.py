@@ -104,6 +104,17 @@ def _family(args: dict[str, Any], experts: int, qkv_bias: bool, qk_norm: bool) -
     return FAMILIES["qwen3" if qk_norm else "qwen2" if qkv_bias else "llama"]
 
 
+def _dense_ids(args: dict[str, Any], layers: int) -> tuple[int, ...]:
+    """The dense layers Megatron's ``moe_layer_freq`` makes: an int N puts experts in every N-th
+    layer from layer 0 (``i % N == 0``), a list says it per layer (1: MoE)."""
+    freq = _get(args, "moe_layer_freq", default=1)
+    if type(freq) is int and freq > 0:
+        return tuple(i for i in range(layers) if i % freq)
+    if isinstance(freq, list) and len(freq) == layers and all(v in (0, 1) for v in freq):
+        return tuple(i for i, v in enumerate(freq) if not v)
+    raise ArgsError(f"moe_layer_freq={freq!r} is neither a positive integer nor a 0/1 list of num_layers={layers}")
+
+
 def check_basics(args: dict[str, Any]) -> None:
     """What no family covers: LayerNorm, a non-gated MLP, other position embeddings, linear
     biases, 1p norms. Raises ArgsError."""
@@ -144,13 +155,15 @@ def describe(args: dict[str, Any], dtype: str | None, vocab_size: int | None = N
     if experts and _get(args, "moe_shared_expert_intermediate_size"):
         raise ArgsError("moe_shared_expert_intermediate_size (shared experts) is not covered by the Mixtral or "
                         "Qwen3-MoE mappings")
-    if experts and _get(args, "moe_layer_freq", default=1) != 1:
-        raise ArgsError(f"moe_layer_freq={args['moe_layer_freq']!r} (dense layers between MoE layers) is not covered")
+    dense_ids = _dense_ids(args, layers) if experts else ()
+    if dense_ids and not args.get("qk_layernorm"):
+        raise ArgsError(f"moe_layer_freq={args['moe_layer_freq']!r} (dense layers between MoE layers) is covered by "
+                        "the Qwen3-MoE mapping (QK norms) only")
     if experts and _get(args, "moe_router_score_function", default="softmax") != "softmax":
         raise ArgsError(f"moe_router_score_function={args['moe_router_score_function']!r} is not covered")
     if experts and _float(args, "moe_router_topk_scaling_factor", default=1.0) != 1.0:
         raise ArgsError(f"moe_router_topk_scaling_factor={args['moe_router_topk_scaling_factor']!r} is not covered")
-    ffn = _int(args, "ffn_hidden_size") if not experts or _get(args, "ffn_hidden_size") else 0
+    ffn = _int(args, "ffn_hidden_size") if not experts or _get(args, "ffn_hidden_size") or dense_ids else 0
     moe_ffn = _int(args, "moe_ffn_hidden_size", "ffn_hidden_size") if experts else 0
     padded = _int(args, "padded_vocab_size", "vocab_size")
     vocab, note = vocabulary(args, padded, vocab_size)
@@ -179,11 +192,13 @@ def describe(args: dict[str, Any], dtype: str | None, vocab_size: int | None = N
                    router_aux_loss_coef=_float(args, "moe_aux_loss_coeff", default=0.0), sliding_window=None)
     if fam.name == "qwen3_moe":  # Megatron's softmax after the top-k: the chosen probabilities sum to 1
         cfg.update(num_experts=experts, num_experts_per_tok=_int(args, "moe_router_topk", default=2),
-                   moe_intermediate_size=moe_ffn, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+                   moe_intermediate_size=moe_ffn, norm_topk_prob=True, decoder_sparse_step=1,
+                   mlp_only_layers=list(dense_ids),
                    router_aux_loss_coef=_float(args, "moe_aux_loss_coeff", default=0.0))
     if dtype:
         cfg["dtype"] = dtype
-    dims = Dims(layers, heads, groups, head_dim, ffn, vocab, experts, tied, hidden=hidden, moe_ffn=moe_ffn)
+    dims = Dims(layers, heads, groups, head_dim, ffn, vocab, experts, tied, hidden=hidden, moe_ffn=moe_ffn,
+                dense_ids=dense_ids)
     return Described(fam, dims, dict(sorted(cfg.items())), note)
 
 

@@ -62,9 +62,6 @@ def describe_hf(cfg: dict[str, Any], no_mtp: bool = False) -> Described:
         raise ArgsError(f"--config hidden_act {cfg.get('hidden_act')!r}: Megatron's gated MLP here is SiLU")
     if kind == "llama" and (cfg.get("attention_bias") or cfg.get("mlp_bias")):
         raise ArgsError("--config attention_bias/mlp_bias: a Llama with biases has no Megatron mapping")
-    if kind == "qwen3_moe" and (cfg.get("decoder_sparse_step", 1) != 1 or cfg.get("mlp_only_layers")):
-        raise ArgsError("--config decoder_sparse_step/mlp_only_layers (dense layers among Qwen3-MoE layers) "
-                        "are not covered")
     layers, hidden, heads = _int(cfg, "num_hidden_layers"), _int(cfg, "hidden_size"), _int(cfg, "num_attention_heads")
     groups = _int(cfg, "num_key_value_heads", heads)
     if heads % groups:
@@ -89,7 +86,13 @@ def describe_hf(cfg: dict[str, Any], no_mtp: bool = False) -> Described:
         head_dim, extra["mla"] = mla[2] + mla[3], mla
     if kind == "glm4_moe":
         extra["qk_norm"] = bool(cfg.get("use_qk_norm", False))
-    ffn = _int(cfg, "intermediate_size") if kind not in ("mixtral", "qwen3_moe") else moe_ffn
+    if kind == "qwen3_moe":  # transformers: MoE where (i + 1) % decoder_sparse_step == 0, unless mlp_only
+        step, only = _int(cfg, "decoder_sparse_step", 1), cfg.get("mlp_only_layers") or []
+        if not isinstance(only, list) or not all(type(i) is int for i in only):
+            raise ArgsError(f"--config mlp_only_layers {only!r} is not a list of layer numbers")
+        extra["dense_ids"] = tuple(i for i in range(layers) if i in only or (i + 1) % step)
+    dense = bool(extra.get("dense_ids"))
+    ffn = _int(cfg, "intermediate_size") if kind not in ("mixtral", "qwen3_moe") or dense else moe_ffn
     dims = Dims(layers, heads, groups, head_dim, ffn, _int(cfg, "vocab_size"), n_exp, tied, hidden=hidden,
                 moe_ffn=moe_ffn, **extra)
     out = dict(cfg)

@@ -36,7 +36,7 @@ def wants_v3(args: dict[str, Any]) -> bool:
         return False
     return (_get(args, "moe_router_score_function", default="softmax") == "sigmoid"
             or bool(_get(args, "moe_shared_expert_intermediate_size"))
-            or isinstance(args.get("moe_layer_freq"), list))
+            or isinstance(args.get("moe_layer_freq"), list) and not args.get("qk_layernorm"))
 
 
 def _dense_layers(args: dict[str, Any], layers: int) -> int:

@@ -150,7 +150,7 @@ FAMILIES = {
     "mixtral": Family("mixtral", "MixtralForCausalLM", _COMMON + _experts(
         _MOE, "experts.{e}.w1.weight", "experts.{e}.w3.weight", "experts.{e}.w2.weight")),
     "qwen3": Family("qwen3", "Qwen3ForCausalLM", _COMMON + _QK_NORM + _DENSE_MLP),
-    "qwen3_moe": Family("qwen3_moe", "Qwen3MoeForCausalLM", _COMMON + _QK_NORM + _experts(
+    "qwen3_moe": Family("qwen3_moe", "Qwen3MoeForCausalLM", _COMMON + _QK_NORM, _DENSE_MLP, _experts(
         _MLP, "experts.{e}.gate_proj.weight", "experts.{e}.up_proj.weight", "experts.{e}.down_proj.weight")),
     "deepseek_v3": Family("deepseek_v3", "DeepseekV3ForCausalLM", _MODEL + _NORMS + _MLA, _DENSE_MLP, _DS_MOE,
                           _MTP),
@@ -189,6 +189,7 @@ class Dims:
     moe_ffn: int = 0
     shared: int = 0  # shared experts' FFN size
     dense_layers: int = 0  # the leading layers that take Family.dense (the others Family.moe)
+    dense_ids: tuple[int, ...] = ()  # or these layers (Qwen3-MoE's mlp_only_layers), when given
     mtp: int = 0  # MTP layers exported (as layers layers + k)
     drop_mtp: bool = False  # --no-mtp: MTP tensors left out on purpose
     mla: tuple[int, int, int, int, int] = (0, 0, 0, 0, 0)  # q_lora, kv_lora, qk_head, qk_rope, v_head
@@ -350,8 +351,12 @@ def _applies(rule: Rule, d: Dims) -> bool:
     return True
 
 
+def _dense(d: Dims, i: int) -> bool:
+    return i in d.dense_ids if d.dense_ids else i < d.dense_layers
+
+
 def _layer_rules(family: Family, d: Dims, i: int) -> tuple[Rule, ...]:
-    return tuple(r for r in family.rules + (family.dense if i < d.dense_layers else family.moe)
+    return tuple(r for r in family.rules + (family.dense if _dense(d, i) else family.moe)
                  if r.scope != MODEL and _applies(r, d))
 
 
@@ -391,16 +396,17 @@ def plan(family: Family, tensors: dict[str, tuple[int, ...]], d: Dims) -> list[O
         used.add(fqn)
         out.extend(rule_outputs(rule, fqn, tensors[fqn], d))
     if not per:  # stacked: one kind of layer throughout
-        if family.dense and family.moe and 0 < d.dense_layers < d.layers:
-            raise MappingError(f"the layers are stacked, but the arguments say the first {d.dense_layers} are dense "
-                               "and the others MoE (moe_layer_freq)")
-        for rule in _layer_rules(family, d, 0 if d.dense_layers else d.layers):
+        kinds = {_dense(d, i) for i in range(d.layers)}
+        if family.dense and family.moe and len(kinds) > 1:
+            raise MappingError("the layers are stacked, but the arguments say some are dense and the others MoE "
+                               "(moe_layer_freq)")
+        for rule in _layer_rules(family, d, 0 if kinds == {True} else d.layers):
             fqn = _present([LAYERS + n for n in rule.megatron], tensors, family, "")
             used.add(fqn)
             out.extend(rule_outputs(rule, fqn, tensors[fqn], d))
     else:
         for i in range(d.layers):
-            kind = (", dense by moe_layer_freq" if i < d.dense_layers else ", MoE by moe_layer_freq") if family.dense else ""
+            kind = (", dense by moe_layer_freq" if _dense(d, i) else ", MoE by moe_layer_freq") if family.dense else ""
             for rule in _layer_rules(family, d, i):
                 name = _present(list(rule.megatron), per[i], family, f" from layer {i}{kind}")
                 fqn = f"{LAYERS}{i}.{name}"
