@@ -166,3 +166,38 @@ def test_tiny_checkpoint_quiet_inspect_json_is_unchanged(tmp_path: Path) -> None
     d = write_tiny_checkpoint(tmp_path / "tiny")
     r = run_ckptctl("inspect", "-q", "--json", d)
     assert r.returncode == 0 and r.stderr == "" and json.loads(r.stdout)["parameters"] == 36
+
+
+# ---------------------------------------------------------------------------------------------
+# ckptctl env
+
+
+def test_env_reports_versions_switches_and_the_filesystem(tmp_path: Path) -> None:
+    from importlib import metadata
+
+    r = run_ckptctl("env", "--json", cwd=tmp_path, env={"CKPTCTL_FAST_PIECES": "0", "CKPTCTL_DEBUG": "1"})
+    assert r.returncode == 0 and r.stderr == "", r.stderr
+    doc = json.loads(r.stdout)
+    assert (doc["command"], doc["ok"]) == ("env", True)
+    assert doc["packages"]["torch"] == metadata.version("torch")
+    assert doc["packages"]["typer"] == metadata.version("typer")
+    assert doc["fast_paths"]["pieces"]["on"] is False and doc["fast_paths"]["metadata"]["on"] is True
+    assert doc["variables"]["CKPTCTL_DEBUG"] == "1" and doc["variables"]["CKPTCTL_KILL_AT"] is None
+    assert {"CKPTCTL_FAST_METADATA", "CKPTCTL_FAIL_AT"} <= set(doc["variables"])
+    fs = doc["cwd"]
+    assert fs["path"] == os.path.realpath(tmp_path) and fs["type"] and fs["free_bytes"] > 0
+    assert fs["reflink"] in (True, False)
+    assert os.listdir(tmp_path) == []  # the clone probe left nothing
+    text = run_ckptctl("env", cwd=tmp_path)
+    assert text.returncode == 0 and f"torch {metadata.version('torch')}" in text.stdout
+    assert f"working directory: {os.path.realpath(tmp_path)} on {fs['type']}" in text.stdout
+
+
+def test_env_never_imports_torch() -> None:
+    import sys
+
+    probe = ("import sys, runpy; sys.argv = ['ckptctl', 'env', '--json']\n"
+             "try:\n    runpy.run_module('ckptctl', run_name='__main__')\nexcept SystemExit:\n    pass\n"
+             "print(sorted(m for m in ('torch', 'transformers', 'numpy') if m in sys.modules), file=sys.stderr)")
+    proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=clean_env(), timeout=120)
+    assert proc.stderr.strip().splitlines()[-1] == "[]", proc.stderr

@@ -22,6 +22,7 @@ from ckptctl.cli._output import Output, Signals
 # command name -> (module, function): the order of --help
 COMMANDS: dict[str, tuple[str, str]] = {
     "export": ("ckptctl.cli.export_cmd", "export"),
+    "env": ("ckptctl.cli.env_cmd", "env"),
     "gc-tmp": ("ckptctl.cli.gc_cmd", "gc_tmp"),
     "inspect": ("ckptctl.cli.inspect_cmd", "inspect"),
     "resave": ("ckptctl.cli.resave_cmd", "resave"),
