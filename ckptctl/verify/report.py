@@ -5,9 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from ckptctl._version import SCHEMA_VERSION  # noqa: F401  (the CLI's one --json schema version)
 from ckptctl.findings import ERROR, INFO, SEVERITY_RANK, WARNING, Finding
 
-SCHEMA_VERSION = 1
 IO_CODE = "io.error"
 
 
