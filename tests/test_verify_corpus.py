@@ -155,6 +155,8 @@ ASSERTED_ELSEWHERE = {
     "dir.placeholder_tensors": ("test_verify_consistency.py", "test_zero3_placeholders"),
     "config.pipeline_mismatch": ("test_verify_pipeline_components.py",
                                  "test_a_text_encoder_of_another_width_is_a_pipeline_mismatch"),
+    "config.preprocessor_mismatch": ("test_verify_preprocessor.py",
+                                     "test_a_processor_of_another_image_size_is_a_preprocessor_mismatch"),
     "config.dtype_lossy": ("test_verify_consistency.py", "test_half_precision_weights_declared_in_the_other_half_are_lossy"),
     "config.st_dimension_mismatch": ("test_verify_consistency.py",
                                      "test_sentence_transformers_dimensions_that_disagree"),

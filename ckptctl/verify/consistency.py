@@ -7,7 +7,8 @@ library reads silently, or whose disagreement with the weights no loader notices
   DCP-HF ``sharded/`` folder left inside a Hugging Face root, the headers of a model's native
   weights (:mod:`.consistency_files`);
 - a sentence-transformers root's module dimensions (:mod:`.consistency_st`), a diffusers
-  pipeline's components against each other (:mod:`.consistency_pipeline`);
+  pipeline's components against each other (:mod:`.consistency_pipeline`), an image processor
+  against the vision tower it feeds (:mod:`.consistency_preprocessor`);
 - with ``--deep``, the bytes of a pickle family that holds the same tensors as the safetensors
   family beside it (:mod:`.consistency_twins`).
 """
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 from ckptctl.verify import consistency_files as F
 from ckptctl.verify.consistency_pipeline import pipeline_components
+from ckptctl.verify.consistency_preprocessor import preprocessor_vision
 from ckptctl.verify.consistency_st import st_dimensions
 from ckptctl.verify.consistency_tokens import generation_config, tokenizer_added, vocab_size
 from ckptctl.verify.context import Context
@@ -35,6 +37,7 @@ def consistency_step(ctx: Context) -> str | None:
     tokenizer_added(ctx, vocab)
     st_dimensions(ctx)
     pipeline_components(ctx)
+    preprocessor_vision(ctx)
     if ctx.options.deep and any(f.twin_of for f in ctx.layout.families):
         from ckptctl.verify.consistency_twins import compare_twins
 
