@@ -162,6 +162,8 @@ class ClassBox:
             return self._ask(request)
 
     def _ask(self, request: dict[str, Any]) -> dict[str, Any]:
+        if self._proc is not None and self._proc.poll() is not None:
+            self._stop(kill=False)  # gone between checks (killed with the thread that started it): a new one
         if self._proc is None:
             try:
                 self._start()
