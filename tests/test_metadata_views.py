@@ -230,3 +230,23 @@ def test_inspect_restores_the_garbage_collector(tmp_path) -> None:
         assert not gc.isenabled()
     finally:
         gc.enable()
+
+
+def test_a_merged_table_keyed_by_file_maps_each_name_to_its_files_key() -> None:
+    """``keys``: the index of every name holds each part's key (verify compares it with the
+    checkpoint index's map as it is); look-ups still answer the part's record, the last part
+    holding a name wins as without keys, and a key per part is required."""
+    from ckptctl.format.table import MergedSpecs
+    from ckptctl.format.tensor import TensorSpec
+
+    a = {"x": TensorSpec("x", "F32", (1,)), "y": TensorSpec("y", "F32", (2,))}
+    b = {"z": TensorSpec("z", "BF16", (3,)), "y": TensorSpec("y", "F16", (4,))}
+    keyed = MergedSpecs([a, b], keys=["a.safetensors", "b.safetensors"])
+    assert not keyed.disjoint
+    assert keyed.keyed_index() == {"x": "a.safetensors", "y": "b.safetensors", "z": "b.safetensors"}
+    assert keyed["y"] is b["y"] and keyed["x"] is a["x"] and dict(keyed) == dict(MergedSpecs([a, b]))
+    assert MergedSpecs([a, {"z": b["z"]}], keys=["a", "b"]).disjoint
+    with pytest.raises(ValueError):
+        MergedSpecs([a, b], keys=["a", "a"])
+    with pytest.raises(AssertionError):
+        MergedSpecs([a, b]).keyed_index()

@@ -40,6 +40,15 @@ class Index:
             self._map = dict(self._source.weight_map)
         return self._map
 
+    @property
+    def shared_map(self) -> dict[str, str]:
+        """The ``weight_map`` as parsed, shared with every copy of the same reading (no copy of
+        92k entries for a caller that only reads it): read it, never change it."""
+        if self._map is not None:
+            return self._map
+        assert self._source is not None
+        return self._source.shared_map
+
     def add(self, code: str, message: str, *, severity: str = ERROR, hint: str | None = None,
             tensor: str | None = None, **details: Any) -> None:
         self.findings.append(Finding(code, severity, self.path, message, hint, tensor, dict(details)))

@@ -207,26 +207,39 @@ class MergedSpecs(_ByColumn[TensorSpec]):
     spec is looked up in its part when asked for, so the 92k tensors of 163 headers are not made
     one spec each unless a rule reads them all."""
 
-    def __init__(self, parts: list[Mapping[str, Any]], *, disjoint: bool | None = None) -> None:
+    def __init__(self, parts: list[Mapping[str, Any]], *, disjoint: bool | None = None,
+                 keys: list[Any] | None = None) -> None:
         """``disjoint``: the caller knows that no name is in two parts (verify, from the index's
         agreement with the headers): then no index of every name is built; a look-up by name asks
-        each part's own (a header's rows) in turn."""
+        each part's own (a header's rows) in turn. ``keys``: one per part (a shard's file name):
+        the index of every name maps it to its part's key (:meth:`keyed_index`), not to the part."""
         self._parts = parts
-        self._where: dict[str, Mapping[str, Any]] | None = None
+        self._where: dict[str, Any] | None = None
         self._disjoint = disjoint
         self._lookups: list[Mapping[str, Any]] | None = None
+        self._by_key: dict[Any, Mapping[str, Any]] | None = None
+        if keys is not None:
+            if len(keys) != len(parts) or len(set(keys)) != len(keys):
+                raise ValueError("MergedSpecs: one distinct key per part")
+            self._by_key = dict(zip(keys, parts))
         if disjoint is None:
             self._index()
 
-    def _index(self) -> dict[str, Mapping[str, Any]]:
+    def _index(self) -> dict[str, Any]:
         if self._where is None:
-            where: dict[str, Mapping[str, Any]] = {}
-            for part in self._parts:
-                where.update(zip(part, repeat(part)))
+            where: dict[str, Any] = {}
+            for key, part in (self._by_key.items() if self._by_key is not None else zip(self._parts, self._parts)):
+                where.update(zip(part, repeat(key)))
             self._where = where
             if self._disjoint is None:
                 self._disjoint = len(where) == sum(map(len, self._parts))  # no name in two parts
         return self._where
+
+    def keyed_index(self) -> dict[str, Any]:
+        """Each name to its part's key (the last part holding it), with ``keys``: read it, never
+        change it."""
+        assert self._by_key is not None, "a MergedSpecs made without keys"
+        return self._index()
 
     def _part_of(self, name: str) -> Mapping[str, Any] | None:
         """The part holding ``name`` when the parts are disjoint and no index was built."""
@@ -250,7 +263,8 @@ class MergedSpecs(_ByColumn[TensorSpec]):
             if part is None:
                 raise KeyError(name)
             return part[name]  # type: ignore[no-any-return]
-        return self._index()[name][name]  # type: ignore[no-any-return]
+        where = self._index()[name]
+        return (self._by_key[where] if self._by_key is not None else where)[name]  # type: ignore[no-any-return]
 
     def __iter__(self) -> Iterator[str]:
         if self._where is None and self._disjoint:

@@ -200,7 +200,7 @@ def _incomplete(root: Path, save: Save, reading: MetadataReading) -> Unrepairabl
     doc = save.family.index_doc
     lost: list[str] = []
     if doc is not None and doc.ok:
-        lost = sorted(k for k, v in doc.weight_map.items() if v not in headers)
+        lost = sorted(k for k, v in doc.shared_map.items() if v not in headers)
     what = [f"missing {', '.join(save.missing)}"] if save.missing else []
     what += [] if save.family.files else ["none of its weights files exists"]
     what += [p.message for p in problems[:3]]

@@ -111,7 +111,7 @@ class KeptFiles:
     def same_map_as(self, old: Index) -> bool:
         """Whether ``old`` maps exactly the plan's tensors to the plan's files (``weight_map``
         equality)."""
-        return old.weight_map == self.weight_map
+        return old.shared_map == self.weight_map
 
 
 def _records(keep: TensorTable | list[TensorInfo]) -> list[TensorInfo]:
@@ -268,14 +268,15 @@ def note_index_changes(old: Index, kf: KeptFiles, rep: Repair, *, same_map: bool
     if kf.same_map_as(old) if same_map is None else same_map:
         return  # the same entries: nothing missing, stale or moved
     new_map = kf.weight_map
-    missing = sorted(set(new_map) - set(old.weight_map))
+    old_map = old.shared_map
+    missing = sorted(set(new_map) - set(old_map))
     if missing:
         rep.fixes.append(f"added {len(missing)} tensor(s) missing from the index (e.g. {missing[0]})")
-    stale = sorted(set(old.weight_map) - set(new_map))
+    stale = sorted(set(old_map) - set(new_map))
     if stale:
         rep.lost = stale
         rep.fixes.append(f"dropped {len(stale)} index entr(ies) for tensors no shard holds (e.g. {stale[0]})")
-    moved = sorted(k for k in set(new_map) & set(old.weight_map) if old.weight_map[k] != new_map[k])
+    moved = sorted(k for k in set(new_map) & set(old_map) if old_map[k] != new_map[k])
     if moved:
         rep.fixes.append(f"remapped {len(moved)} tensor(s) to the shard that holds them (e.g. {moved[0]})")
 

@@ -17,6 +17,7 @@ from ckptctl import layout as L
 from ckptctl.config_fields import as_int
 from ckptctl.findings import ERROR, WARNING
 from ckptctl.format import names as N
+from ckptctl.format.header import MergedSpecs
 from ckptctl.format.index import Index
 from ckptctl.verify import weights as W
 from ckptctl.verify.context import Context, FamilyTensors, WeightsRead
@@ -58,7 +59,7 @@ def read_indexed(ctx: Context, fam: L.Family) -> FamilyTensors:
             reads[shard] = W.read_file(ctx, shard, fam.container)
     table = W.merge(ctx, reads)
     complete = set(shards) <= set(reads) and all(r.names is not None for r in reads.values())
-    _cross_check(ctx, shown, doc.weight_map, reads, shards)
+    _cross_check(ctx, shown, doc.shared_map, reads, shards, table)
     if not any(N.member_problem(s) for s in shards):
         _numbering(ctx, shown, shards, ext)
     if fam.container == L.SAFETENSORS:
@@ -70,26 +71,32 @@ def read_indexed(ctx: Context, fam: L.Family) -> FamilyTensors:
     return FamilyTensors(fam, table, complete)
 
 
-def _agrees(wm: dict[str, str], reads: dict[str, WeightsRead], shards: list[str]) -> bool:
+def _agrees(wm: dict[str, str], reads: dict[str, WeightsRead], shards: list[str], table: Any = None) -> bool:
     """Every readable shard holds exactly the names the index maps to it. Said with whole-dict
     operations: no name is in two readable shards, and the index's entries for those shards are
     exactly the map of each stored name to its shard (one comparison of two dicts when the index
-    names no other shard)."""
+    names no other shard). ``table``: the family's merged table; when it is keyed by file and
+    every file's names are its tensors' (no pickle alias, no name only a finding holds), its index
+    of every name is that map already, made once for both."""
     readable = {s: r.names for s, r in reads.items() if r.names is not None}
-    stored: dict[str, str] = {}
-    for s, names in readable.items():
-        stored.update(zip(names, repeat(s)))
-    if len(stored) != sum(map(len, readable.values())):
-        return False  # a name in two shards: the index maps it to one of them at most
+    if (isinstance(table, MergedSpecs) and table.disjoint and len(readable) == len(reads)
+            and all(len(r.names) == len(r.tensors) for r in reads.values())):  # type: ignore[arg-type]
+        stored = table.keyed_index()
+    else:
+        stored = {}
+        for s, names in readable.items():
+            stored.update(zip(names, repeat(s)))
+        if len(stored) != sum(map(len, readable.values())):
+            return False  # a name in two shards: the index maps it to one of them at most
     if readable.keys() >= set(shards):
         return stored == wm
     return stored == {t: s for t, s in wm.items() if s in readable}
 
 
 def _cross_check(ctx: Context, shown: str, wm: dict[str, str], reads: dict[str, WeightsRead],
-                 shards: list[str]) -> None:
-    """``shards``: the index's shard names (``Index.shards``)."""
-    if _agrees(wm, reads, shards):
+                 shards: list[str], table: Any = None) -> None:
+    """``shards``: the index's shard names (``Index.shards``); ``table``: the family's merged table."""
+    if _agrees(wm, reads, shards, table):
         return  # nothing below can fire
     located: dict[str, list[str]] = {}
     for shard, r in reads.items():

@@ -126,7 +126,7 @@ def merge(ctx: Context, reads: dict[str, WeightsRead]) -> Mapping[str, TensorSpe
         return next(iter(reads.values())).tensors
     # No name in two files: the first-wins table below is each file's own, side by side (an index
     # of names; a header's spec made only when a rule asks for it).
-    merged = MergedSpecs([r.tensors for r in reads.values()])
+    merged = MergedSpecs([r.tensors for r in reads.values()], keys=list(reads))  # keyed by file: see index._agrees
     if _no_name_twice(reads, merged):
         return merged
     table: dict[str, TensorSpec] = {}
