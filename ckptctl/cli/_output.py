@@ -23,10 +23,9 @@ if TYPE_CHECKING:
 
 import typer
 
-from ckptctl._version import __version__
+from ckptctl._version import SCHEMA_VERSION, __version__
 from ckptctl.errors import EXIT_BROKEN_PIPE, CkptctlError, Interrupted
 
-SCHEMA_VERSION = 1
 
 # SIGTERM (kill, systemd, Kubernetes) and SIGHUP (a closed terminal or ssh session) are handled like
 # Ctrl-C: the first one raises KeyboardInterrupt where the program is, so every cleanup path of
