@@ -84,14 +84,16 @@ def _plan(header: Header | None) -> list[tuple[int, int, TensorInfo]]:
 
 
 def scan_file(path: str, display: str, header: Header | None = None, *, chunk_bytes: int = CHUNK_BYTES,
-              progress: Callable[[int], None] | None = None, stop: threading.Event | None = None) -> DeepResult:
-    """Hash ``path`` and, when ``header`` is a valid safetensors header, check its floats.
+              progress: Callable[[int], None] | None = None, stop: threading.Event | None = None,
+              cast_to: str | None = None) -> DeepResult:
+    """Hash ``path`` and, when ``header`` is a valid safetensors header, check its floats
+    (``cast_to``: the dtype the loader casts them to, whose range they must fit).
 
     Raises OSError when the file cannot be read (or shrinks while it is read), and
     :class:`~ckptctl.threads.Stopped` between two chunks once ``stop`` is set.
     """
     plan = _plan(header)
-    scanners = {t.name: TensorScanner(t) for _, _, t in plan}
+    scanners = {t.name: TensorScanner(t, cast_to) for _, _, t in plan}
     h = hashlib.sha256()
     free: queue.Queue[bytearray] = queue.Queue()
     work: queue.Queue[tuple[bytearray, int, int] | None] = queue.Queue(maxsize=BUFFERS)
@@ -173,12 +175,12 @@ class _SharedScan:
     and the counts are sums: which worker scans which window, in what order, cannot change them."""
 
     def __init__(self, job: tuple[str, str, Header | None, int], window: int,
-                 check: Callable[[FloatBits, Any, TensorStats], None]) -> None:
+                 check: Callable[[FloatBits, Any, TensorStats], None], cast_to: str | None = None) -> None:
         self.job, self.window, self.check = job, window, check
         self.path, self.display, self.header, _ = job
         self.plan = _plan(self.header)  # in offset order (Header.tensors is)
         self.begins = [b for b, _, _ in self.plan]
-        self.scanners = {t.name: TensorScanner(t) for _, _, t in self.plan}
+        self.scanners = {t.name: TensorScanner(t, cast_to) for _, _, t in self.plan}
         self.lock = threading.Lock()
         self.buffers: Buffers | None = None
         self.outcome: DeepResult | OSError | None = None
@@ -204,7 +206,7 @@ class _SharedScan:
                 lo, hi = max(b, start), min(e, end)
                 hi -= (hi - lo) % sc.itemsize
                 if sc.fb is not None and hi > lo:
-                    found.append((sc.stats, TensorStats()))
+                    found.append((sc.stats, TensorStats(limit=sc.stats.limit)))
                     self.check(sc.fb, mv[lo - start:hi - start], found[-1][1])
                 i += 1
         assert self.buffers is not None
@@ -213,6 +215,7 @@ class _SharedScan:
             for total, st in found:
                 total.nan, total.inf = total.nan + st.nan, total.inf + st.inf
                 total.nonzero = total.nonzero or st.nonzero
+                total.over += st.over
 
     def run(self, pool: HelpingPool, progress: Callable[[int], None] | None) -> DeepResult:
         """Read and hash the file; each window's scan runs here or is handed to the pool."""
@@ -243,7 +246,7 @@ class _SharedScan:
 
 def scan_files(files: Sequence[tuple[str, str, Header | None, int]], *, chunk_bytes: int = CHUNK_BYTES,
                progress: Callable[[str, str, int], None] | None = None, fast: bool = True,
-               workers: int = WORKERS) -> list[DeepResult | OSError]:
+               workers: int = WORKERS, cast_to: str | None = None) -> list[DeepResult | OSError]:
     """:func:`scan_file` of every ``(path, display, header, size shown)``: one result per file, in
     order, an OSError for a file that could not be read. ``progress(event, display, amount)`` is
     called from the workers ("file" with the size, "bytes" read, "done"), one call at a time.
@@ -266,7 +269,7 @@ def scan_files(files: Sequence[tuple[str, str, Header | None, int]], *, chunk_by
         counted = (lambda n: report("bytes", shown, n)) if progress else None
         try:
             return s.run(pool, counted) if s else scan_file(path, shown, hdr, chunk_bytes=chunk_bytes, stop=stop,
-                                                            progress=counted)
+                                                            progress=counted, cast_to=cast_to)
         except OSError as exc:
             if s:
                 s.outcome = exc
@@ -278,7 +281,7 @@ def scan_files(files: Sequence[tuple[str, str, Header | None, int]], *, chunk_by
         with ordered_map(one, files) as results:
             return list(results)
     window = min(window_bytes(chunk_bytes), FAST_WINDOW)
-    scans = [_SharedScan(job, window, check_bits_fast) for job in files]
+    scans = [_SharedScan(job, window, check_bits_fast, cast_to) for job in files]
     pool = HelpingPool(workers)
     pool.run(one, scans)
     return [s.outcome if isinstance(s.outcome, OSError) else DeepResult(  # type: ignore[union-attr]
@@ -301,6 +304,13 @@ def _findings(display: str, plan: list[tuple[int, int, TensorInfo]], scanners: d
                                f"tensor {t.name!r} holds {st.nan} NaN values (a NaN weight turns every output it "
                                "reaches into NaN)", "check the training run "
                                "that produced it (loss spike, overflow) before publishing", t.name, {"count": st.nan}))
+        if st.over:
+            out.append(Finding("deep.dtype_overflow", ERROR, display,
+                               f"tensor {t.name!r} ({t.dtype}) holds {st.over} values beyond float16's range "
+                               "(|x| >= 65520): config.json's dtype makes the loader cast them to float16, where they "
+                               "become inf, and the outputs they reach NaN", "set config.json's dtype to the stored "
+                               f"{t.dtype.lower()}, or rescale the weights before a float16 export", t.name,
+                               {"count": st.over, "dtype": t.dtype}))
         if st.inf:
             out.append(Finding("deep.inf", WARNING, display,
                                f"tensor {t.name!r} holds {st.inf} infinite values", "check the training run "
@@ -348,7 +358,7 @@ def deep_step(ctx: Context, *, fast: bool | None = None) -> str | None:
             todo.append((name, hdr, rec.size or 0))
     results = scan_files([(str(ctx.root / name), ctx.disp(name), hdr, size) for name, hdr, size in todo],
                          chunk_bytes=ctx.options.chunk_bytes, progress=ctx.progress,
-                         fast=ctx.reading.fast if fast is None else fast)
+                         fast=ctx.reading.fast if fast is None else fast, cast_to=_cast_to(ctx))
     scanned = dict(zip((name for name, _, _ in todo), results))
     for name in queue:
         rec = ctx.record(name, "extra")
@@ -362,11 +372,67 @@ def deep_step(ctx: Context, *, fast: bool | None = None) -> str | None:
         rec.sha256 = dr.sha256
         ctx.result.bytes_read += dr.bytes_read
         ctx.extend(dr.findings)
+        hdr = queue[name]
+        if hdr is not None and hdr.ok:
+            try:
+                tail = zero_tail(str(ctx.root / name), ctx.disp(name), hdr)
+            except OSError as exc:
+                ctx.io(name, exc)
+                continue
+            if tail is not None:
+                ctx.extend([tail])
         _compare(ctx, name, dr.sha256, manifest)
         _compare_blob(ctx, name, dr.sha256)
         if queue[name] is None and name.endswith(N.PICKLE_SUFFIXES):  # torch.load never checks CRCs
             ctx.extend(_zip_crcs(ctx, name))
     return None
+
+
+def _cast_to(ctx: Context) -> str | None:
+    """The dtype config.json makes transformers build the model in (and cast every weight to)."""
+    from ckptctl.verify.consistency_tokens import quiet_json
+    from ckptctl.verify.model import config_dtype
+
+    ok, cfg = quiet_json(ctx, N.CONFIG)
+    return config_dtype(cfg) if ok else None
+
+
+TAIL_BLOCK = 1 << 20
+
+
+def zero_tail(path: str, display: str, header: Header) -> Finding | None:
+    """``deep.zero_tail``: the file's bytes are zeros from inside one tensor to its end, across at
+    least one whole tensor after it: what a preallocating downloader or copy leaves when it stops
+    (the size and the header are right; the loader reads the zeros as weights). A run that starts
+    exactly where a tensor starts (a LoRA B matrix at the end, a fresh bias) is not this. Read from
+    the end backwards, one block at a time, until a nonzero byte."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOFOLLOW)
+    try:
+        end = os.fstat(fd).st_size
+        pos = end
+        while pos > header.data_start:
+            n = min(TAIL_BLOCK, pos - header.data_start)
+            block = os.pread(fd, n, pos - n)
+            if len(block) < n:
+                raise OSError(f"file changed size while it was read ({end} -> {pos - n + len(block)} bytes)")
+            stripped = block.rstrip(b"\0")
+            if stripped:
+                pos = pos - n + len(stripped)
+                break
+            pos -= n
+    finally:
+        os.close(fd)
+    plan = _plan(header)
+    inside = next((t for b, e, t in plan if b < pos < e), None)
+    whole = [t.name for b, e, t in plan if b >= pos and e > b]
+    if inside is None or not whole or end - pos <= 0:
+        return None
+    return Finding("deep.zero_tail", ERROR, display,
+                   f"the last {end - pos:,} bytes are zeros, from inside tensor {inside.name!r} to the end of the file "
+                   f"({len(whole)} whole tensors in them): a download or copy that stopped early (the size and header "
+                   "are right, the data is not); the loader reads the zeros as weights",
+                   "download or copy the file again, and compare it with its source (--deep with a manifest)",
+                   inside.name, {"bytes": end - pos, "tensors": whole[:50]})
 
 
 def _zip_crcs(ctx: Context, name: str) -> list[Finding]:

@@ -1,5 +1,5 @@
-"""The float formats of safetensors as bit masks, and the scan of a tensor's bytes for NaN, Inf
-and all-zero that ``verify --deep`` runs (:mod:`ckptctl.verify.deep`): :func:`check_bits`, the
+"""The float formats of safetensors as bit masks, and the scan of a tensor's bytes for NaN, Inf,
+all-zero and values a cast to the config's dtype turns into inf, that ``verify --deep`` runs (:mod:`ckptctl.verify.deep`): :func:`check_bits`, the
 reference by masks over a whole buffer, and :func:`check_bits_fast` beside it, which must equal it.
 numpy only; nothing here imports torch."""
 
@@ -42,6 +42,14 @@ class TensorStats:
     nan: int = 0
     inf: int = 0
     nonzero: bool = False
+    limit: int | None = None  # a magnitude (bits after absmask) from which a finite value overflows a cast
+    over: int = 0  # finite values at or past ``limit``
+
+
+# The magnitude from which a finite value of each wider format becomes inf when cast to float16
+# (round to nearest even: 65520 and above; bfloat16 has no value between 65280 and 65536).
+F16_OVERFLOW = {"BF16": 0x4780, "F32": 0x477FF000, "F64": 0x40EFFE0000000000}
+OVERFLOW_LIMITS = {"F16": F16_OVERFLOW}  # cast target -> stored dtype -> limit
 
 
 def _np_dtype(bits: int, kind: str = "u") -> Any:
@@ -53,12 +61,12 @@ def _np_dtype(bits: int, kind: str = "u") -> Any:
 class TensorScanner:
     """Consumes one tensor's bytes in order, in pieces of any size (element splits are carried)."""
 
-    def __init__(self, info: TensorInfo) -> None:
+    def __init__(self, info: TensorInfo, cast_to: str | None = None) -> None:
         self.info = info
         self.fb = FLOAT_BITS.get(info.dtype)
         self.itemsize = self.fb.bits // 8 if self.fb else 1
         self.carry = b""
-        self.stats = TensorStats()
+        self.stats = TensorStats(limit=OVERFLOW_LIMITS.get(cast_to or "", {}).get(info.dtype))
 
     def feed(self, mv: memoryview) -> None:
         if self.fb is None:
@@ -87,11 +95,14 @@ def check_bits(fb: FloatBits, buf: Any, st: TensorStats) -> None:
     if fb.exp:
         # the exponent bits sit just below the sign: all ones exactly when |x| >= the mask
         mag = a & fb.absmask
-        if mag.max() >= fb.exp:
+        top = mag.max() if mag.size else 0
+        if top >= fb.exp:
             special = (a & fb.exp) == fb.exp
             nan = int(np.count_nonzero(special & ((a & fb.man) != 0)))
             st.nan += nan
             st.inf += int(np.count_nonzero(special)) - nan
+        if st.limit is not None and top >= st.limit:
+            st.over += int(np.count_nonzero((mag >= st.limit) & (mag < fb.exp)))
     elif fb.nan_only is not None:
         st.nan += int(np.count_nonzero((a & fb.absmask) == fb.nan_only))
     elif fb.nan_is_signbit:
@@ -117,7 +128,7 @@ def check_bits_fast(fb: FloatBits, buf: Any, st: TensorStats) -> None:
     if not a.size:
         return
     top = max(int(a.max()) & fb.absmask, int(a.view(_np_dtype(fb.bits, "i")).max()))
-    if top >= (fb.exp or fb.nan_only):
+    if top >= (fb.exp or fb.nan_only) or (st.limit is not None and top >= st.limit):
         check_bits(fb, buf, st)
     elif top:
         st.nonzero = True
