@@ -211,7 +211,12 @@ def _answered(ctx: Context, shown: str, fam: FamilyTensors, library: str, answer
     """The findings of the box's answer to one class check; why it did not run, or None."""
     kind = answer.get("kind")
     if kind == "outcome":
-        report_outcome(ctx, shown, fam, outcome_of(answer["outcome"]))
+        try:
+            outcome = outcome_of(answer["outcome"])
+        except (KeyError, TypeError, ValueError):
+            return _note(ctx, shown, library, "the process building the class answered something that is not an "
+                         "outcome", bound="died")
+        report_outcome(ctx, shown, fam, outcome)
         if library != "peft":
             ctx.class_checked = True
         return None
