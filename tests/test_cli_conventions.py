@@ -5,6 +5,7 @@ That --help, completion, inspect, verify and gc-tmp never import torch is in tes
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -150,3 +151,51 @@ def test_usage_errors_in_the_house_form(run_cli, args: list[str], first: str) ->
     doc = json.loads(out)
     assert rc == 2 and doc["ok"] is False and doc["command"] == command
     assert doc["error"]["message"] == line[len("error: "):] and doc["error"]["hint"] == f"ckptctl {command} -h"
+
+
+# ------------------------------------------------------------------------------------------
+# README's commands table and each command's help agree; help has examples and whole summaries
+
+
+def _readme_commands() -> dict[str, list[str]]:
+    from tests.support import REPO
+
+    text = (REPO / "README.md").read_text()
+    table = text[text.index("## Commands"):].split("\n\n")[1]
+    rows = re.findall(r"^\| `ckptctl ([a-z-]+)((?: [A-Z.]+)*)` \|", table, re.MULTILINE)
+    return {name: args.split() for name, args in rows}
+
+
+def test_readme_commands_table_agrees_with_help(run_cli) -> None:
+    from ckptctl.cli import COMMANDS
+
+    readme = _readme_commands()
+    assert sorted(readme) == sorted(COMMANDS)
+    rc, top, err = run_cli("--help")
+    for name, args in readme.items():
+        rc, out, err = run_cli(name, "--help")
+        assert rc == 0, err
+        usage = out.splitlines()[0]
+        assert usage.startswith(f"Usage: ckptctl {name} [OPTIONS]"), usage
+        shown = [re.sub(r"[{}\[\]]", "", a) for a in usage.split()[4:]]
+        assert shown == args, (name, usage, args)
+        assert "\n  Examples:\n" in out and f"\n    ckptctl {name}" in out, name
+        assert "[default: 0]" not in out and "<str>" not in out, name
+        assert "..." not in top.split("Commands:")[1].replace("ROOT...", "")  # whole summaries
+
+
+def test_examples_in_help_parse(run_cli, cli) -> None:
+    """Every example a help shows is a command line its command accepts (--help appended: Typer
+    parses the options and arguments before it prints the help)."""
+    import shlex
+
+    from ckptctl.cli import COMMANDS
+
+    for name in COMMANDS:
+        rc, out, err = run_cli(name, "--help")
+        block = out.split("\n  Examples:\n\n", 1)[1].split("\n\n", 1)[0]
+        for line in block.splitlines():
+            words = shlex.split(line.split("#", 1)[0].split("|", 1)[0].split(">", 1)[0])
+            assert words[:2] == ["ckptctl", name], line
+            res = cli(*words[1:], "--help")  # Typer parses every option before --help prints
+            assert res.exit_code == 0 and "Usage:" in res.output, (line, res.output)

@@ -154,6 +154,8 @@ def _shell(name: str) -> tuple[list[str], str]:
     ("ckptctl export a b --dtype bf", "ckptctl export a b --dtype bf16"),
     ("ckptctl resave a --dtype fp3", "ckptctl resave a --dtype fp32"),
     ("ckptctl inspect a --only meg", "ckptctl inspect a --only megatron"),
+    ("ckptctl export a b --only zer", "ckptctl export a b --only zero"),
+    ("ckptctl export a b --names megat", "ckptctl export a b --names megatron"),
     ("ckptctl inspect a --only dcp-", "ckptctl inspect a --only dcp-hf"),
     ("ckptctl gc-tmp a --preset trai", "ckptctl gc-tmp a --preset trainer-tmp"),
     ("ckptctl verify --fail-on warn", "ckptctl verify --fail-on warning"),

@@ -63,8 +63,16 @@ def build(names: tuple[str, ...] = tuple(COMMANDS)) -> typer.Typer:
     )
     made.callback()(_root)
     for name in names:
-        made.command(name)(command(name))
+        func = command(name)
+        made.command(name, short_help=summary(func.__doc__))(func)
     return made
+
+
+def summary(doc: str | None) -> str:
+    """A command's whole summary for the top-level help: its docstring's first paragraph, on one
+    line (Typer would cut it at 45 characters with "...")."""
+    first = (doc or "").strip().split("\n\n", 1)[0]
+    return " ".join(first.split())
 
 
 def full_app() -> typer.Typer:

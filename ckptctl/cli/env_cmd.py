@@ -28,6 +28,8 @@ def env(json_: JsonOpt = False, quiet: QuietOpt = 0, verbose: VerboseOpt = 0) ->
     """Versions, fast paths and the working directory's filesystem, for a bug report.
 
     Examples:
+
+    \b
       ckptctl env
       ckptctl env --json > env.json
     """

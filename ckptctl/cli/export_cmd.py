@@ -49,7 +49,18 @@ def export(
     on_publish: OnPublishOpt = None,
     priority: PriorityOpt = "low",
 ) -> None:
-    """Write a checkpoint as HF safetensors shards + index + config/tokenizer files, atomically."""
+    """Write a checkpoint as HF safetensors shards + index + config/tokenizer files, atomically.
+
+    Examples:
+
+    \b
+      ckptctl export ./step_1000 ./hf/step_1000 --max-shard-size 5GB
+      ckptctl export ./checkpoint.pt ./hf --key state_dict --dtype bf16 --overwrite
+      ckptctl export output/checkpoint-500 ./hf --dtype bf16     # HF Trainer + DeepSpeed ZeRO
+      ckptctl export /ckpts/run1 ./hf                            # Megatron-core torch_dist
+      ckptctl export meta-llama/Llama-3.2-1B ./local --dry-run   # a repo id in the local HF cache
+      ckptctl export ./run ./exports --follow --keep-last 3      # every save of a training job
+    """
     dtype, only, names = plain(dtype), plain(only), plain(names)
     if follow:  # SRC is a training job's output: every completed save (cli/follow_cmd.py, docs/FOLLOW.md)
         from ckptctl.cli.follow_cmd import run_follow

@@ -14,7 +14,7 @@ _PRESETS_HELP = "see docs/GC_TMP.md; repeatable"
 
 
 def gc_tmp(
-    roots: Annotated[List[str], typer.Argument(metavar="ROOT", help="Directories to clean up below (never / or your home directory).", show_default=False)],
+    roots: Annotated[List[str], typer.Argument(metavar="ROOT...", help="Directories to clean up below (never / or your home directory).", show_default=False)],
     older_than: Annotated[str, typer.Option("--older-than", metavar="AGE", help="Age after which foreign leftovers, and staging of writers on other hosts whose lock is free, go: 30m, 6h, 2d.")] = "1h",
     min_age: Annotated[str, typer.Option("--min-age", metavar="AGE", help="Nothing modified more recently than this is removed, even a dead writer's staging.")] = "60s",
     max_depth: Annotated[int, typer.Option("--max-depth", metavar="N", help="How deep below each root to look (1 = the root's own entries).")] = 4,
@@ -27,7 +27,15 @@ def gc_tmp(
     verbose: VerboseOpt = 0,
 ) -> None:
     """Remove staging directories of dead ckptctl writers (rolling half-done publishes forward or
-    back first) and, opt-in, other tools' leftovers. A live writer's directory is never removed."""
+    back first) and, opt-in, other tools' leftovers. A live writer's directory is never removed.
+
+    Examples:
+
+    \b
+      ckptctl gc-tmp /data/checkpoints --dry-run
+      ckptctl gc-tmp /data/checkpoints --older-than 6h --preset incomplete -q    # cron
+      ckptctl gc-tmp /data/checkpoints --check --json                           # monitoring
+    """
     out = Output("gc-tmp", json_mode=json_, quiet=quiet + (1 if json_ else 0), verbose=verbose)
     with out.guard():
         from ckptctl import gc

@@ -21,7 +21,16 @@ def inspect(
     quiet: QuietOpt = 0,
     verbose: VerboseOpt = 0,
 ) -> None:
-    """Show what a checkpoint holds: files, tensors, parameters, dtypes, config. Reads headers only."""
+    """Show what a checkpoint holds: files, tensors, parameters, dtypes, config. Reads headers only.
+
+    Examples:
+
+    \b
+      ckptctl inspect ./hf
+      ckptctl inspect ./hf --filter 'model.layers.0.*'
+      ckptctl inspect output/checkpoint-500 --only zero
+      ckptctl inspect ./hf --json | jq .parameters
+    """
     out = Output("inspect", json_mode=json_, quiet=quiet, verbose=verbose)
     with out.guard():
         from ckptctl.errors import UsageError

@@ -30,7 +30,18 @@ def resave(
     quiet: QuietOpt = 0,
     verbose: VerboseOpt = 0,
 ) -> None:
-    """Re-shard, change dtype, or repair a checkpoint in place, atomically, copying nothing that did not change."""
+    """Re-shard, change dtype, or repair a checkpoint in place, atomically, copying nothing that did not change.
+
+    --dtype alone keeps the shard layout; --max-shard-size re-plans it.
+
+    Examples:
+
+    \b
+      ckptctl resave ./hf --dtype bf16                    # same shards, half the bytes
+      ckptctl resave ./hf --max-shard-size 2GB
+      ckptctl resave ./hf --repair --dry-run              # what would be fixed
+      ckptctl resave ./hf --repair --static -o ./fixed    # cron-safe: no torch import
+    """
     dtype = plain(dtype)
     out = Output("resave", json_mode=json_, quiet=quiet + (1 if json_ else 0), verbose=verbose)
     with out.guard():

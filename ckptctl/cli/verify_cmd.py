@@ -38,13 +38,13 @@ def verify(
         "--fail-on", case_sensitive=False,
         help="Exit 1 when a finding of this severity or worse exists.")] = FailOn.error,
     base: Annotated[Optional[str], typer.Option(
-        "--base", help="Base model (directory or cached repo id) to check an adapter against "
+        "--base", metavar="MODEL", help="Base model (directory or cached repo id) to check an adapter against "
         "(default: its base_model_name_or_path, when available locally).")] = None,
     static: Annotated[bool, typer.Option(
         "--static", help="Static rules only: do not build the model class with its library (no torch or "
         "transformers/diffusers import).")] = False,
     max_shard_size: Annotated[Optional[str], typer.Option(
-        "--max-shard-size", help="Warn about shards holding more tensor bytes than this (5GB, 2GiB).")] = None,
+        "--max-shard-size", metavar="SIZE", help="Warn about shards holding more tensor bytes than this (5GB, 2GiB).")] = None,
     json_: JsonOpt = False,
     quiet: QuietOpt = 0,
     verbose: VerboseOpt = 0,
@@ -53,6 +53,15 @@ def verify(
     and the model class its library builds on the meta device (unless --static).
 
     Exit 0 when clean, 1 when a finding reaches --fail-on, 2 on usage errors, 3 on I/O errors.
+    One line per finding (path: severity code: message, then its hint); -v for tables.
+
+    Examples:
+
+    \b
+      ckptctl verify ./hf
+      ckptctl verify --static ./hf                 # no torch or transformers import
+      ckptctl verify --deep --fail-on warning ./hf
+      ckptctl verify -r /data/checkpoints --json
     """
     out = Output("verify", json_mode=json_, quiet=quiet, verbose=verbose)
     code = EXIT_OK
