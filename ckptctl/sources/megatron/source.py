@@ -1,9 +1,10 @@
 """A Megatron-core ``torch_dist`` checkpoint as a source: its model weights under Hugging Face
-names (Llama-, Qwen2- and Mixtral-style GPT models), or under Megatron's own (``--names megatron``).
+names (Llama, Qwen2, Qwen3, Mixtral, Qwen3-MoE, DeepSeek-V3/Kimi with MLA, GLM-4.5; MTP layers as
+the HF checkpoints hold them), or under Megatron's own (``--names megatron``).
 
 The checkpoint is torch DCP with Megatron's extra planning records in ``.metadata`` (read as
-data by :mod:`ckptctl.format.dcp_metadata`); :mod:`.megatron_files` finds it and reads the run's
-arguments from ``common.pt``. The model's tensors are the DCP tensors outside ``optimizer.``
+data by :mod:`ckptctl.format.dcp_metadata`); :mod:`.files` finds it and reads the run's
+arguments from ``common.pt`` (without them: ``--config``, :mod:`.config_hf`). The model's tensors are the DCP tensors outside ``optimizer.``
 (Megatron's ``_extra_state`` and RNG entries are byte objects, not tensors). Every chunk of them
 is located in its ``.distcp`` file (:func:`ckptctl.sources.dcp.chunks.chunk_bytes_at`: the
 chunk's ``torch.save`` archive read from its records, nothing imported) and the chunks of each
@@ -11,13 +12,13 @@ tensor must tile its global shape (:func:`ckptctl.sources.dcp.hf.check_tiling`),
 pipeline-parallel degrees do not matter.
 
 Each exported tensor is a set of :class:`~ckptctl.sources.dcp.hf.Block` s, sub-blocks of those
-chunks cut by the mapping (:mod:`.megatron_mapping`: a layer of a stacked tensor, the vocabulary
-without its padding, a query group's q/k/v rows, the gate or up half of ``linear_fc1``, one
+chunks cut by the mapping (:mod:`.mapping`: a layer of a stacked tensor or a per-layer key, the
+vocabulary the run's tokenizer had, a query group's q/k/v rows, the gate or up half of ``linear_fc1``, one
 expert): this is the DCP-HF source's own representation, so the same code places them. Blocks
 that are few long runs of the output become :class:`~ckptctl.sources.base.Piece` s copied by the
 kernel; others (the column shards of a tensor-parallel ``linear_proj``/``linear_fc2``) stream
 through :meth:`DcpHfSource.chunks` in bounded windows. ``config.json`` is built from the
-arguments (:mod:`.megatron_config`). Nothing is guessed: a tensor no rule consumes, a shape the
+arguments (:mod:`.config`, :mod:`.config_v3`). Nothing is guessed: a tensor no rule consumes, a shape the
 arguments do not explain, an argument no mapping covers, each refuses the export.
 """
 
