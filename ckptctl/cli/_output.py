@@ -274,14 +274,24 @@ class Output:
 
 class ProgressReporter:
     """Renders the core's ProgressEvents: a rich bar on an interactive stderr, one plain line per
-    shard otherwise, nothing with -q or --json."""
+    shard otherwise, nothing with -q or --json. On a terminal a status line comes first
+    (:meth:`start`: reading and planning; ``waiting`` once the plan is made, until the first byte
+    is written, e.g. while a converter is imported); the rate and time-left clock starts at the
+    first byte written, so that wait is not counted in them. The bar is redrawn on each event."""
 
-    def __init__(self, out: Output) -> None:
+    def __init__(self, out: Output, waiting: str = "preparing the write") -> None:
         self.out = out
         self.enabled = out.verbosity >= 0
         self.rich = self.enabled and out.interactive
+        self.waiting = waiting
         self._progress: Any = None
         self._task: Any = None
+        self._writing = False  # the first byte was written: the clock runs
+
+    def start(self, status: str = "reading the source and planning") -> None:
+        """The status line before the first event (a terminal only)."""
+        if self.rich and self._progress is None:
+            self._open(status, None)
 
     def __call__(self, event: Any) -> None:
         if not self.enabled:
@@ -293,24 +303,38 @@ class ProgressReporter:
         elif event.phase == "publish":
             self.out.err.print("publishing")
 
-    def _rich(self, event: Any) -> None:
+    def _open(self, description: str, total: int | None) -> None:
         from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn,
                                    TransferSpeedColumn)
 
+        self._progress = Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(),
+                                  TransferSpeedColumn(), TimeRemainingColumn(), console=self.out.err,
+                                  transient=True, auto_refresh=False)
+        self._progress.start()
+        self._task = self._progress.add_task(description, total=total, start=False)  # no clock yet
+        self._progress.refresh()
+
+    def _rich(self, event: Any) -> None:
         if event.phase == "plan":
-            self._progress = Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(),
-                                      TransferSpeedColumn(), TimeRemainingColumn(), console=self.out.err,
-                                      transient=True)
-            self._progress.start()
-            self._task = self._progress.add_task("writing", total=max(event.total, 1))
+            if self._progress is None:
+                self._open(self.waiting, max(event.total, 1))
+            else:
+                self._progress.update(self._task, total=max(event.total, 1), description=self.waiting)
         elif self._progress is None:
             return
         elif event.phase == "write":
-            self._progress.update(self._task, completed=event.done, description=event.file or "writing")
-        elif event.phase in ("publish", "done"):
-            self._progress.update(self._task, description=event.phase)
+            if not self._writing:  # the first byte: the rate and time left are measured from here
+                self._writing = True
+                self._progress.reset(self._task, start=True, completed=event.done,
+                                     description=event.file or "writing")
+            else:
+                self._progress.update(self._task, completed=event.done, description=event.file or "writing")
+        elif event.phase in ("finalize", "publish", "done"):
+            self._progress.update(self._task, description="finishing" if event.phase == "finalize" else event.phase)
             if event.phase == "done":
                 self.close()
+                return
+        self._progress.refresh()
 
     def close(self) -> None:
         if self._progress is not None:

@@ -101,7 +101,8 @@ def _run(out, src, dst, max_shard_size, dtype, overwrite, manifest, label, key, 
             raise UsageError(f"--timeout must be a positive number of seconds, not {timeout:g}", "e.g. --timeout 300")
         if label and not manifest:
             out.warn("--label is recorded only in the manifest; add --manifest")
-        reporter = ProgressReporter(out)
+        reporter = ProgressReporter(out, waiting=f"preparing the {dtype} conversion" if dtype not in (None, "keep")
+                                    else "preparing the write")
         opts = ExportOptions(max_shard_size=max_shard_size, dtype=dtype, overwrite=overwrite, fsync=not no_fsync,
                              manifest=manifest, label=label, dry_run=dry_run, progress=reporter, names=names,
                              vocab_size=vocab_size, no_mtp=no_mtp, config=config,
@@ -110,6 +111,7 @@ def _run(out, src, dst, max_shard_size, dtype, overwrite, manifest, label, key, 
         if where.note:
             out.info(f"exporting {where.note}")
         try:
+            reporter.start()  # a status line until the plan is made (a terminal only)
             if multi_rank:
                 result, rank, group = _export_under_torchrun(where.path, dst, opts, key, only, timeout)
             else:

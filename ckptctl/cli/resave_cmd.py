@@ -55,11 +55,13 @@ def resave(
             raise UsageError("--static applies to --repair (the only resave that runs verify)",
                              "add --repair, or drop --static")
         before = _shards(directory)
-        reporter = ProgressReporter(out)
+        reporter = ProgressReporter(out, waiting=f"preparing the {dtype} conversion" if dtype not in (None, "keep")
+                                    else "preparing the write")
         opts = ExportOptions(max_shard_size=max_shard_size, dtype=dtype, overwrite=overwrite, fsync=not no_fsync,
                              manifest=manifest, label=label, dry_run=dry_run, progress=reporter,
                              command=None)  # the owner record takes this process's real command line
         try:
+            reporter.start("reading the checkpoint and planning")
             result = run_resave(directory, opts, output=output, repair=repair, prefer=prefer, link=link,
                                 static=static)
         finally:
