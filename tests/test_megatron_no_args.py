@@ -85,4 +85,6 @@ def test_config_is_refused_for_other_sources_and_with_vocab_size(family_ckpts, e
     (tmp_path / "list.json").write_text("[1, 2]")
     r = invoke("export", family_ckpts["qwen3_tp2"], tmp_path / "c", "--config", tmp_path / "list.json")
     assert r.exit_code == 2 and "not a JSON object" in r.stderr
-    assert not any((tmp_path / n).exists() for n in "abc")
+    r = invoke("export", family_ckpts["glm_ep2_mtp"], tmp_path / "d", "--names", "megatron", "--no-mtp")
+    assert r.exit_code == 2 and "--no-mtp applies to the HF names" in r.stderr
+    assert not any((tmp_path / n).exists() for n in "abcd")

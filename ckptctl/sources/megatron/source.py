@@ -280,6 +280,10 @@ class MegatronSource(DcpHfSource):
         per = split_layers(shapes)[1]
         src.keys = "per-layer" if per else "stacked"
         src.mtp_layers = len({n.split(".")[2] for n in shapes if n.startswith("mtp.layers.")})
+        given = [o for o, v in (("--vocab-size", vocab_size), ("--no-mtp", no_mtp), ("--config", config)) if v]
+        if names and given:
+            raise UsageError(f"{given[0]} applies to the HF names; --names megatron writes Megatron's own",
+                             f"drop {given[0]} or --names megatron")
         desc, outputs = None, None
         try:
             if not names:
