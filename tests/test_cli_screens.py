@@ -54,7 +54,7 @@ def test_quiet_keeps_each_commands_result(tmp_path: Path, damaged: Path) -> None
     src = _three_shards(tmp_path / "src")
     r = run_ckptctl("export", "-q", src, tmp_path / "out", "--no-fsync")
     assert r.returncode == 0 and r.stderr == "", r.stderr
-    assert "model.safetensors" in r.stdout and r.stdout.startswith("wrote")
+    assert "model.safetensors" in r.stdout and r.stdout.startswith(f"wrote {tmp_path / 'out'}\n")
 
     r = run_ckptctl("resave", "-q", src, "--dtype", "bf16", "--no-fsync")
     assert r.returncode == 0 and r.stderr == "", r.stderr
@@ -71,6 +71,9 @@ def test_quiet_keeps_each_commands_result(tmp_path: Path, damaged: Path) -> None
     leak = tmp_path / "gc" / "_tmp_ckpt.18ecc906440da92e-4404158d"
     leak.mkdir(parents=True)
     (leak / "owner.json").write_text(json.dumps({"tool": "ckptctl", "pid": 1 << 22, "host": "node-9.invalid"}))
+    r = run_ckptctl("env", "-q")
+    assert r.returncode == 0 and r.stderr == "" and "working directory: " in r.stdout
+
     r = run_ckptctl("gc-tmp", "-q", "--older-than", "0s", "--min-age", "0", tmp_path / "gc")
     assert r.returncode == 0 and r.stderr == "" and leak.name in r.stdout and "removed 1" in r.stdout
     assert not leak.exists()

@@ -172,7 +172,8 @@ def render_result(out: Output, result) -> None:
     from rich.table import Table  # only when rendering: keeps `--help` from importing it
 
     verb = "would write" if result.dry_run else "wrote"
-    table = Table(title=f"{verb} {result.dest}", title_justify="left")
+    out.print(f"{verb} {result.dest}")  # its own line: a long path is never wrapped to the table's width
+    table = Table()
     for col in ("file", "size", "tensors"):
         table.add_column(col, justify="left" if col == "file" else "right")
     _file_rows(table, result)
@@ -216,7 +217,8 @@ def render_root(out: Output, result) -> None:
     from rich.table import Table
 
     verb = "would write" if result.dry_run else "wrote"
-    table = Table(title=f"{verb} {result.dest} ({result.kind} root)", title_justify="left")
+    out.print(f"{verb} {result.dest} ({result.kind} root)")
+    table = Table()
     for col in ("file", "size", "tensors"):
         table.add_column(col, justify="left" if col == "file" else "right")
     for folder, res in sorted(result.exports.items()):

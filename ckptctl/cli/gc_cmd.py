@@ -110,7 +110,8 @@ def _render(out: Output, result, *, always: bool) -> None:
         return
     from rich.table import Table
 
-    table = Table(title=f"gc-tmp {roots}" + (" (dry run)" if result.options.dry_run else ""), title_justify="left")
+    out.print(f"gc-tmp {roots}" + (" (dry run)" if result.options.dry_run else ""))  # not wrapped to the table
+    table = Table()
     for col in ("path", "owner", "age", "size", "decision", "why"):
         table.add_column(col, justify="right" if col in ("age", "size") else "left",
                          overflow="fold")

@@ -220,7 +220,7 @@ def _findings_table(r: Any, rows: list) -> Any:
     """-v: a checkpoint's findings as a table (file relative to its root, the tensor a column)."""
     from rich.table import Table
 
-    table = Table(title=r.path, title_justify="left")
+    table = Table(title=r.path, title_justify="left", title_style="bold")
     for col in ("code", "severity", "file", "tensor", "message", "hint"):
         table.add_column(col, overflow="fold", no_wrap=col == "code")
     seen: dict[tuple[str, str], int] = {}
