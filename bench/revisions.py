@@ -1,7 +1,8 @@
 """Cases run for the working tree and for another git revision side by side (``run.py --against``).
 
-A revision is checked out once into ``work/rev-<sha>`` (``git worktree add --detach``; reused
-while it stays at that commit). Before a case runs, both trees' ``ckptctl`` packages are compiled
+A revision is checked out into ``work/rev-<sha>`` (``git worktree add --detach``) for the run and
+removed after it (``--keep-checkout`` keeps it, and a kept one is reused while it stays at that
+commit). Before a case runs, both trees' ``ckptctl`` packages are compiled
 with :mod:`compileall`, so both run from bytecode as an installed package does, whatever
 ``PYTHONDONTWRITEBYTECODE`` says (compileall writes the ``.pyc`` files regardless; a file edited
 later is only recompiled, never written, by a process that has that variable set).
@@ -53,6 +54,13 @@ def checkout(rev: str) -> tuple[str, Path]:
     _git("worktree", "prune")
     _git("worktree", "add", "--detach", str(path), sha)
     return short, path
+
+
+def remove(path: Path) -> None:
+    """Remove a checkout made by :func:`checkout` (``git worktree remove``): a tree of another
+    revision's sources left under ``work/`` would be read by whatever walks the repository's
+    ``bench/`` folder for Python files (tests/test_layering.py does)."""
+    _git("worktree", "remove", "--force", str(path))
 
 
 def compile_tree(root: Path) -> None:

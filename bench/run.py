@@ -18,7 +18,7 @@ from dataclasses import replace
 
 from bench.cases import discover
 from bench.harness import Case, drop_caches, rss_floor, run_case, table
-from bench.revisions import ROOT, TREE, checkout, compare_table, environment_note, side_by_side
+from bench.revisions import ROOT, TREE, checkout, compare_table, environment_note, remove, side_by_side
 
 from ckptctl.sizes import parse_size
 
@@ -54,6 +54,8 @@ def main(argv: list[str] | None = None) -> int:
                          "each case's reference always runs)")
     ap.add_argument("--against", metavar="REV",
                     help="run every ckptctl command for the working tree and for git revision REV side by side")
+    ap.add_argument("--keep-checkout", action="store_true",
+                    help="with --against: keep the revision's worktree under bench/work for the next run")
     ap.add_argument("--json", metavar="OUT", help="also write the results as JSON")
     ap.add_argument("--list", action="store_true", help="list the cases and exit")
     args = ap.parse_args(argv)
@@ -80,8 +82,12 @@ def main(argv: list[str] | None = None) -> int:
             "caches": "dropped before each run" if drop else "warm", "prefault_override": hot,
             "rss_floor_mib": round(rss_floor() / 2**20, 1), "date": time.strftime("%Y-%m-%d %H:%M:%S"),
             "load_before": os.getloadavg()[0]}
-    rows = [(case, run_case(case, args.rounds, warmup=args.warmup, drop=drop, prefault_bytes=hot, log=_log))
-            for case in selected]
+    try:
+        rows = [(case, run_case(case, args.rounds, warmup=args.warmup, drop=drop, prefault_bytes=hot, log=_log))
+                for case in selected]
+    finally:
+        if rev and not args.keep_checkout:
+            remove(path)
 
     print(f"{info['date']}  {info['cpus']} CPUs, {info['memory_bytes'] / 2**30:.1f} GiB RAM, "
           f"Linux {info['kernel']}, Python {info['python']}, ckptctl {info['ckptctl']}")
