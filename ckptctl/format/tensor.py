@@ -92,3 +92,12 @@ def dtypes(tensors: Mapping[str, TensorSpec]) -> set[str | None]:
     its columns (``dtype_set``), without a spec per tensor."""
     fast = getattr(tensors, "dtype_set", None)
     return fast() if fast is not None else set(map(attrgetter("dtype"), tensors.values()))
+
+
+def strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The element strides of a contiguous (row-major) tensor of ``shape``."""
+    out, acc = [], 1
+    for n in reversed(shape):
+        out.append(acc)
+        acc *= n
+    return tuple(reversed(out))

@@ -26,6 +26,7 @@ from typing import Any, Callable
 from ckptctl.errors import InputError
 from ckptctl.format import dtypes as dt
 from ckptctl.format.dcp_metadata import MetadataIndex
+from ckptctl.format.tensor import strides
 from ckptctl.sources.base import Piece
 from ckptctl.sources.torch_archive import tensor_record
 
@@ -60,14 +61,6 @@ class _Slice(io.RawIOBase):
         return len(data)
 
 
-def contiguous_strides(size: tuple[int, ...]) -> tuple[int, ...]:
-    out, acc = [], 1
-    for n in reversed(size):
-        out.append(acc)
-        acc *= n
-    return tuple(reversed(out))
-
-
 def chunk_bytes_at(fd: int, start: int, length: int, dtype: str, size: tuple[int, ...]) -> int | None:
     """The absolute offset in the file open at ``fd`` of the contiguous bytes of the chunk whose
     ``torch.save`` archive is stored at ``start`` (``length`` bytes), or None when they are not
@@ -94,7 +87,7 @@ def run_start(offsets: tuple[int, ...], sizes: tuple[int, ...], full: tuple[int,
         return None
     if any(o < 0 or o + n > f for o, n, f in zip(offsets, sizes, full)):
         return None
-    return sum(o * s for o, s in zip(offsets, contiguous_strides(full)))
+    return sum(o * s for o, s in zip(offsets, strides(full)))
 
 
 def tensor_pieces(root: Any, fqn: str, item: Any, storage: Any, dtype: str,

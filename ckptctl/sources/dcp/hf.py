@@ -38,6 +38,7 @@ from ckptctl.format import dtypes as dt
 from ckptctl.format import names as N
 from ckptctl.format.dcp_hf_names import SHARD_NAME, SHARDED_DIR, absent_shard, missing_models
 from ckptctl.format.header import DuplicateKey, no_duplicate_keys
+from ckptctl.format.tensor import strides
 from ckptctl.sources.base import (CHUNK_BYTES, FileId, Piece, Source, SourceTensor, changed, convert_bytes,
                                   open_checked, read_pinned)
 
@@ -68,14 +69,6 @@ class Block:
 
     def where(self) -> str:
         return f"{Path(self.file).name} (offsets {list(self.offsets)}, shape {list(self.sizes)})"
-
-
-def strides(shape: tuple[int, ...]) -> tuple[int, ...]:
-    out, acc = [], 1
-    for n in reversed(shape):
-        out.append(acc)
-        acc *= n
-    return tuple(reversed(out))
 
 
 def _regular(path: Path) -> bool:
