@@ -21,6 +21,10 @@ NAMES: dict[str, tuple[str, ...]] = {
     "dtype": ("dtype", "torch_dtype"),  # transformers >= 4.56 writes "dtype", older ones "torch_dtype"
 }
 
+# config.json's dtype names -> the safetensors dtype they build the model in
+CONFIG_DTYPES = {"float32": "F32", "float": "F32", "float16": "F16", "half": "F16", "bfloat16": "BF16",
+                 "float64": "F64", "double": "F64"}
+
 # Fields about the whole model: the top level wins over text_config. Every other field describes
 # the text tower, where a multimodal config's text_config wins.
 MODEL_LEVEL = frozenset({"model_type", "architectures", "dtype", "tie_word_embeddings"})
@@ -67,3 +71,9 @@ def read_config(root: Path) -> dict[str, Any] | None:
     except (OSError, ValueError, RecursionError):
         return None
     return cfg if isinstance(cfg, dict) else None
+
+
+def config_dtype(cfg: Any) -> str | None:
+    """The safetensors dtype config.json's dtype field names, or None."""
+    raw = ConfigFields(cfg).get("dtype") if isinstance(cfg, dict) else None
+    return CONFIG_DTYPES.get(raw.removeprefix("torch.")) if isinstance(raw, str) else None

@@ -391,7 +391,7 @@ def deep_step(ctx: Context, *, fast: bool | None = None) -> str | None:
 def _cast_to(ctx: Context) -> str | None:
     """The dtype config.json makes transformers build the model in (and cast every weight to)."""
     from ckptctl.verify.consistency_tokens import quiet_json
-    from ckptctl.verify.model import config_dtype
+    from ckptctl.config_fields import config_dtype
 
     ok, cfg = quiet_json(ctx, N.CONFIG)
     return config_dtype(cfg) if ok else None

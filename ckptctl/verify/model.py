@@ -22,7 +22,7 @@ from operator import attrgetter
 from typing import Any
 
 from ckptctl import layout as L
-from ckptctl.config_fields import ConfigFields, as_int
+from ckptctl.config_fields import CONFIG_DTYPES, ConfigFields, as_int, config_dtype
 from ckptctl.findings import ERROR, INFO, WARNING, Finding, PathFindings
 from ckptctl.format import names as N
 from ckptctl.format.tensor import TensorSpec
@@ -41,8 +41,6 @@ QUANT_DTYPES = frozenset({"F8_E5M2", "F8_E4M3", "F8_E8M0", "F8_E4M3FNUZ", "F8_E5
 QUANT_SUFFIXES = (".qweight", ".qzeros", ".absmax", ".quant_map", ".quant_state", ".weight_scale",
                   ".weight_scale_inv", ".weight_packed", ".SCB", ".weight_zero_point", ".input_scale",
                   ".nested_absmax", ".g_idx")
-CONFIG_DTYPES = {"float32": "F32", "float": "F32", "float16": "F16", "half": "F16", "bfloat16": "BF16",
-                 "float64": "F64", "double": "F64"}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model",
                    "sentencepiece.bpe.model", "tokenizer_config.json")
 
@@ -205,12 +203,6 @@ def _float_counts(tensors: Tensors) -> dict[str, int]:
         if t.dtype in FLOATS:
             counts[t.dtype] = counts.get(t.dtype, 0) + t.numel
     return counts
-
-
-def config_dtype(cfg: Any) -> str | None:
-    """The safetensors dtype name config.json's dtype field names, or None."""
-    raw = ConfigFields(cfg).get("dtype") if isinstance(cfg, dict) else None
-    return CONFIG_DTYPES.get(raw.removeprefix("torch.")) if isinstance(raw, str) else None
 
 
 def _dominant_float(tensors: Tensors) -> str | None:
