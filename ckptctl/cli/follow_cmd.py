@@ -86,7 +86,7 @@ def _follow(out: Any, src: str, dst: str, json_: bool, given: dict[str, Any]) ->
         source=Path(os.path.abspath(src)), dst_root=Path(os.path.abspath(dst)), export=export,
         key=given.get("key"), only=given.get("only"), start_from=given.get("start_from") or "newest",
         quiet=duration("--quiet-period", given.get("quiet_period") or "30s") or 0.0,
-        poll=duration("--poll-interval", given.get("poll_interval") or "5s") or 0.0,
+        poll=duration("--poll-interval", given.get("poll_interval") or "1s") or 0.0,
         once=bool(given.get("once")), exit_when_idle=duration("--exit-when-idle", given.get("exit_when_idle")),
         retention=Retention.of(given.get("keep_last"), given.get("keep_every"), given.get("keep_best")),
         verify=bool(given.get("verify")), on_publish=hook, low_priority=given.get("priority") == "low",

@@ -60,6 +60,7 @@ class Judgement:
     complete: bool
     reason: str | None = None
     identity: dict[str, Any] = field(default_factory=dict)
+    quiet_at_ns: int | None = None  # waiting only for the quiet period: when it ends (wall clock)
 
 
 def judge(save: Save, fp: Fingerprint, *, now_ns: int, quiet_s: float) -> Judgement:
@@ -67,11 +68,12 @@ def judge(save: Save, fp: Fingerprint, *, now_ns: int, quiet_s: float) -> Judgem
     check = {"dcp": _dcp, "trainer": _trainer, "megatron": _megatron, "zero": _zero}[save.kind]
     identity: dict[str, Any] = {}
     reason = check(save, fp, identity)
+    quiet_at = None
     if reason is None and quiet_s > 0:
-        age = (now_ns - fp.newest_ns) / 1e9
-        if age < quiet_s:
+        quiet_at = fp.newest_ns + int(quiet_s * 1e9)
+        if now_ns < quiet_at:
             reason = f"modified less than {quiet_s:g}s ago (the quiet period)"
-    return Judgement(reason is None, reason, identity)
+    return Judgement(reason is None, reason, identity, quiet_at if reason is not None else None)
 
 
 def _size_time(fp: Fingerprint, rel: str) -> dict[str, int]:

@@ -26,7 +26,7 @@ from ckptctl.follow.completion import Judgement, judge
 from ckptctl.follow.events import EmitFn, Event
 from ckptctl.follow.handle import Handler
 from ckptctl.follow.options import FollowOptions
-from ckptctl.follow.saves import Fingerprint, Save, fingerprint, list_saves
+from ckptctl.follow.saves import Fingerprint, Save, fingerprint, list_saves, quick_key
 from ckptctl.follow.state import FINAL, FollowState
 
 
@@ -38,8 +38,9 @@ class Follower:
         self.handler: Handler | None = None
         self.waiting: dict[str, str] = {}  # save name -> the reason last reported
         self.seen: dict[str, str] = {}  # save name -> the fingerprint digest of the last look
-        self.handled_digest: dict[str, str] = {}  # handled save name -> digest: not judged again
+        self.handled_key: dict[str, tuple] = {}  # handled save name -> quick key: not looked at again
         self.activity = False  # a waiting save changed during the pass (not idle)
+        self.wake_ns: int | None = None  # the end of the earliest quiet period waited for (wall clock)
 
     def run(self) -> int:
         """Follow until told to stop; returns the number of exports published by this run."""
@@ -72,10 +73,17 @@ class Follower:
                     self.emit(Event("idle", f"nothing to do for {opts.exit_when_idle:g}s; exiting",
                                     fields=self._summary()))
                     break
-                time.sleep(opts.poll)
+                time.sleep(self._pause())
             return self._count_published() - published_before
         finally:
             self.state.close()
+
+    def _pause(self) -> float:
+        """Seconds until the next look: the poll interval, or less when a save's quiet period ends
+        sooner (a save is published a quiet period after its last change, not a poll later)."""
+        if self.wake_ns is None:
+            return self.opts.poll
+        return max(0.01, min(self.opts.poll, (self.wake_ns - time.time_ns()) / 1e9 + 0.01))
 
     def _count_published(self) -> int:
         assert self.state is not None
@@ -93,14 +101,22 @@ class Follower:
         """Look once; export at most one save. True when something was handled (look again)."""
         assert self.state is not None and self.handler is not None
         self.activity = False
+        self.wake_ns = None
         try:
-            _kind, saves = list_saves(self.opts.source)
+            _kind, saves = list_saves(self.opts.source, self.state.records)
         except OSError as exc:
             raise from_oserror(exc, f"cannot list {self.opts.source}") from None
         if not self.state.baseline_set:
             self._set_baseline(saves)
         did = self._vanished({s.name for s in saves})
         for save in saves:
+            rec = self.state.records.get(save.name)
+            status = rec.get("status") if rec else None
+            if status == "skipped":
+                continue  # older than following: for good
+            key = quick_key(save) if status in FINAL else None
+            if key is not None and self.handled_key.get(save.name) == key:
+                continue  # handled, and neither its folder nor its marker changed since
             try:
                 fp = fingerprint(save.path)
             except FileNotFoundError:
@@ -108,17 +124,16 @@ class Follower:
             except OSError as exc:
                 self._wait(save, f"unreadable ({exc.strerror or exc})")
                 continue
-            if self._consider(save, fp):
+            if self._consider(save, fp, key):
                 return True
         return did
 
-    def _consider(self, save: Save, fp: Fingerprint) -> bool:
-        """Handle ``save`` if it is complete and new; True when something was recorded."""
+    def _consider(self, save: Save, fp: Fingerprint, key: tuple | None) -> bool:
+        """Handle ``save`` if it is complete and new; True when something was recorded. ``key``:
+        the quick key of a handled save (remembered once it is judged the same save)."""
         assert self.state is not None and self.handler is not None
         rec = self.state.records.get(save.name)
         status = rec.get("status") if rec else None
-        if status == "skipped" or (status in FINAL and self.handled_digest.get(save.name) == fp.digest):
-            return False  # older than following (for good), or nothing changed since it was judged the same save
         if rec is not None and fp.digest in (rec.get("lost_digest"), rec.get("refused_digest")):
             return False  # the very files that were lost or refused: wait for a change
         judged = judge(save, fp, now_ns=time.time_ns(), quiet_s=self.opts.quiet)
@@ -126,7 +141,8 @@ class Follower:
             self._wait(save, f"being saved again? {judged.reason}", fp)
             return False
         if status in FINAL and rec.get("identity") == judged.identity:  # type: ignore[union-attr]
-            self.handled_digest[save.name] = fp.digest  # the same save: files added after (tokenizer)
+            if key is not None:
+                self.handled_key[save.name] = key  # the same save (files added after it: a tokenizer)
             self.waiting.pop(save.name, None)
             return False
         baseline = self.state.settings.get("baseline")
@@ -137,9 +153,13 @@ class Follower:
                             "following began (--from newest)", save.name, save.step))
             return True
         if not judged.complete:
+            if judged.quiet_at_ns is not None:
+                self.wake_ns = min(self.wake_ns or judged.quiet_at_ns, judged.quiet_at_ns)
             self._wait(save, judged.reason or "incomplete", fp)
             return False
         if not self.opts.once and self.opts.quiet > 0 and self.seen.get(save.name) != fp.digest:
+            second = time.time_ns() + int(min(self.opts.poll, 1.0) * 1e9)  # a second look, soon
+            self.wake_ns = min(self.wake_ns or second, second)
             self._wait(save, "complete; checking that it stays the same", fp)
             return False
         self.waiting.pop(save.name, None)
@@ -178,8 +198,8 @@ class Follower:
             self.handler.lost(gone, Judgement(False), f"deleted before it was exported (it was waiting: "
                               f"{rec.get('reason')})", None)
             did = True
-        for name in [n for n in self.handled_digest if n not in listed]:
-            del self.handled_digest[name]
+        for name in [n for n in self.handled_key if n not in listed]:
+            del self.handled_key[name]
         return did
 
     def _set_baseline(self, saves: list[Save]) -> None:

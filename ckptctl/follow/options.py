@@ -21,7 +21,7 @@ class FollowOptions:
     only: str | None = None
     start_from: str = "newest"  # newest | all: the saves already there when following begins
     quiet: float = 30.0  # seconds of nothing changing before a save counts as complete
-    poll: float = 5.0  # seconds between two looks
+    poll: float = 1.0  # seconds between two looks
     once: bool = False
     exit_when_idle: float | None = None  # seconds
     retention: Retention = field(default_factory=Retention)

@@ -76,6 +76,31 @@ class Fingerprint:
         return {"files": len(self.files), "bytes": self.total_bytes, "digest": self.digest}
 
 
+# The file each kind writes last (or, for ZeRO, rank 0's model states): a save written again
+# changes it, so a handled save whose folder and marker did not change is not listed again.
+MARKERS = {"dcp": (DCP_METADATA,), "megatron": (DCP_METADATA,), "trainer": ("trainer_state.json",),
+           "zero": ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt")}
+
+
+def quick_key(save: Save) -> tuple | None:
+    """Two or three stats: the folder's and its marker's (inode, size, mtime, ctime); None when
+    the folder is gone."""
+    out: list[tuple[int, int, int, int] | None] = []
+    base = os.fspath(save.path)
+    for rel in (".", *MARKERS[save.kind]):
+        try:
+            st = os.stat(f"{base}/{rel}", follow_symlinks=False)
+        except FileNotFoundError:
+            if rel == ".":
+                return None
+            out.append(None)
+            continue
+        except OSError:
+            return None
+        out.append((st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns))
+    return tuple(out)
+
+
 class TooManyFiles(OSError):
     """A save holds more entries than :data:`MAX_FILES`."""
 
@@ -91,10 +116,11 @@ def root_kind(names: list[str]) -> str | None:
     return "dcp" if names else None
 
 
-def list_saves(root: Path) -> tuple[str | None, list[Save]]:
+def list_saves(root: Path, known: frozenset[str] | set[str] | dict = frozenset()) -> tuple[str | None, list[Save]]:
     """The kind of ``root`` and its saves, by step. Entries that are not directories (a link to a
-    folder elsewhere included: never followed) are not saves. Raises OSError when ``root`` cannot
-    be listed."""
+    folder elsewhere included: never followed) are not saves. ``known``: names already known to be
+    saves (a DCP folder's probe is skipped for them). Raises OSError when ``root`` cannot be
+    listed."""
     with os.scandir(root) as it:
         entries = [(e.name, e.is_dir(follow_symlinks=False)) for e in it]
     kind = root_kind([n for n, _ in entries])
@@ -106,7 +132,7 @@ def list_saves(root: Path) -> tuple[str | None, list[Save]]:
         m = pattern.match(name)
         if not is_dir or m is None or name.startswith("."):
             continue
-        if kind == "dcp" and not _dcp_folder(root / name):
+        if kind == "dcp" and name not in known and not _dcp_folder(root / name):
             continue
         saves.append(Save(kind, name, int(m.group(1)), root / name))
     saves.sort(key=Save.sort_key)
