@@ -40,7 +40,7 @@ def export(
     once: OnceOpt = False,
     start_from: FromOpt = "newest",
     quiet_period: QuietPeriodOpt = "30s",
-    poll_interval: PollOpt = "5s",
+    poll_interval: PollOpt = "1s",
     exit_when_idle: ExitWhenIdleOpt = None,
     keep_last: KeepLastOpt = None,
     keep_every: KeepEveryOpt = None,
