@@ -192,3 +192,36 @@ def test_verify_records_the_outcome(tmp_path: Path) -> None:
     assert rc == 0, err
     assert [e["verified"] for e in events if e["event"] == "published"] == [True]
     assert records(dst)["step-1"]["verified"] is True
+
+
+def test_disk_full_stops_the_follower_and_the_save_is_exported_once_there_is_room(tmp_path: Path,
+                                                                                  mount_tmpfs) -> None:
+    import subprocess
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+    import warnings
+
+    run, dst = tmp_path / "run", mount_tmpfs(tmp_path / "hf", size="1m")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save({"w": torch.randn(1024, 512)}, checkpoint_id=str(run / "step-1"))  # 2 MB
+    rc, events, err = run_follow(run, dst, "--from", "all")
+    assert rc == 3 and "not enough free space" in err, err
+    assert events[-1]["event"] == "error" and events[-1]["error"]["code"] == "disk_full"
+    assert "step-1" not in records(dst) and leftovers(dst) == []
+    if subprocess.run(["mount", "-o", "remount,size=16m", str(dst)], capture_output=True).returncode != 0:
+        pytest.skip("cannot grow the tmpfs here")
+    rc, events, err = run_follow(run, dst)
+    assert rc == 0 and named(events, "published") == ["step-1"], err
+    assert_same_as_plain(dst / "step-1", run / "step-1", tmp_path)
+
+
+def test_exit_when_idle(tmp_path: Path) -> None:
+    run, dst = tmp_path / "run", tmp_path / "hf"
+    Loop(run).save(1)
+    proc = start_follow(run, dst, "--from", "all", "--exit-when-idle", "0", once=False)
+    out, err = communicate(proc, 300)
+    events = parse_events(out)
+    assert proc.returncode == 0, err
+    assert named(events, "published") == ["step-1"] and events[-1]["event"] == "idle"
