@@ -168,10 +168,17 @@ def _render(out: Output, report: "Report", level: str) -> None:
             if seen[key] <= MAX_ROWS_PER_CODE:
                 out.print(finding_line(f, r.root, color=out.color))
                 if f.hint:
-                    out.print(f"    hint: {f.hint}")
+                    out.print(_indented(f"hint: {f.hint}"))
         for (code, path), n in seen.items():
             if n > MAX_ROWS_PER_CODE:
                 out.print(f"{path}: ... and {n - MAX_ROWS_PER_CODE} more {code} findings (see --json)")
+
+
+def _indented(text: str) -> Any:
+    """``text`` four columns in, wrapped lines too (on a terminal)."""
+    from rich.padding import Padding
+
+    return Padding(text, (0, 0, 0, 4))
 
 
 SEVERITY_STYLE = {"error": "bold red", "warning": "yellow", "info": "cyan"}
