@@ -19,6 +19,10 @@ field names), then loaded at degree 1 by Megatron's own loader, whose forward on
 Shims (``/work/shared/reference/frameworks-on-cpu.md``): those of ``tests/megatron_worker.py``,
 and for grouped experts ``grouped_gemm.ops.gmm`` as a loop of matmuls, ``config.bf16`` set after
 building (the weights stay fp32).
+
+Each fixture also gets ``bridge_run_config.yaml`` beside its ``--save`` root: the model's
+TransformerConfig as Megatron-Bridge records it in ``run_config.yaml`` (tests put it in the
+iteration folder in place of ``common.pt``).
 """
 
 from __future__ import annotations
@@ -123,6 +127,27 @@ def _args(spec: dict, tp: int, ep: int) -> argparse.Namespace:
         iteration=ITERATION, lr=0.05)
 
 
+def _run_config(cfg, spec: dict) -> dict:
+    """What Megatron-Bridge records as ``run_config.yaml`` for this model: the model provider's
+    fields (TransformerConfig's, plain values; functions as OmegaConf ``_target_`` records) and
+    the tokenizer section."""
+    import dataclasses
+
+    model = {}
+    for f in dataclasses.fields(cfg):
+        v = getattr(cfg, f.name)
+        if v is None or isinstance(v, (bool, int, float, str)) or (
+                isinstance(v, list) and all(isinstance(x, (int, float)) for x in v)):
+            model[f.name] = v
+        elif callable(v) and getattr(v, "__module__", None) and getattr(v, "__name__", None):
+            model[f.name] = {"_target_": f"{v.__module__}.{v.__name__}", "_call_": False}
+    model.update(share_embeddings_and_output_weights=spec["tied"], seq_length=64, position_embedding_type="rope",
+                 rotary_base=spec["rotary_base"], rotary_percent=1.0, vocab_size=PADDED,
+                 make_vocab_size_divisible_by=64)
+    return {"model": model, "tokenizer": {"tokenizer_type": spec["tokenizer"],
+                                          "vocab_size": VOCAB if spec["tokenizer"] == "NullTokenizer" else None}}
+
+
 def _step(model) -> None:
     import torch
     import torch.distributed as dist
@@ -157,7 +182,11 @@ def _save(name: str, spec: dict, out: Path) -> None:
              "model": model.sharded_state_dict()}
     dist_checkpointing.save(state, str(it_dir))
     if dist.get_rank() == 0:
+        import yaml
+
         (root / "latest_checkpointed_iteration.txt").write_text(str(ITERATION))
+        # beside the save (a Bridge checkpoint has it in the iteration folder, and no args)
+        (root / "bridge_run_config.yaml").write_text(yaml.safe_dump(_run_config(model.config, spec)))
     dist.barrier()
     ps.destroy_model_parallel()
 

@@ -88,3 +88,33 @@ def test_config_is_refused_for_other_sources_and_with_vocab_size(family_ckpts, e
     r = invoke("export", family_ckpts["glm_ep2_mtp"], tmp_path / "d", "--names", "megatron", "--no-mtp")
     assert r.exit_code == 2 and "--no-mtp applies to the HF names" in r.stderr
     assert not any((tmp_path / n).exists() for n in "abcd")
+
+
+@pytest.mark.parametrize("name", ["qwen3_tp2", "qwen3_moe_dense_ep2", "qwen3_moe_grouped_ep2"])
+def test_run_config_yaml_in_place_of_the_arguments_is_exact(family_ckpts, exported, tmp_path, name):
+    """A Megatron-Bridge style checkpoint: no arguments, the model's TransformerConfig in the
+    iteration folder's run_config.yaml (as the worker recorded it from the model it built):
+    the same export as from the arguments, byte for byte, with the same config.json."""
+    run = _without_common(family_ckpts[name], tmp_path)
+    shutil.copy(family_ckpts[name] / "bridge_run_config.yaml", iteration(run) / "run_config.yaml")
+    _export(run, tmp_path / "hf")
+    from ckptctl.manifest import sha256_file
+
+    for f in ("model.safetensors", "config.json"):
+        assert sha256_file(tmp_path / "hf" / f) == sha256_file(exported[name] / f), f
+
+
+@pytest.mark.parametrize("text,message", [
+    ("a: &x [1, 2]\nb: *x\n", "anchors and aliases are not read"),
+    ("model: !!python/object:os.system {}\n", "not a readable run configuration"),
+    ("- just a list\n", "is not a mapping"),
+    ("tokenizer: {}\n", "run_config.yaml has no model section"),
+])
+def test_a_hostile_run_config_is_refused_without_running_anything(family_ckpts, tmp_path, text, message):
+    run = _without_common(family_ckpts["qwen3_tp2"], tmp_path)
+    (iteration(run) / "run_config.yaml").write_text(text)
+    r = invoke("export", run, tmp_path / "out", "--json")
+    assert r.exit_code == 2, r.stdout + r.stderr
+    doc = json.loads(r.stdout)
+    assert message in doc["error"]["message"], doc["error"]["message"]
+    assert "--config" in doc["error"]["hint"] and not (tmp_path / "out").exists()

@@ -211,3 +211,44 @@ def summary(args: dict[str, Any]) -> dict[str, Any]:
             "moe_router_topk", "moe_ffn_hidden_size", "qk_layernorm", "tokenizer_type", "moe_grouped_gemm", "tensor_model_parallel_size", "pipeline_model_parallel_size",
             "expert_model_parallel_size", "transformer_impl", "ckpt_format", "bf16", "fp16", "params_dtype")
     return {k: args[k] for k in keys if k in args}
+
+
+# Megatron-Bridge's run_config.yaml: the model section holds TransformerConfig's (and the model
+# provider's) fields, named as megatron-core names them; the arguments these describers read:
+_RUN_MODEL_NAMES = {
+    "num_moe_experts": "num_experts", "layernorm_epsilon": "norm_epsilon",
+    "layernorm_zero_centered_gamma": "apply_layernorm_1p", "seq_length": "seq_length",
+}
+_RUN_SAME = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups", "kv_channels",
+             "normalization", "position_embedding_type", "rotary_base", "rotary_percent", "add_bias_linear",
+             "add_qkv_bias", "qk_layernorm", "max_position_embeddings", "multi_latent_attention", "q_lora_rank",
+             "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim", "rope_type",
+             "rotary_scaling_factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale",
+             "mscale_all_dim", "mtp_num_layers", "moe_router_topk", "moe_ffn_hidden_size",
+             "moe_shared_expert_intermediate_size", "moe_layer_freq", "moe_router_score_function",
+             "moe_router_enable_expert_bias", "moe_router_topk_scaling_factor", "moe_router_num_groups",
+             "moe_router_group_topk", "moe_router_pre_softmax", "moe_grouped_gemm", "moe_aux_loss_coeff")
+
+
+def args_from_run_config(doc: dict[str, Any], padded: int) -> dict[str, Any]:
+    """The arguments the describers read, from a Megatron-Bridge ``run_config.yaml`` (its
+    ``model`` and ``tokenizer`` sections; ``padded``: the embedding's rows, which Bridge does not
+    record). Raises ArgsError when the model section is missing."""
+    model, tok = doc.get("model"), doc.get("tokenizer")
+    if not isinstance(model, dict):
+        raise ArgsError("run_config.yaml has no model section, so the HF architecture is not known")
+    tok = tok if isinstance(tok, dict) else {}
+    args: dict[str, Any] = {k: model[k] for k in _RUN_SAME if k in model}
+    args.update({new: model[old] for old, new in _RUN_MODEL_NAMES.items() if old in model})
+    act = model.get("activation_func")
+    target = act.get("_target_") if isinstance(act, dict) else act
+    silu = isinstance(target, str) and target.rsplit(".", 1)[-1] == "silu"
+    args["swiglu"] = bool(model.get("gated_linear_unit")) and silu
+    groups = model.get("num_query_groups")
+    args["group_query_attention"] = groups is not None and groups != model.get("num_attention_heads")
+    share = model.get("share_embeddings_and_output_weights", True)
+    args["untie_embeddings_and_output_weights"] = not share
+    args["padded_vocab_size"] = padded
+    args["tokenizer_type"] = tok.get("tokenizer_type")
+    args["vocab_size"] = tok.get("vocab_size")
+    return {k: v for k, v in args.items() if v is None or isinstance(v, (bool, int, float, str, list))}

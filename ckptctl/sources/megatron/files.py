@@ -106,3 +106,33 @@ def _read_common(path: Path) -> Common:
     if isinstance(ns, DataObject) and isinstance(ns.state, dict):
         args = {str(k): _plain(v) for k, v in ns.state.items()}
     return Common(args, obj.get("checkpoint_version"), obj.get("iteration"), sorted(set(stubs)))
+
+
+RUN_CONFIG = "run_config.yaml"  # Megatron-Bridge / NeMo-RL: the run's ConfigContainer, in the iteration folder
+MAX_RUN_CONFIG = 4 << 20
+
+
+def read_run_config(folder: Path) -> dict[str, Any] | None:
+    """``run_config.yaml`` of ``folder`` as data (None when absent), bounded: at most 4 MiB, no
+    anchors or aliases (a YAML bomb), no tags (nothing constructed but plain values). Raises
+    InputError for one that is not a readable mapping."""
+    path = folder / RUN_CONFIG
+    if not path.exists():
+        return None
+    import yaml
+
+    class _Plain(yaml.SafeLoader):
+        def compose_node(self, parent: Any, index: Any) -> Any:
+            if self.check_event(yaml.AliasEvent):
+                raise yaml.YAMLError("anchors and aliases are not read")
+            return super().compose_node(parent, index)
+
+    try:
+        text = read_small(path, limit=MAX_RUN_CONFIG).decode()
+        doc = yaml.load(text, Loader=_Plain)  # noqa: S506 - a SafeLoader without aliases
+    except (OSError, TooLarge, UnicodeDecodeError, yaml.YAMLError, RecursionError) as exc:
+        raise InputError(f"{path} is not a readable run configuration ({type(exc).__name__}: {exc})"[:400],
+                         "pass the model's Hugging Face config.json with --config CONFIG_JSON instead") from None
+    if not isinstance(doc, dict):
+        raise InputError(f"{path} is not a mapping", "pass the model's config.json with --config CONFIG_JSON instead")
+    return doc

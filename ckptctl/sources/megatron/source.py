@@ -210,6 +210,17 @@ def _mapped(src: "MegatronSource", dtypes: dict[str, str], shapes: dict[str, tup
         except MappingError as exc:
             raise type(exc)(in_config_words(str(exc))) from None
     if not args:
+        from ckptctl.sources.megatron.config import args_from_run_config
+        from ckptctl.sources.megatron.files import read_run_config
+
+        run = read_run_config(src.path)
+        emb = shapes.get("embedding.word_embeddings.weight")
+        if run is not None and emb:
+            try:
+                args = args_from_run_config(run, emb[0])
+            except ArgsError as exc:
+                raise NoArgsError(str(exc)) from None
+    if not args:
         where = ("common.pt holds no Megatron-LM arguments (args)" if (src.path / "common.pt").exists()
                  else "there is no common.pt (megatron-core 0.17 and later write none)")
         raise NoArgsError(f"{where}, so the HF architecture is not known")
