@@ -50,33 +50,42 @@ CODES = ("header.truncated", "index.tensor_missing", "index.wrong_shard")
 # -q: the result on stdout, nothing on stderr
 
 
-def test_quiet_keeps_each_commands_result(tmp_path: Path, damaged: Path) -> None:
+def _quiet_run(command: str, tmp_path: Path, damaged: Path):
+    """``command -q`` on a real checkpoint (``damaged`` for verify, a dead writer's leftover for
+    gc-tmp) and what its result must show on stdout."""
     src = _three_shards(tmp_path / "src")
-    r = run_ckptctl("export", "-q", src, tmp_path / "out", "--no-fsync")
-    assert r.returncode == 0 and r.stderr == "", r.stderr
-    assert "model.safetensors" in r.stdout and r.stdout.startswith(f"wrote {tmp_path / 'out'}\n")
-
-    r = run_ckptctl("resave", "-q", src, "--dtype", "bf16", "--no-fsync")
-    assert r.returncode == 0 and r.stderr == "", r.stderr
-    assert all(name in r.stdout for name in SHARDS) and "6 tensors converted" in r.stdout
-
-    r = run_ckptctl("inspect", "-q", src)
-    assert r.returncode == 0 and r.stderr == "" and "model.layers.5.weight" not in r.stdout
-    assert "parameters" in r.stdout and SHARDS[0] in r.stdout
-
-    r = run_ckptctl("verify", "-q", "--static", damaged)
-    assert r.returncode == 1 and r.stderr == ""
-    assert all(code in r.stdout for code in CODES)
-
+    if command == "export":
+        return run_ckptctl("export", "-q", src, tmp_path / "out", "--no-fsync"), 0, ["model.safetensors", "written"]
+    if command == "resave":
+        return run_ckptctl("resave", "-q", src, "--dtype", "bf16", "--no-fsync"), 0, [*SHARDS, "6 tensors converted"]
+    if command == "inspect":
+        return run_ckptctl("inspect", "-q", src), 0, ["parameters", SHARDS[0]]
+    if command == "verify":
+        return run_ckptctl("verify", "-q", "--static", damaged), 1, [*CODES, "    hint: "]
+    if command == "env":
+        return run_ckptctl("env", "-q"), 0, ["working directory: ", "torch "]
     leak = tmp_path / "gc" / "_tmp_ckpt.18ecc906440da92e-4404158d"
     leak.mkdir(parents=True)
     (leak / "owner.json").write_text(json.dumps({"tool": "ckptctl", "pid": 1 << 22, "host": "node-9.invalid"}))
-    r = run_ckptctl("env", "-q")
-    assert r.returncode == 0 and r.stderr == "" and "working directory: " in r.stdout
+    return run_ckptctl("gc-tmp", "-q", "--older-than", "0s", "--min-age", "0", tmp_path / "gc"), 0, \
+        [leak.name, "removed 1"]
 
-    r = run_ckptctl("gc-tmp", "-q", "--older-than", "0s", "--min-age", "0", tmp_path / "gc")
-    assert r.returncode == 0 and r.stderr == "" and leak.name in r.stdout and "removed 1" in r.stdout
-    assert not leak.exists()
+
+@pytest.mark.parametrize("command", ["export", "resave", "inspect", "verify", "gc-tmp", "env"])
+def test_quiet_keeps_the_result_on_stdout(command: str, tmp_path: Path, damaged: Path) -> None:
+    from ckptctl.cli import COMMANDS
+
+    assert command in COMMANDS
+    r, code, shown = _quiet_run(command, tmp_path, damaged)
+    assert r.returncode == code and r.stderr == "", r.stderr
+    assert all(text in r.stdout for text in shown), r.stdout
+
+
+def test_every_command_has_a_quiet_test() -> None:
+    from ckptctl.cli import COMMANDS
+
+    marks = test_quiet_keeps_the_result_on_stdout.pytestmark  # type: ignore[attr-defined]
+    assert sorted(marks[0].args[1]) == sorted(COMMANDS)
 
 
 # ---------------------------------------------------------------------------------------------
