@@ -158,9 +158,6 @@ def test_a_repair_and_the_verify_of_its_staged_version_decode_each_header_once(t
     assert readings.count("header") == len(shards)
 
 
-@pytest.mark.xfail(strict=True, reason="the writer scans the destination with a reading of its own "
-                   "(write/superseded.py: superseded() calls L.scan(dest) without the command's reading; "
-                   "write/job.py's replacement() passes none): a repair in place parses the old index twice")
 def test_a_repair_parses_each_index_once(tmp_path: Path, readings: Readings) -> None:
     d = tmp_path / "ck"
     _misplaced(d)

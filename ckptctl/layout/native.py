@@ -18,7 +18,6 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from ckptctl.format.pickle_specs import state_dict_specs
 from ckptctl.layout.model import Family
 from ckptctl.layout.reading import MetadataReading
 
@@ -42,6 +41,8 @@ def same_tensors(root: Path, st: Family, pt: Family, reading: MetadataReading) -
     (names, dtypes, shapes). Tied weights the pickle stores as one view under several names are
     one tensor, stored under any one of those names in safetensors. False whenever a file cannot
     be read exactly (a damaged or legacy pickle, a header with errors)."""
+    from ckptctl.format.pickle_specs import state_dict_specs  # the pickle reader: only for a twin asked about
+
     stored = {}
     for n in st.files:
         hdr = reading.header(root / n, display=str(root / n))

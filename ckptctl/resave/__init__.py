@@ -169,7 +169,7 @@ def _resave(root: Path, opts: ExportOptions, *, output: str | os.PathLike[str] |
 
             inputs = build_inputs(entries_for(src, opts.dtype), opts, settings, extras=extras, aliases=src.aliases,
                                   source=src)
-            return ResaveResult(write_inputs(inputs, dest, check=check), rep)
+            return ResaveResult(write_inputs(inputs, dest, check=check, reading=reading), rep)
     opts = replace(opts, prefix=chosen.stem, variant=chosen.variant)
     # the writer, imported only once something is written (a repair with nothing to do needs none)
     from ckptctl.write.inputs import build_inputs, entries_for
@@ -197,7 +197,7 @@ def _resave(root: Path, opts: ExportOptions, *, output: str | os.PathLike[str] |
         inputs = build_inputs(entries, opts, settings, extras=extras, metadata=ana.metadata)
     from ckptctl.write.job import write_inputs
 
-    return ResaveResult(write_inputs(inputs, dest, plan=plan, check=check), rep)
+    return ResaveResult(write_inputs(inputs, dest, plan=plan, check=check, reading=reading), rep)
 
 
 @dataclass

@@ -71,8 +71,10 @@ class ExportJob:
     does), :meth:`stage`, :meth:`write_shards`, :meth:`finalize` and :meth:`publish`; :meth:`abort`
     on failure. ``plan`` replaces the computed plan (resave's keep-layout plan)."""
 
-    def __init__(self, inputs: ExportInputs, dest: str | os.PathLike[str], *, plan: Plan | None = None) -> None:
+    def __init__(self, inputs: ExportInputs, dest: str | os.PathLike[str], *, plan: Plan | None = None,
+                 reading: Any = None) -> None:
         self.started = time.monotonic()
+        self.reading = reading  # the command's MetadataReading, when the destination is what it read (resave)
         self.inputs = inputs
         self.entries = inputs.entries
         self.opts: ExportOptions = inputs.options
@@ -132,7 +134,7 @@ class ExportJob:
         if self.dest_existed:
             result.removed, result.carried = replacement(
                 dest, slot=L.slot_of(opts.prefix, opts.variant), written=[*plan.files, *self.extra_blobs],
-                variants=self.inputs.variants)
+                variants=self.inputs.variants, reading=self.reading)
         result.converted = sum(1 for e in self.entries if e.converted)
         result.manifest = MANIFEST_NAME if opts.manifest else None
         result.space_available = _free_space_near(dest)
@@ -282,11 +284,13 @@ def _probe_clones(entries: list[Entry], dest: Path) -> tuple[int, set[str]]:
 
 
 def write_inputs(inputs: ExportInputs, dest: str | os.PathLike[str], *, plan: Plan | None = None,
-                 check: Callable[[Path], None] | None = None) -> ExportResult:
+                 check: Callable[[Path], None] | None = None, reading: Any = None) -> ExportResult:
     """Write ``inputs`` as a safetensors checkpoint and publish it at ``dest`` atomically (all of
     :class:`ExportJob`'s steps in this process). ``check`` sees the staged version before the
-    publish; what it raises aborts (resave --repair's verify). Errors name the step they failed in."""
-    job = ExportJob(inputs, dest, plan=plan)
+    publish; what it raises aborts (resave --repair's verify). ``reading``: the command's metadata
+    reading, when it has read ``dest`` already (resave in place: the old version's index and
+    headers are not parsed again). Errors name the step they failed in."""
+    job = ExportJob(inputs, dest, plan=plan, reading=reading)
     result = job.prepare(place=True)
     if inputs.options.dry_run:
         result.seconds = time.monotonic() - job.started

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Iterable
+from typing import Any, Iterable
 
 from ckptctl import layout as L
 from ckptctl import staging
@@ -48,13 +48,15 @@ def superseded(dest: Path, *, slot: tuple[str, str | None] = MAIN,
 
 
 def replacement(dest: Path, *, slot: tuple[str, str | None], written: Iterable[str],
-                variants: Iterable[str]) -> tuple[list[str], list[str]]:
+                variants: Iterable[str], reading: Any = None) -> tuple[list[str], list[str]]:
     """(files removed, files carried) when a new version that writes ``written`` (its shards,
     index and extras) and copies the source's ``variants`` replaces ``dest``'s old version in
     ``slot``: :func:`superseded`'s answer, where a variant family of the source replaces the old
     version's family of the same slot whole (never a variant index kept beside shards it no longer
-    names), and a file the new version writes again is neither carried nor counted as removed."""
-    removed, carried = superseded(dest, slot=slot)
+    names), and a file the new version writes again is neither carried nor counted as removed.
+    ``reading``: the command's metadata reading, through which ``dest`` is scanned."""
+    lay = L.scan(dest, reading=reading) if reading is not None and os.path.isdir(dest) else None
+    removed, carried = superseded(dest, slot=slot, lay=lay)
     written, variants = set(written), set(variants)
     variant_slots = {L.named_slot(v) for v in variants}
     replaced = written | variants | {n for n in carried if L.named_slot(n) in variant_slots}
