@@ -160,15 +160,24 @@ def test_retention_removes_only_its_own_exports(tmp_path: Path) -> None:
     assert sorted(p.name for p in dst.iterdir()) == [".ckptctl-follow", "notes", "step-3", "step-4", "step-5",
                                                      "step-6"]
     assert (dst / "notes" / "eval.txt").read_text() == "keep me"
-    # an export replaced by someone else is no longer ours: released, never removed
+    # an export replaced by someone else (the new directory may even get the freed inode number),
+    # or one a user added a file to, is no longer exactly ours: released, never removed
     shutil.rmtree(dst / "step-5")
     (dst / "step-5").mkdir()
+    (dst / "step-6" / "eval_results.json").write_text("{}")
     loop.save(7)
     loop.save(8)
     rc, events, err = run_follow(run, dst, "--keep-last", "2", "--keep-every", "4")
     assert rc == 0, err
-    assert named(events, "released") == ["step-5"] and named(events, "removed") == ["step-6"]
+    assert named(events, "released") == ["step-5", "step-6"] and named(events, "removed") == []
+    assert (dst / "step-6" / "eval_results.json").exists()
+    assert named(events, "refused") == []  # step-3 is still blocked: said once
     assert (dst / "step-5").is_dir() and (dst / "step-4").is_dir() and (dst / "step-8").is_dir()
+    assert records(dst)["step-3"]["status"] == "blocked"
+    (dst / "step-3").rename(tmp_path / "step-3-moved-aside")
+    rc, events, err = run_follow(run, dst, "--keep-last", "2", "--keep-every", "4")
+    assert rc == 0 and named(events, "published") == ["step-3"], err
+    assert named(events, "removed") == ["step-3"]  # older than the newest, kept by no rule
 
 
 def test_failing_on_publish_is_recorded_and_following_goes_on(tmp_path: Path) -> None:

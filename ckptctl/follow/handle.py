@@ -21,7 +21,7 @@ from ckptctl.follow.completion import TRAINER_STATE, Judgement
 from ckptctl.follow.events import EmitFn, Event
 from ckptctl.follow.export import SaveChanged, export_save, pin
 from ckptctl.follow.options import FollowOptions
-from ckptctl.follow.retention import metrics_of, remove_export, still_ours, to_remove
+from ckptctl.follow.retention import metrics_of, remove_export, still_ours, to_remove, tree_ids
 from ckptctl.follow.saves import Fingerprint, Save, fingerprint
 from ckptctl.follow.state import FollowState
 
@@ -44,13 +44,12 @@ class Handler:
         return self.opts.dst_root / name
 
     # ---- one export ----------------------------------------------------------------------
-    def export(self, save: Save, fp: Fingerprint, judged: Judgement, prev: dict[str, Any] | None) -> None:
+    def export(self, save: Save, fp: Fingerprint, judged: Judgement, prev: dict[str, Any] | None) -> bool:
+        """Export ``save``; False when nothing was done (its destination is still blocked)."""
         dest = self.dest(save.name)
         ours = prev is not None and prev.get("status") == "published" and still_ours(dest, prev)
         if os.path.lexists(dest) and not ours:
-            self._refuse(save, fp, judged, f"{dest} exists and was not published by this follower; left as it is",
-                         "move it aside to have this save exported")
-            return
+            return self._blocked(save, judged, dest, prev)
         rec: dict[str, Any] = {"name": save.name, "kind": save.kind, "step": save.step, "source": str(save.path),
                                "dest": str(dest), "status": "exporting", "identity": judged.identity,
                                "fingerprint": fp.to_dict(), "dest_before": _dir_id(dest),
@@ -78,8 +77,23 @@ class Handler:
             if isinstance(exc, Interrupted):
                 raise KeyboardInterrupt from None
             self._failed(save, fp, judged, exc)
-            return
+            return True
         self.published(rec, result)
+        return True
+
+    def _blocked(self, save: Save, judged: Judgement, dest: Path, prev: dict[str, Any] | None) -> bool:
+        """``dest`` holds a directory the follower did not publish: left as it is, the save
+        recorded ``blocked`` (said once), and exported once that directory is moved away."""
+        there = _dir_id(dest)
+        if prev is not None and prev.get("status") == "blocked" and prev.get("blocked_by") == there:
+            return False
+        why = f"{dest} exists and was not published by this follower; left as it is"
+        rec = {"name": save.name, "kind": save.kind, "step": save.step, "source": str(save.path), "dest": str(dest),
+               "status": "blocked", "identity": judged.identity, "blocked_by": there}
+        self.state.put(rec, {"event": "refused", "reason": why})
+        self.emit(Event("refused", f"refused {save.name}: {why}", save.name, save.step,
+                        {"error": why, "hint": "move it aside: the save is exported on the next look"}))
+        return True
 
     def _failed(self, save: Save, fp: Fingerprint, judged: Judgement, exc: CkptctlError) -> None:
         """Nothing was published: lost when the save changed or went, refused when the export
@@ -147,7 +161,8 @@ class Handler:
 
     def published(self, rec: dict[str, Any], result: Any) -> None:
         dest = Path(rec["dest"])
-        rec.update(status="published", dest_id=_dir_id(dest), published_at=time.time(), verified=None)
+        rec.update(status="published", dest_id=_dir_id(dest), dest_files=tree_ids(dest), published_at=time.time(),
+                   verified=None)
         for k in ("previous", "lost_digest", "refused_digest"):
             rec.pop(k, None)
         if result is not None:
@@ -207,7 +222,8 @@ class Handler:
         if not still_ours(dest, rec):
             rec["status"] = "released"
             self.state.put(rec, {"event": "released"})
-            self.emit(Event("released", f"{dest} is no longer the export published; left as it is",
+            self.emit(Event("released", f"{dest} is no longer exactly the export published (replaced, or files "
+                            "added or removed); left as it is",
                             rec["name"], rec.get("step"), {"dest": str(dest)}))
             return
         rec["status"] = "removing"

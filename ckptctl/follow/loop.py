@@ -59,6 +59,7 @@ class Follower:
                 "source": str(opts.source), "dst_root": str(opts.dst_root), "resumed": len(self.state.records),
                 "from": self.state.settings.get("from")}))
             self.handler.resume()
+            self.handler.retain()  # the rules given now, on what earlier runs published
             idle_since = time.monotonic()
             while True:
                 did = self.one_pass()
@@ -164,8 +165,7 @@ class Follower:
             return False
         self.waiting.pop(save.name, None)
         self.seen.pop(save.name, None)
-        self.handler.export(save, fp, judged, rec)
-        return True
+        return self.handler.export(save, fp, judged, rec)
 
     def _wait(self, save: Save, reason: str, fp: Fingerprint | None = None) -> None:
         """``save`` is not complete: said once per reason, and recorded (status ``waiting``) when

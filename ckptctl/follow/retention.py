@@ -94,14 +94,42 @@ def to_remove(records: list[dict[str, Any]], rules: Retention, *, verify: bool) 
     return [r for r in published if r["name"] not in keep and (r["step"], r["name"]) < boundary]
 
 
+MAX_TREE = 100_000
+
+
+def tree_ids(path: Path) -> dict[str, int] | None:
+    """Every entry below ``path`` (links not followed) by relative path -> inode number; None when
+    it cannot be read or holds more than :data:`MAX_TREE` entries."""
+    out: dict[str, int] = {}
+    todo = [("", os.fspath(path))]
+    try:
+        while todo:
+            prefix, where = todo.pop()
+            with os.scandir(where) as it:
+                for e in it:
+                    out[prefix + e.name] = e.inode()
+                    if len(out) > MAX_TREE:
+                        return None
+                    if e.is_dir(follow_symlinks=False):
+                        todo.append((prefix + e.name + "/", e.path))
+    except OSError:
+        return None
+    return out
+
+
 def still_ours(dest: Path, record: dict[str, Any]) -> bool:
-    """``dest`` is the directory the record says the follower published."""
+    """``dest`` is exactly what the record says the follower published: the same directory
+    (device, inode) holding the same entries (names, inodes). A directory made in its place
+    (which may get the freed inode number) or one a user added to or took from is not."""
     ident = record.get("dest_id") or {}
     try:
         st = os.lstat(dest)
     except FileNotFoundError:
         return False
-    return (st.st_dev, st.st_ino) == (ident.get("dev"), ident.get("ino"))
+    if (st.st_dev, st.st_ino) != (ident.get("dev"), ident.get("ino")):
+        return False
+    files = record.get("dest_files")
+    return isinstance(files, dict) and tree_ids(dest) == files
 
 
 def remove_export(dest: Path, *, fsync: bool, command: str) -> None:

@@ -15,7 +15,8 @@ A record's ``status``: ``exporting`` (written before the export starts: the dest
 identity before it, so a restart tells a publish that happened from one that did not),
 ``published``, ``lost`` (the save changed or was deleted while it was exported, or before its
 turn: nothing published), ``refused`` (the export refused the save: a damaged or unsupported
-save, or ``DST_ROOT/<name>`` holding a directory the follower did not publish), ``skipped``
+save), ``blocked`` (``DST_ROOT/<name>`` holds a directory the follower did not publish), ``waiting``
+(seen, not complete), ``released`` (an export of ours someone else replaced), ``skipped``
 (older than what was there when following began, with ``--from newest``), ``removing`` and
 ``removed`` (retention). ``events`` lists what happened to it (bounded).
 
@@ -44,7 +45,7 @@ SAVES = "saves"
 RECORD_SCHEMA = 1
 MAX_EVENTS = 32
 MAX_RECORD_BYTES = 1 << 20
-FINAL = ("published", "refused", "skipped", "removing", "removed")  # a save in one of these is handled
+FINAL = ("published", "refused", "skipped", "removing", "removed", "released")  # a save in one of these is handled
 
 
 class FollowState:
