@@ -37,7 +37,9 @@ def parse_events(stdout: str) -> list[dict[str, Any]]:
     out = []
     for line in stdout.splitlines():
         doc = json.loads(line)
+        assert list(doc)[:4] == ["schema_version", "command", "ok", "tool_version"], doc
         assert doc["schema_version"] == 1 and doc["command"] == "export" and "event" in doc, doc
+        assert doc["ok"] is (doc["event"] != "error"), doc
         out.append(doc)
     return out
 

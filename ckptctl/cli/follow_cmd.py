@@ -3,7 +3,7 @@
 ``export_cmd`` declares these options (the aliases below) and hands a ``--follow`` run to
 :func:`run_follow`. One line per event on stderr (nothing with ``-q``); with ``--json`` one JSON
 document per event on stdout (JSON lines): ``{"schema_version": 1, "command": "export",
-"event": ..., "ok": true, "name": ..., "step": ..., "message": ..., ...}``, and a last
+"ok": true, "tool_version": ..., "event": ..., "name": ..., "step": ..., "message": ..., ...}``, and a last
 ``{"event": "error", "ok": false, "error": {...}}`` when the follower stops on an error.
 SIGTERM, SIGHUP and Ctrl-C stop it cleanly: the running export cleans up (nothing is
 half-published), a ``stopped`` event is reported and the exit code is 0.
@@ -49,9 +49,8 @@ def run_follow(src: str, dst: str, *, json_: bool, quiet: int, verbose: int, **g
 
 
 def _doc(out: Any, event: dict[str, Any], *, ok: bool = True, **more: Any) -> dict[str, Any]:
-    from ckptctl.cli._output import SCHEMA_VERSION
-
-    return {"schema_version": SCHEMA_VERSION, "command": out.command, "ok": ok, **event, **more}
+    """One event's document: the four fields every document starts with, then the event's."""
+    return out.document(ok, **event, **more)
 
 
 def _follow(out: Any, src: str, dst: str, json_: bool, given: dict[str, Any]) -> None:
