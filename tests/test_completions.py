@@ -139,7 +139,7 @@ def _pty_shell(argv: list[str], setup: str, partial: str) -> str:
 
 SHELLS = {
     "bash": (["bash", "--norc", "--noprofile", "-i"], f"source {COMPLETIONS / 'ckptctl.bash'}"),
-    "zsh": (["zsh", "-f", "-i"], f"bindkey -e; autoload -U compinit; compinit -u; source {COMPLETIONS / '_ckptctl'}"),
+    "zsh": (["zsh", "-f", "-i"], f"bindkey -e; autoload -U compinit; compinit -u -D; source {COMPLETIONS / '_ckptctl'}"),
 }
 
 
