@@ -147,3 +147,22 @@ def test_priority_low_by_default_inherited_by_the_hook(tmp_path: Path, low: bool
         assert nice >= min(base + 10, 19) and (io_class, level) == (2, 7)
     else:
         assert nice == base and (io_class, level) != (2, 7)
+
+
+def test_training_state_with_key_and_export_options_as_a_plain_export(tmp_path: Path) -> None:
+    """A DCP training state (model and optimizer): --key model and --dtype bf16 apply to every save,
+    as to a plain export."""
+    import torch.distributed.checkpoint as dcp
+
+    run, dst = tmp_path / "run", tmp_path / "hf"
+    loop = Loop(run)
+    for step in (1, 2):
+        loop.train()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            dcp.save({"model": loop.model.state_dict(), "optim": loop.opt.state_dict(), "step": step},
+                     checkpoint_id=str(run / f"step_{step}"))
+    rc, events, err = run_follow(run, dst, "--from", "all", "--key", "model", "--dtype", "bf16")
+    assert rc == 0 and named(events, "published") == ["step_1", "step_2"], err
+    for step in (1, 2):
+        assert_same_as_plain(dst / f"step_{step}", run / f"step_{step}", tmp_path, "--key", "model", "--dtype", "bf16")
