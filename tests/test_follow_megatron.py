@@ -6,11 +6,9 @@ moments that matter. Each published export equals a plain export of the iteratio
 
 from __future__ import annotations
 
-import os
 import shutil
 from pathlib import Path
 
-import pytest
 
 from tests.follow_helpers import assert_same_as_plain, leftovers, named, records, run_follow
 from tests.test_megatron_build import NEEDS_MEGATRON, iteration, megatron_ckpts  # noqa: F401  (fixture)

@@ -21,7 +21,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from ckptctl.errors import OperationalError, from_oserror
+from ckptctl.errors import from_oserror
 from ckptctl.follow.completion import Judgement, judge
 from ckptctl.follow.events import EmitFn, Event
 from ckptctl.follow.handle import Handler
@@ -226,5 +226,3 @@ def follow(opts: FollowOptions, emit: EmitFn) -> int:
         return Follower(opts, emit).run()
     except OSError as exc:  # a state or listing error not already described
         raise from_oserror(exc, "following failed") from None
-    except OperationalError:
-        raise
