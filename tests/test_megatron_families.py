@@ -220,3 +220,16 @@ def test_broken_per_layer_and_mtp_checkpoints_are_refused(family_ckpts, tmp_path
     doc = json.loads(r.stdout)
     assert message in doc["error"]["message"], doc["error"]["message"]
     assert doc["error"]["hint"] and not (tmp_path / "out").exists() and staging_dirs(tmp_path) == []
+
+
+def test_an_export_keeping_a_padded_vocabulary_says_so(family_ckpts, tmp_path):
+    """A tokenizer whose size the arguments do not give: every padded row is exported (none that
+    training could have touched is dropped) and the export's result says so, with --vocab-size."""
+    name = "qwen3_moe_grouped_ep2"
+    r = invoke("export", family_ckpts[name], tmp_path / "hf", "--json")
+    assert r.exit_code == 0, r.stdout + r.stderr
+    notes = json.loads(r.stdout)["notes"]
+    assert len(notes) == 1 and "--vocab-size" in notes[0]
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["vocab_size"] == 128
+    r = invoke("export", family_ckpts[name], tmp_path / "hf2")
+    assert r.exit_code == 0 and "note: " in r.stderr and "--vocab-size" in r.stderr, r.stderr

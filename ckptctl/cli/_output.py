@@ -167,6 +167,11 @@ class Output:
         if self.verbosity >= 0:
             self.err.print(f"warning: {message}", style="yellow")
 
+    def note(self, message: str) -> None:
+        """Something true the user may want to act on, not a problem (a padded vocabulary kept)."""
+        if self.verbosity >= 0:
+            self.err.print(f"note: {message}", style="cyan")
+
     def error(self, message: str, hint: str | None = None) -> None:
         self.err.print(f"error: {message}", style="bold red")
         if hint:

@@ -125,6 +125,8 @@ def _run(out, src, dst, max_shard_size, dtype, overwrite, manifest, label, key, 
                 if json_:
                     out.emit_json(out.document(True, **result.to_dict()))
                     return
+                for note in result.notes:
+                    out.note(note)
                 render_result(out, result)
         finally:
             reporter.close()

@@ -261,6 +261,7 @@ class Source:
     # The files torch had to load (a view to gather, a tensor the records cannot describe, a DCP
     # tensor assembled by ``dcp.load``); empty when every byte came from the records.
     torch_loaded: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)  # what an export of it tells the user (a padded vocabulary kept)
     # Where each listed tensor came from (a file name), for the one duplicate check: :meth:`claim`.
     _origins: dict[str, str] = field(default_factory=dict, repr=False)
     # The version of each file the listing read (path -> identity): its bytes are read only from it.

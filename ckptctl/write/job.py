@@ -79,7 +79,8 @@ class ExportJob:
         self.entries = inputs.entries
         self.opts: ExportOptions = inputs.options
         self.dest = Path(os.path.abspath(dest))
-        self.result = ExportResult(dest=str(self.dest), dry_run=self.opts.dry_run, aliases=dict(inputs.aliases))
+        self.result = ExportResult(dest=str(self.dest), dry_run=self.opts.dry_run, aliases=dict(inputs.aliases),
+                                   notes=list(inputs.source.notes) if inputs.source else [])
         self.by_name: dict[str, Entry] = {}
         self.plan: Plan | None = plan
         self.extra_blobs: dict[str, bytes] = {}

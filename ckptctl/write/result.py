@@ -35,6 +35,7 @@ class ExportResult:
     manifest: str | None = None
     recovered: list[str] = field(default_factory=list)
     seconds: float = 0.0
+    notes: list[str] = field(default_factory=list)  # what the source says the user should know (a padded vocabulary kept)
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)

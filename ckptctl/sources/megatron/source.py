@@ -240,7 +240,6 @@ class MegatronSource(DcpHfSource):
         self.config: dict[str, Any] | None = None
         self.origin: dict[str, str] = {}  # exported name -> the Megatron tensor it comes from
         self.mapping_error: str | None = None  # why no mapping applies (inspect's fallback)
-        self.notes: list[str] = []  # what the export keeps that the user may want to know (a padded vocabulary)
         self.disagrees = False  # mapping_error is a tensor contradicting the arguments (or --config)
         self.keys = "stacked"  # how the layers are saved: stacked or per-layer (decoder.layers.{i}.*)
         self.mtp_layers = 0  # MTP layers stored (mtp.layers.{k}.*)
