@@ -405,8 +405,9 @@ def zero_tail(path: str, display: str, header: Header) -> Finding | None:
     least one whole tensor after it: what a preallocating downloader or copy leaves when it stops
     (the size and the header are right; the loader reads the zeros as weights). A run that starts
     exactly where a tensor starts (a LoRA B matrix at the end, a fresh bias) is not this. Read from
-    the end backwards, one block at a time, until a nonzero byte."""
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOFOLLOW)
+    the end backwards, one block at a time, until a nonzero byte. Opened as the scan opened it (a
+    cache snapshot's file is a link to its blob; screening took out links that leave the tree)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     try:
         end = os.fstat(fd).st_size
         pos = end
