@@ -49,3 +49,32 @@ def test_deepspeed_root_steps_follow_latest(tmp_path: Path, fixture: str, zero_f
     for name in ("global_step3", "global_step10"):
         assert_same_as_plain(dst / name, run / name, tmp_path)
     assert leftovers(dst) == []
+
+
+def test_real_deepspeed_run_followed_between_its_saves(tmp_path: Path) -> None:
+    """A real 2-rank DeepSpeed ZeRO-2 run (CPU, Gloo) saving three times; after each save rank 0
+    runs the follower (--once, --keep-last 2) while the job lives (tests/follow_deepspeed_worker.py)."""
+    import sys
+
+    from tests.follow_helpers import parse_events
+    from tests.support.cli import REPO
+    from tests.support.ranks import build_once
+
+    out = tmp_path / "job"
+    build_once(out, [sys.executable, str(REPO / "tests" / "follow_deepspeed_worker.py"), str(out)], world=2,
+               env=dict(DS_ACCELERATOR="cpu", DS_BUILD_OPS="0", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false"),
+               timeout=600, what="DeepSpeed follow")
+    run, dst = out / "run", out / "hf"
+    published = []
+    for save in (2, 4, 6):
+        code, _, err = (out / f"follow-{save}.err").read_text().partition("\n")
+        assert code == "0", err
+        events = parse_events((out / f"follow-{save}.jsonl").read_text())
+        published += named(events, "published")
+    assert published == ["global_step2", "global_step4", "global_step6"]
+    recs = records(dst)
+    assert {n: r["status"] for n, r in recs.items()} == {"global_step2": "removed", "global_step4": "published",
+                                                          "global_step6": "published"}
+    for name in ("global_step4", "global_step6"):
+        assert_same_as_plain(dst / name, run / name, tmp_path)
+    assert leftovers(dst) == []
