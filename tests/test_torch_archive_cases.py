@@ -155,3 +155,34 @@ def test_a_sound_archive_with_a_compressed_data_pkl_still_exports_what_torch_loa
         for name, data in records:
             z.writestr(name, data, compress_type=zipfile.ZIP_DEFLATED if name.endswith("/data.pkl") else None)
     _same_as_torch(src, tmp_path / "out")
+
+
+def test_a_damaged_compressed_data_pkl_is_one_input_error_in_every_command(tmp_path):
+    """A deflated data.pkl whose compressed bytes are damaged: zlib's error is the file's, so every
+    command says so in one line (exit 2), never a traceback; nothing is published."""
+    import struct
+
+    from tests.support.cli import invoke
+
+    src = tmp_path / "src"
+    src.mkdir()
+    p = src / "pytorch_model.bin"
+    torch.save({"a": torch.arange(600, dtype=torch.float32)}, p)
+    old = zipfile.ZipFile(p)
+    records = [(i.filename, old.read(i)) for i in old.infolist()]
+    old.close()
+    with zipfile.ZipFile(p, "w", zipfile.ZIP_STORED) as z:
+        for name, data in records:
+            z.writestr(name, data, compress_type=zipfile.ZIP_DEFLATED if name.endswith("/data.pkl") else None)
+    with zipfile.ZipFile(p) as z:
+        info = next(i for i in z.infolist() if i.filename.endswith("/data.pkl"))
+    raw = bytearray(p.read_bytes())
+    n, m = struct.unpack("<HH", raw[info.header_offset + 26:info.header_offset + 30])
+    start = info.header_offset + 30 + n + m
+    raw[start:start + info.compress_size] = bytes([0xFF]) * info.compress_size  # not a deflate stream
+    p.write_bytes(bytes(raw))
+    for argv in (("inspect", src), ("verify", "--static", src), ("export", src, tmp_path / "out")):
+        r = invoke(*argv)
+        assert r.exit_code in (1, 2) and "Traceback" not in r.stderr and "zlib" not in type(r.exception).__module__, \
+            (argv, r.exit_code, r.stderr)
+    assert not (tmp_path / "out").exists()

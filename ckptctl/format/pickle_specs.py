@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import stat
 import zipfile
+import zlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,7 +40,7 @@ def state_dict_specs(path: str | os.PathLike[str]) -> PickleSpecs | None:
             if len(pkls) != 1 or pkls[0].file_size > MAX_DATA_PKL:
                 return None
             data = zf.read(pkls[0])
-    except (zipfile.BadZipFile, zipfile.LargeZipFile, EOFError, ValueError):
+    except (zipfile.BadZipFile, zipfile.LargeZipFile, EOFError, ValueError, NotImplementedError, zlib.error):
         return None
     objs, unsafe, err = load_pickles(data)
     if err or unsafe or not objs or not isinstance(objs[0], dict):

@@ -47,6 +47,7 @@ import os
 import stat
 import struct
 import zipfile
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
@@ -137,7 +138,8 @@ def archive_members(f: Any) -> tuple[dict[str, Member], bool, str]:
                 out[info.filename] = Member(start, info.file_size, stored)
                 if prefix and info.filename == f"{prefix}byteorder":  # exactly "little" (torch's test)
                     little = info.file_size < 64 and z.read(info) == b"little"
-    except (zipfile.BadZipFile, zipfile.LargeZipFile, EOFError, ValueError, struct.error) as exc:
+    except (zipfile.BadZipFile, zipfile.LargeZipFile, EOFError, ValueError, struct.error, NotImplementedError,
+            zlib.error) as exc:
         raise _Damaged(str(exc) or type(exc).__name__) from None
     return out, little, prefix
 
@@ -237,8 +239,10 @@ def _check_compressed(f: Any, path: Any, name: str) -> None:
     f.seek(0)
     try:
         with zipfile.ZipFile(f) as z:
+            if z.getinfo(name).file_size > MAX_PICKLE_BYTES:  # what it inflates to, read up to that
+                raise ValueError(f"it inflates to more than {MAX_PICKLE_BYTES:,} bytes")
             raw = z.read(name)
-    except (zipfile.BadZipFile, EOFError, ValueError, NotImplementedError, RuntimeError) as exc:
+    except (zipfile.BadZipFile, EOFError, ValueError, NotImplementedError, RuntimeError, zlib.error, OSError) as exc:
         raise InputError(f"{path}: not a readable torch checkpoint ({name}: {str(exc)[:160]})", _COMPLETE) from None
     _checked, err = check_pickles(raw)
     if err:
@@ -280,8 +284,11 @@ def _refuse_byte_order(f: Any, path: Any, prefix: str) -> None:
     """Refuse the archive in ``f``, whose ``byteorder`` record (in ``prefix``) is not ``little``."""
     name = f"{prefix}byteorder"
     f.seek(0)
-    with zipfile.ZipFile(f) as z:
-        order = z.read(name)[:32].decode("latin-1")
+    try:
+        with zipfile.ZipFile(f) as z:
+            order = z.read(name)[:32].decode("latin-1")
+    except (zipfile.BadZipFile, EOFError, ValueError, NotImplementedError, zlib.error) as exc:
+        raise InputError(f"{path}: not a readable torch checkpoint (byteorder: {str(exc)[:160]})", _COMPLETE) from None
     if order == "big":
         raise InputError(f"{path}: its byte order is {order!r} (byteorder record): its tensors' bytes are big-endian",
                          "load it with torch.load (which swaps the bytes) and torch.save it again on a little-endian "

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import zipfile
+import zlib
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -92,7 +93,7 @@ def _scan_zip(path: str, display: str, res: PickleScan, add: Callable[..., None]
             return
         try:
             data = zf.read(pkls[0])
-        except (zipfile.BadZipFile, EOFError, ValueError) as exc:
+        except (zipfile.BadZipFile, EOFError, ValueError, NotImplementedError, zlib.error) as exc:
             add("pickle.bad_archive", ERROR, f"{display}: cannot read data.pkl ({exc})",
                 "the file is truncated or corrupt: export or download it again")
             return
