@@ -139,10 +139,9 @@ class ClassBox:
         req_r, req_w = os.pipe()
         resp_r, resp_w = os.pipe()
         try:
-            # -P (3.11+): no script folder on sys.path; its working folder is the box's own empty one anyway
-            safe = ["-P"] if sys.version_info >= (3, 11) else []
+            # -P: no script folder on sys.path; its working folder is the box's own empty one anyway
             self._proc = subprocess.Popen(
-                [sys.executable, *safe, "-m", "ckptctl.verify.classes.child", str(req_r), str(resp_w), str(self.memory)],
+                [sys.executable, "-P", "-m", "ckptctl.verify.classes.child", str(req_r), str(resp_w), str(self.memory)],
                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                 pass_fds=(req_r, resp_w), env=child_environment(self._home), cwd=self._home, start_new_session=True)
         except OSError:
