@@ -166,3 +166,36 @@ def test_training_state_with_key_and_export_options_as_a_plain_export(tmp_path: 
     assert rc == 0 and named(events, "published") == ["step_1", "step_2"], err
     for step in (1, 2):
         assert_same_as_plain(dst / f"step_{step}", run / f"step_{step}", tmp_path, "--key", "model", "--dtype", "bf16")
+
+
+def test_a_record_planted_in_dst_root_never_points_retention_elsewhere(tmp_path: Path) -> None:
+    """A neighbour who can write into a shared DST_ROOT plants a record whose dest is another
+    directory (status published, the victim's identity): retention keeps the newest only, and the
+    victim is untouched; the follower's exports live at DST_ROOT/<name> whatever a record says."""
+    import json
+
+    run, dst, victim = tmp_path / "run", tmp_path / "hf", tmp_path / "victim"
+    victim.mkdir()
+    (victim / "precious.txt").write_text("mine")
+    loop = Loop(run)
+    loop.save(1)
+    rc, _, err = run_follow(run, dst, "--from", "all", "--keep-last", "1")
+    assert rc == 0, err
+    planted = dict(records(dst)["step-1"], name="step-0", step=0, dest=str(victim))
+    (dst / ".ckptctl-follow" / "saves" / "step-0.json").write_text(json.dumps(planted))
+    loop.save(2)
+    rc, events, err = run_follow(run, dst, "--keep-last", "1")
+    assert rc == 0, err
+    assert (victim / "precious.txt").read_text() == "mine"
+    assert not (dst / "step-1").exists() and (dst / "step-2").is_dir()
+    assert records(dst).get("step-0", {}).get("dest") in (None, str(dst / "step-0"))  # never the record's word
+
+
+def test_a_state_directory_that_is_a_link_is_refused(tmp_path: Path) -> None:
+    run, dst, elsewhere = tmp_path / "run", tmp_path / "hf", tmp_path / "elsewhere"
+    Loop(run).save(1)
+    dst.mkdir()
+    elsewhere.mkdir()
+    (dst / ".ckptctl-follow").symlink_to(elsewhere)
+    rc, _, err = run_follow(run, dst, "--from", "all")
+    assert rc == 3 and "is a link" in err and os.listdir(elsewhere) == [], err

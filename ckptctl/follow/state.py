@@ -29,11 +29,13 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import time
 from pathlib import Path
 from typing import Any
 
 from ckptctl.errors import LockHeldError, OperationalError, UsageError, from_oserror
+from ckptctl.format import names as N
 from ckptctl.format import small
 from ckptctl.staging import StagingLock, acquire, fsync_path
 from ckptctl.staging.record import TOOL, owner_record
@@ -66,6 +68,8 @@ class FollowState:
         :class:`LockHeldError` naming the holder when another follower has it, and
         :class:`UsageError` when the state follows another source directory."""
         state_dir = dst_root / STATE_DIR
+        _own_directory(state_dir)
+        _own_directory(state_dir / SAVES)
         try:
             os.makedirs(state_dir / SAVES, exist_ok=True)
             lock = acquire(state_dir)
@@ -122,8 +126,12 @@ class FollowState:
         for n in names:
             if n.endswith(".json") and not n.startswith("."):
                 doc = _read(self.saves_dir / n, limit=MAX_RECORD_BYTES)
-                if doc is not None and isinstance(doc.get("name"), str) and doc["name"] + ".json" == n:
-                    self.records[doc["name"]] = doc
+                name = doc.get("name") if doc is not None else None
+                if isinstance(name, str) and name + ".json" == n and N.destination_problem(name) is None:
+                    # where an export lives is never the record's word: DST_ROOT/<its name> (a record
+                    # planted in a shared DST_ROOT must not point retention at another directory)
+                    doc["dest"] = str(self.root / name)
+                    self.records[name] = doc
 
     def _clean_temporaries(self) -> None:
         """Remove the temporary record files a killed follower left (``.<name>.<pid>.tmp``)."""
@@ -227,3 +235,19 @@ def record_read(dst_root: Path) -> tuple[dict[str, Any] | None, list[dict[str, A
                 out.append(doc)
     out.sort(key=lambda r: (r.get("step") if isinstance(r.get("step"), int) else -1, str(r.get("name"))))
     return settings, out
+
+
+def _own_directory(path: Path) -> None:
+    """``path`` is absent, or a real directory of this user: never a link (a neighbour's link in a
+    shared DST_ROOT would move the follower's state, and what it removes, elsewhere)."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    except OSError as exc:
+        raise from_oserror(exc, f"cannot read {path}") from None
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
+        what = "a link" if stat.S_ISLNK(st.st_mode) else "not a directory" if not stat.S_ISDIR(st.st_mode) \
+            else "another user's directory"
+        raise OperationalError(f"{path} is {what}: the follower keeps its state only in a directory of its own",
+                               f"remove or move {path} away, then start the follower again")
