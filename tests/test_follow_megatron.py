@@ -118,3 +118,24 @@ def test_megatron_iteration_deleted_before_its_turn_is_lost(tmp_path: Path, mega
     assert not (dst / "iter_0000005").exists()
     rc, events, err = run_follow(run, dst)
     assert named(events, "lost") == [], err  # said once
+
+
+def test_megatron_options_reach_each_export(tmp_path: Path, megatron_ckpts: dict) -> None:
+    """--config (and --no-mtp) given to the follower are given to every export it makes: a config
+    that contradicts the tensors refuses the save as a plain export would, never silently dropped."""
+    import json
+
+    real = iteration(megatron_ckpts["llama_tp2"])
+    run, dst = tmp_path / "save", tmp_path / "hf"
+    r = Replay(real, run)
+    r.ranks(10)
+    r.finish(10)
+    r.tracker("10")
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 7,
+                               "num_hidden_layers": 1, "num_attention_heads": 1, "intermediate_size": 3,
+                               "vocab_size": 5}))
+    rc, events, err = run_follow(run, dst, "--from", "all", "--config", cfg)
+    assert named(events, "published") == [] and records(dst)["iter_0000010"]["status"] == "refused", (events, err)
+    rc, events, err = run_follow(run, dst, "--no-mtp")  # no MTP layers here: the same export as without it
+    assert rc == 0, err

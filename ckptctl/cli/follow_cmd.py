@@ -76,11 +76,14 @@ def _follow(out: Any, src: str, dst: str, json_: bool, given: dict[str, Any]) ->
         hook = shlex.split(given["on_publish"]) if given.get("on_publish") is not None else None
     except ValueError as exc:
         raise UsageError(f"--on-publish: {exc}", "quote the command as a shell would") from None
-    command = " ".join(["ckptctl", "export", src, dst, "--follow"])
+    from ckptctl.staging.record import command_line
+
+    command = command_line()
     export = ExportOptions(max_shard_size=given.get("max_shard_size"), dtype=given.get("dtype"),
                            fsync=not given.get("no_fsync"), manifest=bool(given.get("manifest")),
                            label=given.get("label"), dry_run=bool(given.get("dry_run")), names=given.get("names"),
-                           vocab_size=given.get("vocab_size"), command=command)
+                           vocab_size=given.get("vocab_size"), no_mtp=bool(given.get("no_mtp")),
+                           config=given.get("config"), command=command)
     opts = FollowOptions(
         source=Path(os.path.abspath(src)), dst_root=Path(os.path.abspath(dst)), export=export,
         key=given.get("key"), only=given.get("only"), start_from=given.get("start_from") or "newest",
