@@ -50,8 +50,11 @@ def inspect_megatron(loc: Any, p: Path, *, name_filter: str | None = None, key: 
         res = Inspection(path=str(p), format="megatron-torch_dist", kind=src.kind, megatron=src.describe())
         for f in sorted(os.listdir(loc.folder)):
             role = "weights" if f.endswith(".distcp") else "metadata" if f.startswith((".", "metadata")) else "extra"
-            res.files.append({"name": os.path.relpath(loc.folder / f, p), "size": (loc.folder / f).stat().st_size,
-                              "role": role})
+            try:
+                size: int | None = os.lstat(loc.folder / f).st_size  # a link is listed as itself, never followed
+            except OSError:
+                size = None  # gone since the listing
+            res.files.append({"name": os.path.relpath(loc.folder / f, p), "size": size, "role": role})
         for t in src.tensors:
             res.tensors.add(t.spec, src.place(t, p), None)
     res.tensors.arrange(by_component=False, name_filter=name_filter)

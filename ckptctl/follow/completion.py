@@ -87,6 +87,8 @@ def _dcp(save: Save, fp: Fingerprint, identity: dict[str, Any], prefix: str = ""
         return f"no {DCP_METADATA} yet (torch writes it last)"
     if meta + ".tmp" in fp.files:
         return f"{DCP_METADATA}.tmp present: the coordinator is writing the metadata"
+    if fp.files[meta][2] != "file":
+        return f"{DCP_METADATA} is not a regular file"
     from ckptctl.format.dcp_metadata import read_dcp_metadata, storage_needs
 
     try:
@@ -269,6 +271,8 @@ def _whole_zip(path: Path, size: int) -> str | None:
         return f"unreadable ({exc.strerror})"
     try:
         tail = os.pread(fd, 22, size - 22)
+    except OSError as exc:  # swapped for a FIFO or a directory since it was listed
+        return f"unreadable ({exc.strerror})"
     finally:
         os.close(fd)
     return None if tail[:4] == _EOCD else "does not end a zip yet (being written)"

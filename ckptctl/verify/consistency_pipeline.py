@@ -83,7 +83,8 @@ def pipeline_components(ctx: Context) -> None:
                          "decoding its latents fails with a shape error")
     encoders = [n for n in ("text_encoder", "text_encoder_2") if classes.get(n) in CLIP_TEXT]
     widths = [_width(cfgs.get(n), "hidden_size") for n in encoders]
-    if kind == UNET and encoders and None not in widths:
+    # a UNet that projects the prompt first (encoder_hid_dim) takes another width: not judged here
+    if kind == UNET and encoders and None not in widths and dcfg.get("encoder_hid_dim") is None:
         cross = dcfg.get("cross_attention_dim")
         stated = cross if isinstance(cross, int) and not isinstance(cross, bool) else None
         if isinstance(cross, list) and cross and all(isinstance(x, int) and x == cross[0] for x in cross):
