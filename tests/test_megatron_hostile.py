@@ -60,6 +60,11 @@ def _layers_mismatch(folder: Path, tmp: Path) -> str:
     return "stacks 2 layers; the arguments say 3"
 
 
+def _a_trillion_layers(folder: Path, tmp: Path) -> str:
+    _common(folder, num_layers=10**12)  # sized loops and lists before any tensor is compared
+    return "num_layers is 1,000,000,000,000, more than any model has"
+
+
 def _query_groups_mismatch(folder: Path, tmp: Path) -> str:
     _common(folder, num_query_groups=4)
     return "the arguments say (num_attention_heads + 2 x num_query_groups) x kv_channels = 192"
@@ -100,6 +105,7 @@ def _unsafe_metadata(folder: Path, tmp: Path) -> str:
 
 
 CASES = {f.__name__[1:]: f for f in (_missing_distcp, _truncated_distcp, _layernorm_model, _layers_mismatch,
+                                     _a_trillion_layers,
                                      _query_groups_mismatch, _tied_but_head_stored, _shared_experts, _rotary_base_not_a_number,
                                      _no_args,
                                      _tracker_names_missing_iteration, _unsafe_metadata)}

@@ -41,11 +41,25 @@ def _get(args: dict[str, Any], *names: str, default: Any = None) -> Any:
     return default
 
 
+# Counts a model's description may give before any tensor is compared (they size loops and
+# lists): a stranger's common.pt or run_config.yaml must not make them unbounded.
+MAX_COUNT = 1 << 16  # layers, experts, heads
+MAX_SIZE = 1 << 31  # any other size (hidden, vocabulary, FFN)
+
+
+def bounded(name: str, v: int) -> int:
+    """``v``, or ArgsError when it is past what any model has (:data:`MAX_COUNT` for a count)."""
+    limit = MAX_COUNT if any(w in name for w in ("layers", "experts", "heads", "groups")) else MAX_SIZE
+    if v > limit:
+        raise ArgsError(f"{name} is {v:,}, more than any model has (at most {limit:,}): not a real checkpoint's")
+    return v
+
+
 def _int(args: dict[str, Any], name: str, *alts: str, default: int | None = None) -> int:
     v = _get(args, name, *alts, default=default)
     if type(v) is not int or v <= 0:
         raise ArgsError(f"argument {name} is {v!r}, not a positive integer")
-    return v
+    return bounded(name, v)
 
 
 def _float(args: dict[str, Any], *names: str, default: float) -> float:

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from ckptctl.errors import InputError
-from ckptctl.sources.megatron.config import ArgsError, Described
+from ckptctl.sources.megatron.config import ArgsError, Described, bounded
 from ckptctl.sources.megatron.mapping import FAMILIES, Dims
 
 # the Megatron argument a mapping message names -> the config.json field that says it here
@@ -50,7 +50,7 @@ def _int(cfg: dict[str, Any], name: str, default: int | None = None, zero: bool 
     v = cfg.get(name, default)
     if type(v) is not int or v < 0 or (v == 0 and not zero):
         raise ArgsError(f"--config field {name} is {v!r}, not a {'non-negative' if zero else 'positive'} integer")
-    return v
+    return bounded(f"--config field {name}", v)
 
 
 def describe_hf(cfg: dict[str, Any], no_mtp: bool = False) -> Described:
