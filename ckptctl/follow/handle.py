@@ -187,11 +187,14 @@ class Handler:
 
     def _verify(self, dest: Path) -> tuple[bool, dict[str, Any]]:
         from ckptctl.verify import verify_path
+        from ckptctl.verify.classes.box import close_shared_box
 
         try:
             res = verify_path(dest)
         except CkptctlError as exc:
             return False, {"error": str(exc)}
+        finally:  # the class check's child (torch and the library imported) does not wait beside the trainer
+            close_shared_box()
         return not res.failed(), {"counts": res.counts()}
 
     def hook(self, rec: dict[str, Any]) -> None:

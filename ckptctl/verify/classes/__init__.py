@@ -187,12 +187,10 @@ def model_class_step(ctx: Context) -> str | None:
 
 
 def _box(ctx: Context) -> Any:
-    """The box the check runs in: the options' own (``class_box``, a caller's), else the process's
-    shared one (:func:`.box.shared_box`)."""
+    """The box the check runs in: the process's shared one (:func:`.box.shared_box`)."""
     from ckptctl.verify.classes.box import shared_box
 
-    own = getattr(ctx.options, "class_box", None)
-    return own if own is not None else shared_box()
+    return shared_box()
 
 
 def _bound_reason(answer: dict[str, Any], box: Any) -> str:
