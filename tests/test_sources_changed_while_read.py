@@ -1,4 +1,4 @@
-"""Issue 33, third round: sources that change under an export, and torch archives torch reads
+"""Sources that change under an export, and torch archives torch reads otherwise.
 otherwise.
 
 - A source replaced while it is exported (a trainer saving its next step by tmp + rename, or
