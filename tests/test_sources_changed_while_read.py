@@ -1,5 +1,4 @@
 """Sources that change under an export, and torch archives torch reads otherwise.
-otherwise.
 
 - A source replaced while it is exported (a trainer saving its next step by tmp + rename, or
   rewriting a file in place) is refused ("changed while reading", exit 3), for every source kind
