@@ -238,7 +238,7 @@ def test_resave_rlimit_fsize(prepared, tmp_path):
     import resource
 
     def limit() -> None:
-        resource.setrlimit(resource.RLIMIT_FSIZE, (10_000, 10_000))
+        resource.setrlimit(resource.RLIMIT_FSIZE, (5_000, 5_000))  # under each 8,192-byte shard (resave --dtype keeps the 3 shards)
 
     r = run_ckptctl(*prep.scn.argv(p.src, p.dst), preexec_fn=limit, timeout=300)
     assert r.returncode == 3 and "(phase: write)" in r.stderr, r.stderr

@@ -103,7 +103,8 @@ def test_changes_at_every_depth_while_the_new_version_is_written_are_kept(src, d
         proc = popen_ckptctl("export", src, dest, "--overwrite", "--json", env=env)
         tensors = state(7, n=4)
     else:
-        proc = popen_ckptctl("resave", dest, "--dtype", "bf16", "--json", env=env)
+        # one output shard, so the stop point is met once (resave --dtype alone keeps each shard)
+        proc = popen_ckptctl("resave", dest, "--dtype", "bf16", "--max-shard-size", "5GB", "--json", env=env)
         tensors = {k: v.bfloat16() for k, v in state(1, n=4).items()}
     wait_stopped(proc.pid)
     w = subprocess.run([sys.executable, "-c", WRITER, str(dest)], env=clean_env(), timeout=60, capture_output=True)

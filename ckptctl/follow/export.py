@@ -21,8 +21,6 @@ from ckptctl.write.options import ExportOptions
 class SaveChanged(OperationalError):
     """The save changed (or went) while it was exported: nothing was published."""
 
-    code = "save_changed"
-
 
 def pin(path: Path, expect: Fingerprint) -> Callable[[Path], None]:
     """The export job's check: ``path`` still holds exactly the files ``expect`` lists."""

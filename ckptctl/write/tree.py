@@ -72,6 +72,11 @@ class RootResult:
     seconds: float = 0.0
 
     @property
+    def notes(self) -> list[str]:
+        """What the components' sources say the user should know."""
+        return [n for r in self.exports.values() for n in getattr(r, "notes", ())]
+
+    @property
     def exports(self) -> dict[str, Any]:
         """Each component's ExportResult (a resave's is inside its ResaveResult)."""
         return {k: getattr(v, "export", v) for k, v in self.components.items()}
