@@ -141,6 +141,15 @@ def test_a_big_endian_zero_rank_file_is_refused(zero_ckpts, tmp_path):
     assert not out.exists()
 
 
+def _deflate_data_pkl(p: Path) -> None:
+    """Write the torch.save archive ``p`` again with its data.pkl deflated (the rest stored)."""
+    with zipfile.ZipFile(p) as old:
+        records = [(i.filename, old.read(i)) for i in old.infolist()]
+    with zipfile.ZipFile(p, "w", zipfile.ZIP_STORED) as z:
+        for name, data in records:
+            z.writestr(name, data, compress_type=zipfile.ZIP_DEFLATED if name.endswith("/data.pkl") else None)
+
+
 def test_a_sound_archive_with_a_compressed_data_pkl_still_exports_what_torch_loads(tmp_path):
     """The records cannot map a deflated data.pkl: torch.load reads the file, after the walk
     (``tests/test_pickle_budget.py``: the walk refuses a hostile one first)."""
@@ -148,12 +157,7 @@ def test_a_sound_archive_with_a_compressed_data_pkl_still_exports_what_torch_loa
     src.mkdir()
     p = src / "pytorch_model.bin"
     torch.save({"a": torch.arange(6, dtype=torch.float32), "b": torch.ones(2, 3, dtype=torch.bfloat16)}, p)
-    old = zipfile.ZipFile(p)
-    records = [(i.filename, old.read(i)) for i in old.infolist()]
-    old.close()
-    with zipfile.ZipFile(p, "w", zipfile.ZIP_STORED) as z:
-        for name, data in records:
-            z.writestr(name, data, compress_type=zipfile.ZIP_DEFLATED if name.endswith("/data.pkl") else None)
+    _deflate_data_pkl(p)
     _same_as_torch(src, tmp_path / "out")
 
 
@@ -168,12 +172,7 @@ def test_a_damaged_compressed_data_pkl_is_one_input_error_in_every_command(tmp_p
     src.mkdir()
     p = src / "pytorch_model.bin"
     torch.save({"a": torch.arange(600, dtype=torch.float32)}, p)
-    old = zipfile.ZipFile(p)
-    records = [(i.filename, old.read(i)) for i in old.infolist()]
-    old.close()
-    with zipfile.ZipFile(p, "w", zipfile.ZIP_STORED) as z:
-        for name, data in records:
-            z.writestr(name, data, compress_type=zipfile.ZIP_DEFLATED if name.endswith("/data.pkl") else None)
+    _deflate_data_pkl(p)
     with zipfile.ZipFile(p) as z:
         info = next(i for i in z.infolist() if i.filename.endswith("/data.pkl"))
     raw = bytearray(p.read_bytes())
