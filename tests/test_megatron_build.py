@@ -53,3 +53,18 @@ def megatron_ckpts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 def iteration(root: Path) -> Path:
     """The iteration folder of a fixture."""
     return root / f"iter_{ITERATION:07d}"
+
+
+def rewrite_args(folder: Path, **changes: object) -> None:
+    """Rewrite an iteration folder's common.pt with some of its arguments changed (as a resumed run
+    with other flags would save it)."""
+    import argparse
+
+    import torch
+
+    path = folder / "common.pt"
+    obj = torch.load(path, weights_only=False)
+    args = vars(obj["args"]).copy()
+    args.update(changes)
+    obj["args"] = argparse.Namespace(**args)
+    torch.save(obj, path)

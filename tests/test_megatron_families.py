@@ -7,7 +7,6 @@ argument a tensor determines checked against it, refused naming the argument."""
 
 from __future__ import annotations
 
-import argparse
 import json
 import shutil
 from pathlib import Path
@@ -16,7 +15,7 @@ import pytest
 import torch
 
 from tests.support import invoke, staging_dirs
-from tests.test_megatron_build import NEEDS_MEGATRON, iteration
+from tests.test_megatron_build import NEEDS_MEGATRON, iteration, rewrite_args
 from tests.test_megatron_families_build import NAMES, family_ckpts  # noqa: F401 - the fixture
 
 pytestmark = NEEDS_MEGATRON
@@ -107,13 +106,7 @@ def test_vocab_size_trims_what_the_arguments_do_not_give(family_ckpts, tmp_path)
     assert not (tmp_path / "big").exists()
 
 
-def _common(folder: Path, **changes) -> None:
-    path = folder / "common.pt"
-    obj = torch.load(path, weights_only=False)
-    args = vars(obj["args"]).copy()
-    args.update(changes)
-    obj["args"] = argparse.Namespace(**args)
-    torch.save(obj, path)
+_common = rewrite_args
 
 
 CONTRADICTIONS = [  # (fixture, changed arguments, what the message says)

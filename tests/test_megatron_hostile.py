@@ -4,7 +4,6 @@ nothing published, nothing run. Each case breaks a copy of a real checkpoint
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
@@ -14,7 +13,7 @@ import pytest
 import torch
 
 from tests.support import invoke, staging_dirs
-from tests.test_megatron_build import NEEDS_MEGATRON, iteration, megatron_ckpts  # noqa: F401 - the fixture
+from tests.test_megatron_build import NEEDS_MEGATRON, iteration, rewrite_args, megatron_ckpts  # noqa: F401 - the fixture
 
 pytestmark = NEEDS_MEGATRON
 
@@ -29,14 +28,7 @@ class _Evil:
         return (os.system, (f"touch {self.marker}",))
 
 
-def _common(folder: Path, **changes) -> None:
-    """Rewrite common.pt with some of its arguments changed (as a resumed run with other flags would)."""
-    path = folder / "common.pt"
-    obj = torch.load(path, weights_only=False)
-    args = vars(obj["args"]).copy()
-    args.update(changes)
-    obj["args"] = argparse.Namespace(**args)
-    torch.save(obj, path)
+_common = rewrite_args
 
 
 def _missing_distcp(folder: Path, tmp: Path) -> str:
