@@ -55,7 +55,9 @@ def _doc(out: Any, event: dict[str, Any], *, ok: bool = True, **more: Any) -> di
 
 def _follow(out: Any, src: str, dst: str, json_: bool, given: dict[str, Any]) -> None:
     from ckptctl.errors import UsageError
-    from ckptctl.follow import FollowOptions, Retention, follow
+    from ckptctl.follow.loop import follow
+    from ckptctl.follow.options import FollowOptions
+    from ckptctl.follow.retention import Retention
     from ckptctl.sizes import parse_duration
     from ckptctl.write.options import ExportOptions
 
@@ -111,7 +113,7 @@ def _follow(out: Any, src: str, dst: str, json_: bool, given: dict[str, Any]) ->
         from ckptctl.cli._output import Signals
         import signal
 
-        from ckptctl.follow import Event
+        from ckptctl.follow.events import Event
 
         by = signal.Signals(Signals.received).name if Signals.received else "interrupt"
         emit(Event("stopped", f"{by} received: stopped following (nothing half-published)", fields={"signal": by}))

@@ -10,6 +10,8 @@ import typer
 from ckptctl.cli._options import JsonOpt, KeyOpt, OnlyOpt, QuietOpt, VerboseOpt
 from ckptctl.cli._output import JsonRows, Output, human_size
 
+FOLLOW_STATE = ".ckptctl-follow"  # ckptctl/follow/state.py STATE_DIR, not imported: inspect stays light
+
 
 def inspect(
     path: Annotated[str, typer.Argument(metavar="PATH", help="Checkpoint directory, weights file, or repo id in the local HF cache.")],
@@ -46,6 +48,13 @@ def inspect(
         where = resolve(path)
         if where.note:
             out.info(f"inspecting {where.note}")
+        if _follow_root(where.path):  # a follower's DST_ROOT: what it published, lost, removed
+            if tensors or filter_ or only or key:
+                raise UsageError(f"{path} is a follower's DST_ROOT: --tensors, --filter, --only and --key apply "
+                                 "to one export in it", f"inspect one export: ckptctl inspect {path}/<name>")
+            from ckptctl.cli.follow_inspect import show
+
+            return show(out, where.path, json_=json_)
         res = inspect_path(where.path, only=only, name_filter=filter_, key=key or None)
         if json_:
             # the tensor rows are encoded and written a chunk at a time, never one string
@@ -54,6 +63,13 @@ def inspect(
                 out.emit_json(doc, rows=JsonRows("tensors", *res.tensors.columns()))
             return
         _render(out, res, show_tensors=tensors or bool(filter_), filtered=bool(filter_))
+
+
+def _follow_root(path: Any) -> bool:
+    import os
+
+    state = os.path.join(path, FOLLOW_STATE)
+    return os.path.isdir(state) and not os.path.islink(state)
 
 
 def config_value(value: Any) -> str:

@@ -5,14 +5,13 @@ Modules: ``saves`` (the saves a directory holds, by step; their fingerprints), `
 (when a save is complete, per kind; its identity), ``state`` (the records in
 ``DST_ROOT/.ckptctl-follow/`` and the one-follower lock), ``export`` (one save exported, pinned to
 its files), ``handle`` (record, export, settle, verify, ``--on-publish``, retention of one
-save), ``retention`` (the keep rules and the removal of an export of ours), ``loop`` (the
-follower), ``priority`` (low CPU and I/O priority), ``events`` (what it reports), ``options``.
-docs/FOLLOW.md describes the whole. Nothing here prints: events go to a callback.
+save), ``hook`` (the ``--on-publish`` command, in its own process group, with a timeout),
+``retention`` (the keep rules and the removal of an export of ours), ``loop`` (the follower),
+``view`` (what a follower has done, read for ``inspect DST_ROOT``), ``priority`` (low CPU and I/O
+priority), ``events`` (what it reports), ``options`` and ``choices`` (the fixed sets of values
+``--from`` and ``--priority`` take). docs/FOLLOW.md describes the whole. Nothing here prints:
+events go to a callback.
+
+This package imports nothing itself: ``from ckptctl.follow.loop import follow`` loads what following
+needs, ``ckptctl.follow.choices`` (the CLI's option types, loaded by ``ckptctl --help``) nothing else.
 """
-
-from ckptctl.follow.events import Event
-from ckptctl.follow.loop import Follower, follow
-from ckptctl.follow.options import FollowOptions
-from ckptctl.follow.retention import Retention
-
-__all__ = ["Event", "FollowOptions", "Follower", "Retention", "follow"]

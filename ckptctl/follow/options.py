@@ -6,10 +6,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ckptctl.errors import UsageError
+from ckptctl.follow.choices import FROM_CHOICES
 from ckptctl.follow.retention import Retention
 from ckptctl.write.options import ExportOptions
-
-FROM_CHOICES = ("newest", "all")
 
 
 @dataclass
