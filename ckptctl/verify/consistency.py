@@ -8,7 +8,8 @@ library reads silently, or whose disagreement with the weights no loader notices
   weights (:mod:`.consistency_files`);
 - a sentence-transformers root's module dimensions (:mod:`.consistency_st`), a diffusers
   pipeline's components against each other (:mod:`.consistency_pipeline`), an image processor
-  against the vision tower it feeds (:mod:`.consistency_preprocessor`);
+  against the vision tower it feeds (:mod:`.consistency_preprocessor`), a GPTQ/AWQ
+  quantization_config against how the weights are packed (:mod:`.consistency_quantized`);
 - with ``--deep``, the bytes of a pickle family that holds the same tensors as the safetensors
   family beside it (:mod:`.consistency_twins`).
 """
@@ -18,6 +19,7 @@ from __future__ import annotations
 from ckptctl.verify import consistency_files as F
 from ckptctl.verify.consistency_pipeline import pipeline_components
 from ckptctl.verify.consistency_preprocessor import preprocessor_vision
+from ckptctl.verify.consistency_quantized import quantized_packing
 from ckptctl.verify.consistency_st import st_dimensions
 from ckptctl.verify.consistency_tokens import generation_config, tokenizer_added, vocab_size
 from ckptctl.verify.context import Context
@@ -38,6 +40,7 @@ def consistency_step(ctx: Context) -> str | None:
     st_dimensions(ctx)
     pipeline_components(ctx)
     preprocessor_vision(ctx)
+    quantized_packing(ctx)
     if ctx.options.deep and any(f.twin_of for f in ctx.layout.families):
         from ckptctl.verify.consistency_twins import compare_twins
 
