@@ -88,6 +88,17 @@ def names_line(what: str, names: Sequence[str]) -> str:
 
 
 _PIPE_WIDTH = 100_000
+
+
+def _maybe_terminal() -> bool:
+    """Whether rich could take stdout for a terminal: a tty, or an environment that makes rich say
+    so (``TTY_COMPATIBLE=1``, ``FORCE_COLOR``). Off it, a line of text is written without rich."""
+    if os.environ.get("TTY_COMPATIBLE") == "1" or os.environ.get("FORCE_COLOR"):
+        return True
+    try:
+        return sys.stdout.isatty()
+    except ValueError:  # a closed stdout
+        return False
 _ROWS_AT_ONCE = 4096
 # what json's encoder (ensure_ascii=False) escapes in a string: a name without any is its own text
 _JSON_ESCAPED = re.compile(r'[\x00-\x1f\\"]')
@@ -241,16 +252,31 @@ class Output:
         """Data for people on stdout: the command's result, also with ``-q`` (which silences
         stderr only). Off a terminal each line is written without its trailing padding (rich pads
         table cells and titles to the table's width)."""
-        if self.out.is_terminal:
+        if isinstance(renderable, str) and not _maybe_terminal():  # a line of text: rich is not needed
+            text = renderable + "\n"
+        elif self.out.is_terminal:
             self.out.print(renderable)
             return
-        from rich.console import Console
+        else:
+            from rich.console import Console
 
-        page = Console(file=io.StringIO(), width=_PIPE_WIDTH, markup=False, highlight=False, soft_wrap=False,
-                       color_system=self.out.color_system, no_color=self.out.no_color)
-        page.print(renderable)
-        text = page.file.getvalue()  # type: ignore[attr-defined]
+            page = Console(file=io.StringIO(), width=_PIPE_WIDTH, markup=False, highlight=False, soft_wrap=False,
+                           color_system=self.out.color_system, no_color=self.out.no_color)
+            page.print(renderable)
+            text = page.file.getvalue()  # type: ignore[attr-defined]
         self.write("\n".join(line.rstrip() for line in text.split("\n")))
+
+    def table(self, columns: Sequence[tuple[str, str]], rows: Sequence[Sequence[str]]) -> None:
+        """A result table on stdout (:mod:`ckptctl.cli._table`): ``columns`` as (header, "left" or
+        "right"), ``rows`` of text cells."""
+        from ckptctl.cli import _table
+        from ckptctl.fastpaths import enabled
+
+        text = _table.ruled(columns, rows) if enabled("table") and not _maybe_terminal() else None
+        if text is None:
+            self.print(_table.rich_table(columns, rows))
+        else:
+            self.write(text)
 
     # error handling -------------------------------------------------------------------------
     @contextmanager

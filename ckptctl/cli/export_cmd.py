@@ -14,7 +14,8 @@ from ckptctl.cli._options import (DryRunOpt, DtypeOpt, JsonOpt, KeyOpt, LabelOpt
                                   OnlyOpt, QuietOpt, TimeoutOpt, VerboseOpt, plain)
 from ckptctl.cli._output import Output, ProgressReporter, human_size, names_line
 from ckptctl.cli.follow_cmd import (ExitWhenIdleOpt, FollowOpt, FromOpt, KeepBestOpt, KeepEveryOpt, KeepLastOpt,
-                                    OnceOpt, OnPublishOpt, PollOpt, PriorityOpt, QuietPeriodOpt, VerifyOpt)
+                                    OnceOpt, OnPublishOpt, OnPublishTimeoutOpt, PollOpt, PriorityOpt, QuietPeriodOpt,
+                                    VerifyOpt, refuse_follow_only)
 
 def export(
     src: Annotated[str, typer.Argument(metavar="SRC", help="Source: safetensors file/dir, .bin/.pt, PEFT adapter dir, DCP dir, DeepSpeed ZeRO or Megatron torch_dist checkpoint, or a cached repo id.")],
@@ -38,16 +39,17 @@ def export(
     verbose: VerboseOpt = 0,
     follow: FollowOpt = False,
     once: OnceOpt = False,
-    start_from: FromOpt = "newest",
-    quiet_period: QuietPeriodOpt = "30s",
-    poll_interval: PollOpt = "1s",
+    start_from: FromOpt = None,
+    quiet_period: QuietPeriodOpt = None,
+    poll_interval: PollOpt = None,
     exit_when_idle: ExitWhenIdleOpt = None,
     keep_last: KeepLastOpt = None,
     keep_every: KeepEveryOpt = None,
     keep_best: KeepBestOpt = None,
     verify: VerifyOpt = False,
     on_publish: OnPublishOpt = None,
-    priority: PriorityOpt = "low",
+    on_publish_timeout: OnPublishTimeoutOpt = None,
+    priority: PriorityOpt = None,
 ) -> None:
     """Write a checkpoint as HF safetensors shards + index + config/tokenizer files, atomically.
 
@@ -68,6 +70,8 @@ def export(
         return run_follow(src, dst, json_=json_, quiet=quiet, verbose=verbose, **{
             k: v for k, v in locals().items() if k not in ("src", "dst", "json_", "quiet", "verbose", "follow")})
     out = Output("export", json_mode=json_, quiet=quiet + (1 if json_ else 0), verbose=verbose)
+    with out.guard():
+        refuse_follow_only(locals())
     multi_rank = int(os.environ.get("WORLD_SIZE", "1")) > 1
     try:
         _run(out, src, dst, max_shard_size, dtype, overwrite, manifest, label, key, only, no_fsync, timeout,
@@ -171,15 +175,9 @@ def render_result(out: Output, result) -> None:
     if hasattr(result, "components"):  # a multi-component root (write/tree.py RootResult)
         render_root(out, result)
         return
-    from rich.table import Table  # only when rendering: keeps `--help` from importing it
-
     verb = "would write" if result.dry_run else "wrote"
     out.print(f"{verb} {result.dest}")  # its own line: a long path is never wrapped to the table's width
-    table = Table()
-    for col in ("file", "size", "tensors"):
-        table.add_column(col, justify="left" if col == "file" else "right")
-    _file_rows(table, result)
-    out.print(table)
+    out.table(_FILE_COLUMNS, _file_rows(result))
     space = f" ({human_size(result.space_available)} free)" if result.space_available is not None else ""
     size = f"{human_size(result.bytes_to_write)} to write{space}" if result.dry_run else \
         f"{human_size(result.bytes_to_write)} written"
@@ -206,26 +204,23 @@ def render_result(out: Output, result) -> None:
         out.print(line)
 
 
-def _file_rows(table, result, folder: str = "") -> None:
+_FILE_COLUMNS = (("file", "left"), ("size", "right"), ("tensors", "right"))
+
+
+def _file_rows(result, folder: str = "") -> list[tuple[str, str, str]]:
     """One row per file an export writes (``folder/`` before each name for a root's component)."""
-    for f in result.files:
-        table.add_row(folder + f["name"], human_size(f["size"]), f"{f['tensors']:,}")
-    for name in ([result.index] if result.index else []) + result.extras + result.variants:
-        table.add_row(folder + name, "", "")
+    rows = [(folder + f["name"], human_size(f["size"]), f"{f['tensors']:,}") for f in result.files]
+    rows += [(folder + name, "", "") for name in ([result.index] if result.index else []) + result.extras
+             + result.variants]
+    return rows
 
 
 def render_root(out: Output, result) -> None:
     """A multi-component root: each component's files under its folder, then the root's summary."""
-    from rich.table import Table
-
     verb = "would write" if result.dry_run else "wrote"
     out.print(f"{verb} {result.dest} ({result.kind} root)")
-    table = Table()
-    for col in ("file", "size", "tensors"):
-        table.add_column(col, justify="left" if col == "file" else "right")
-    for folder, res in sorted(result.exports.items()):
-        _file_rows(table, res, f"{folder}/" if folder else "")
-    out.print(table)
+    out.table(_FILE_COLUMNS, [row for folder, res in sorted(result.exports.items())
+                              for row in _file_rows(res, f"{folder}/" if folder else "")])
     lines = [f"{len(result.components)} components with weights, {result.tensors:,} tensors, "
              f"{result.parameters:,} parameters"]
     if result.copied:
