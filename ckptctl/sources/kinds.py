@@ -57,7 +57,7 @@ KINDS: tuple[Kind, ...] = (
          ("zero.checkpoint", "zero.damaged"),
          "is not a DeepSpeed ZeRO checkpoint", "pass its root (with latest) or a global_stepN folder"),
     Kind("dcp-hf", "torch DCP-HF: HuggingFaceStorageWriter's sharded/ output, assembled from its shards",
-         "ckptctl.sources.dcp.hf:find_sharded", "ckptctl.sources.dcp.hf:open_location",
+         "ckptctl.sources.dcp.locate:find_sharded", "ckptctl.sources.dcp.hf:open_location",
          "ckptctl.inspect_kinds:inspect_dcp_hf", "ckptctl.verify.dcp:dcp_hf_located",
          ("dcp.hf_sharded", "dcp.hf_damaged"),
          "holds no DCP-HF shards (torch's HuggingFaceStorageWriter sharded/ output)",

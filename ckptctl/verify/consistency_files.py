@@ -88,7 +88,8 @@ def leftover_sharded(ctx: Context) -> None:
     if SHARDED_DIR not in ctx.names or SHARDED_DIR in ctx.hidden or not any(
             f.container == L.SAFETENSORS for f in ctx.layout.families):
         return
-    from ckptctl.sources.dcp.hf import find_sharded, open_dcp_hf
+    from ckptctl.sources.dcp.hf import open_dcp_hf
+    from ckptctl.sources.dcp.locate import find_sharded
 
     found = find_sharded(ctx.root)
     if found is None or not found[0]:

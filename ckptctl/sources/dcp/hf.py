@@ -28,24 +28,22 @@ import itertools
 import json
 import math
 import os
-import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from ckptctl.errors import CkptctlError, InputError, from_oserror
 from ckptctl.format import dtypes as dt
-from ckptctl.format import names as N
-from ckptctl.format.dcp_hf_names import SHARD_NAME, SHARDED_DIR, absent_shard, missing_models
+from ckptctl.format.dcp_hf_names import SHARDED_DIR, absent_shard, missing_models
 from ckptctl.format.header import DuplicateKey, no_duplicate_keys
 from ckptctl.format.tensor import strides
 from ckptctl.sources.base import (CHUNK_BYTES, FileId, Piece, Source, SourceTensor, changed, convert_bytes,
                                   open_checked, read_pinned)
+from ckptctl.sources.dcp.locate import SHARDING_KEY, find_sharded, safetensors_in
 
 if TYPE_CHECKING:
     from ckptctl.layout.reading import MetadataReading
 
-SHARDING_KEY = "DCP_SHARDING_INFO"
 OFFSETS_KEY = "saved_offsets"
 KIND = "dcp-hf"
 MAX_PIECES = 1024  # runs per tensor beyond which it streams (a Piece is ~120 bytes)
@@ -69,21 +67,6 @@ class Block:
 
     def where(self) -> str:
         return f"{Path(self.file).name} (offsets {list(self.offsets)}, shape {list(self.sizes)})"
-
-
-def _regular(path: Path) -> bool:
-    try:
-        return stat.S_ISREG(os.stat(path).st_mode)
-    except OSError:
-        return False
-
-
-def _safetensors_in(d: Path) -> list[str]:
-    try:
-        names = os.listdir(d)
-    except OSError as exc:
-        raise from_oserror(exc, "cannot list the DCP-HF shards") from None
-    return sorted(n for n in names if N.is_safetensors(n) and _regular(d / n))
 
 
 def _sharding_info(hdr: Any, shown: str) -> dict[str, Any] | None:
@@ -234,7 +217,7 @@ class DcpHfSource(Source):
         from ckptctl.layout.reading import MetadataReading
 
         src = cls(path=d, kind=KIND)
-        src.shard_names = _safetensors_in(d)
+        src.shard_names = safetensors_in(d)
         gone = missing_models(src.shard_names)
         if gone:
             raise InputError(f"{d}: {gone}: the tensors stored only there are gone",
@@ -372,45 +355,6 @@ def _assemble(shape: tuple[int, ...], d: dt.DType, blocks: list[Block], chunk_by
             where[-1] = slice(end.start * isz, end.stop * isz) if k < last else slice((lo - a) * isz, (hi - a) * isz)
             window[tuple(where)] = np.frombuffer(raw, dtype=np.uint8).reshape(got)
         yield memoryview(window.reshape(-1))
-
-
-def find_sharded(p: Path) -> tuple[bool, Path] | None:
-    """``(True, p/sharded)`` when ``p`` is a root that holds a DCP-HF ``sharded/`` directory,
-    ``(False, p)`` when ``p`` holds DCP-HF shards itself, else None. Decided from names and, for
-    a candidate, the first shard's header (a checkpoint of ordinary names reads nothing)."""
-    try:
-        if not p.is_dir():
-            if SHARD_NAME.fullmatch(p.name) and _has_info(p.parent, p.name):
-                raise InputError(f"{p} is one rank's shard of a DCP-HF save (its tensors are partial)",
-                                 f"pass the directory that holds every shard: {p.parent}")
-            return None
-        names = os.listdir(p)
-        sub = p / SHARDED_DIR
-        if SHARDED_DIR in names and stat.S_ISDIR(os.lstat(sub).st_mode) and _has_info(sub):
-            return True, sub
-    except OSError:  # the ordinary scan reports what cannot be read
-        return None
-    if (p.name == SHARDED_DIR or any(SHARD_NAME.fullmatch(n) for n in names)) and _has_info(p):
-        return False, p
-    return None
-
-
-def _has_info(d: Path, name: str | None = None) -> bool:
-    """Whether the shard ``name`` of ``d`` (by default its first ``shard-*`` file, else its first
-    safetensors file) has sharding info in its header."""
-    from ckptctl.format.header import read_header
-
-    try:
-        if name is None:
-            files = _safetensors_in(d)
-            named = [n for n in files if SHARD_NAME.fullmatch(n)] or files
-            if not named:
-                return False
-            name = named[0]
-        hdr = read_header(d / name)
-    except CkptctlError:  # unreadable: not recognised here (the ordinary scan says why)
-        return False
-    return SHARDING_KEY in (hdr.metadata or {})
 
 
 def _consolidated(root: Path, reading: "MetadataReading") -> dict[str, tuple[str, tuple[int, ...]]] | None:
