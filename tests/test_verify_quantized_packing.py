@@ -147,9 +147,9 @@ def test_bits_or_group_size_edited_is_a_packing_mismatch_the_library_fails_on(qu
             (fields, used[str(d)])
         for args in ((), ("--static",)):
             rc, found = _findings(d, *args)
-            f = found.get("config.quant_packing_mismatch")
-            assert rc == 1 and f is not None and f["severity"] == "error", (fields, found)
-            assert f["details"]["fields"] == blamed and f["details"]["layers"] == 7, (fields, f)
+            assert rc == 1 and found["config.quant_packing_mismatch"]["severity"] == "error", (fields, found)
+            details = found["config.quant_packing_mismatch"]["details"]
+            assert details["fields"] == blamed and details["layers"] == 7, (fields, details)
 
 
 def test_a_packing_the_check_does_not_know_is_said_not_an_error(quantized, tmp_path):
