@@ -1,6 +1,9 @@
 """An image processor that disagrees with the vision tower it feeds (issue 45): CLIP's model and a
-processor that crops 48 x 48 for a 32 x 32 tower each load, and the first image fails; verify
-reports config.preprocessor_mismatch (an error). The processor that matches passes."""
+processor that crops 48 x 48 for a 32 x 32 tower each load, and the first image fails; a PaliGemma
+processor whose image_seq_length, or a LlavaProcessor whose patch_size (or CLS count, or feature
+strategy), makes another number of image tokens than the tower's features loads, and the first image
+fails (``Image features and image tokens do not match``). verify reports config.preprocessor_mismatch
+(an error) in both modes. The processor saved with the model passes."""
 
 from __future__ import annotations
 
@@ -11,6 +14,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
+from ecosystem.transformers_models import tiny_tokenizer
 
 from tests.support.cli import invoke
 
@@ -61,3 +66,92 @@ def test_a_processor_of_another_image_size_is_a_preprocessor_mismatch(clip, tmp_
     for args in ((), ("--static",)):
         rc, found = _codes(d, *args)
         assert rc == 1 and found.get("config.preprocessor_mismatch") == "error", found
+
+
+def _edit(src: Path, dst: Path, name: str, path: tuple[str, ...], value: object) -> Path:
+    d = Path(shutil.copytree(src, dst))
+    doc = json.loads((d / name).read_text())
+    node = doc
+    for key in path[:-1]:
+        node = node[key]
+    node[path[-1]] = value
+    (d / name).write_text(json.dumps(doc))
+    return d
+
+
+def _first_image(d: Path) -> None:
+    """The processor's text and pixels for one image, through the model (raises where they disagree)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        proc = T.AutoProcessor.from_pretrained(d)
+        model = T.AutoModelForImageTextToText.from_pretrained(d)
+        inputs = proc(text="<image>w1 w2", images=np.zeros((40, 40, 3), np.uint8), return_tensors="pt")
+        assert model(**inputs).logits.isfinite().all()
+
+
+VISION = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=32,
+              patch_size=8)
+
+
+@pytest.fixture(scope="module")
+def paligemma(tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("paligemma") / "paligemma"
+    tok = tiny_tokenizer()
+    cfg = T.PaliGemmaConfig(vision_config=dict(model_type="siglip_vision_model", **VISION),
+                            text_config=dict(model_type="gemma", vocab_size=1300, hidden_size=16, intermediate_size=32,
+                                             num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                                             head_dim=8),
+                            projection_dim=16, image_token_index=len(tok))  # where the processor adds <image>
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        T.PaliGemmaForConditionalGeneration(cfg).save_pretrained(d)
+        T.PaliGemmaProcessor(image_processor=T.SiglipImageProcessor(size={"height": 32, "width": 32},
+                                                                    image_seq_length=16),
+                             tokenizer=tok).save_pretrained(d)
+    return d
+
+
+@pytest.fixture(scope="module")
+def llava(tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("llava") / "llava"
+    tok = tiny_tokenizer()
+    tok.add_special_tokens({"additional_special_tokens": ["<image>"]})
+    cfg = T.LlavaConfig(vision_config=dict(model_type="clip_vision_model", projection_dim=16, **VISION),
+                        text_config=dict(model_type="llama", vocab_size=80, hidden_size=16, intermediate_size=32,
+                                         num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1),
+                        image_token_index=tok.convert_tokens_to_ids("<image>"), vision_feature_layer=-1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        T.LlavaForConditionalGeneration(cfg).save_pretrained(d)
+        T.LlavaProcessor(image_processor=T.CLIPImageProcessor(size={"shortest_edge": 32},
+                                                              crop_size={"height": 32, "width": 32}),
+                         tokenizer=tok, patch_size=8, vision_feature_select_strategy="default",
+                         num_additional_image_tokens=1).save_pretrained(d)
+    return d
+
+
+def test_the_vision_language_processors_saved_with_their_models_pass(paligemma, llava):
+    for d in (paligemma, llava):
+        _first_image(d)
+        for args in ((), ("--static",)):
+            rc, found = _codes(d, *args)
+            assert rc == 0 and "config.preprocessor_mismatch" not in found, (d, found)
+
+
+@pytest.mark.parametrize("model, path, value", [
+    ("paligemma", ("image_processor", "image_seq_length"), 12),
+    ("paligemma", ("image_processor", "image_seq_length"), 64),
+    ("llava", ("patch_size",), 16),
+    ("llava", ("patch_size",), 4),
+    ("llava", ("num_additional_image_tokens",), 0),
+    ("llava", ("vision_feature_select_strategy",), "full"),
+])
+def test_a_processor_that_makes_another_number_of_image_tokens_is_a_preprocessor_mismatch(
+        request, tmp_path, model, path, value):
+    d = _edit(request.getfixturevalue(model), tmp_path / model, "processor_config.json", path, value)
+    with pytest.raises(ValueError, match="Image features and image tokens do not match"):
+        _first_image(d)
+    for args in ((), ("--static",)):
+        rc, found = _codes(d, *args)
+        assert rc == 1 and found.get("config.preprocessor_mismatch") == "error", (path, value, found)
+

@@ -7,8 +7,17 @@ with both ``height`` and ``width``; a ``shortest_edge`` alone depends on the ima
 judged) is held to the vision config's ``image_size``, for vision towers whose position embeddings
 have one fixed size (CLIP, SigLIP, ViT: they do not interpolate unless asked).
 
-Read from ``preprocessor_config.json`` (or a ``processor_config.json``'s ``image_processor``) and
-config.json's ``vision_config`` (or config.json itself for a vision model), bounded.
+The number of image tokens the processor puts in the text is held to the number of features the
+vision tower gives (the model raises ``Image features and image tokens do not match`` at the first
+image): PaliGemma's ``image_seq_length`` against ``(image_size // patch_size)^2`` of its SigLIP
+tower; a ``LlavaProcessor``'s count, ``(height // patch_size) * (width // patch_size) +
+num_additional_image_tokens`` (less one with ``vision_feature_select_strategy: default``), against
+the CLIP or SigLIP tower's patches (plus CLIP's class token, less one with the model's ``default``
+strategy). Other processors' token counts are not judged.
+
+Read from ``preprocessor_config.json`` (or a ``processor_config.json``'s ``image_processor``), the
+processor's own fields in ``processor_config.json``, and config.json's ``vision_config`` (or
+config.json itself for a vision model), bounded; config.json through the context's parsed copy.
 """
 
 from __future__ import annotations
@@ -25,8 +34,8 @@ PREPROCESSOR = "preprocessor_config.json"
 PROCESSOR = "processor_config.json"
 # vision towers whose position embeddings have one size: an image of another size fails
 FIXED_SIZE = frozenset({"clip", "clip_vision_model", "siglip", "siglip_vision_model", "vit"})
-_HINT = ("save the processor that belongs to this model (processor.save_pretrained), or fix the sizes in "
-         "preprocessor_config.json")
+_HINT = ("save the processor that belongs to this model (processor.save_pretrained), or fix the field the "
+         "message names in the processor's file")
 
 
 def _json(ctx: Context, name: str) -> Any:
@@ -59,24 +68,76 @@ def _output_size(proc: dict[str, Any]) -> tuple[int, int] | None:
     return None
 
 
+def _patches(vision: dict[str, Any]) -> int | None:
+    """The patch tokens of a square vision tower (its patch embedding strides by patch_size)."""
+    size, patch = as_int(vision.get("image_size")), as_int(vision.get("patch_size"))
+    return (size // patch) ** 2 if size is not None and patch is not None and size > 0 and patch > 0 else None
+
+
+def _llava_tokens(doc: dict[str, Any], out: tuple[int, int] | None) -> int | None:
+    """The image tokens a LlavaProcessor puts in the text for one image (``replace_image_token``)."""
+    patch, extra = as_int(doc.get("patch_size")), as_int(doc.get("num_additional_image_tokens", 0))
+    if out is None or patch is None or patch <= 0 or extra is None:
+        return None
+    return (out[0] // patch) * (out[1] // patch) + extra - (doc.get("vision_feature_select_strategy") == "default")
+
+
+def _llava_features(cfg: dict[str, Any], vision: dict[str, Any]) -> int | None:
+    """The image features LlavaForConditionalGeneration gives for one image (``get_image_features``)."""
+    patches, mt = _patches(vision), vision.get("model_type")
+    if patches is None or mt not in ("clip_vision_model", "siglip_vision_model"):
+        return None
+    return patches + (mt == "clip_vision_model") - (cfg.get("vision_feature_select_strategy", "default") == "default")
+
+
+def _image_tokens(cfg: dict[str, Any], vision: dict[str, Any], proc: dict[str, Any], doc: Any,
+                  out: tuple[int, int] | None) -> tuple[str, int, int, dict[str, Any]] | None:
+    """(field, tokens the processor makes, features the model gives, details) where they differ."""
+    mt = cfg.get("model_type")
+    if mt == "paligemma" and vision.get("model_type", "siglip_vision_model") == "siglip_vision_model":
+        seq, patches = as_int(proc.get("image_seq_length")), _patches(vision)
+        if seq is not None and patches is not None and seq != patches:
+            return "image_seq_length", seq, patches, {}
+    if mt == "llava" and isinstance(doc, dict) and doc.get("processor_class") == "LlavaProcessor":
+        tokens, features = _llava_tokens(doc, out), _llava_features(cfg, vision)
+        if tokens is not None and features is not None and tokens != features:
+            field = ("patch_size" if doc.get("patch_size") != vision.get("patch_size") else
+                     "vision_feature_select_strategy" if doc.get("vision_feature_select_strategy")
+                     != cfg.get("vision_feature_select_strategy", "default") else "num_additional_image_tokens")
+            return field, tokens, features, {"processor_patch_size": doc.get("patch_size"),
+                                             "model_patch_size": vision.get("patch_size")}
+    return None
+
+
 def preprocessor_vision(ctx: Context) -> None:
     """``config.preprocessor_mismatch`` (module docstring)."""
     if ctx.prefix:
         return
-    proc = _json(ctx, PREPROCESSOR)
+    doc = _json(ctx, PROCESSOR)
+    proc, source = _json(ctx, PREPROCESSOR), PREPROCESSOR
     if not isinstance(proc, dict):
-        doc = _json(ctx, PROCESSOR)
-        proc = doc.get("image_processor") if isinstance(doc, dict) else None
-    cfg = _json(ctx, N.CONFIG)
-    if not isinstance(proc, dict) or not isinstance(cfg, dict):
+        proc, source = (doc.get("image_processor") if isinstance(doc, dict) else None), PROCESSOR
+    present, cfg = ctx.open_json(N.CONFIG, "config", "config.bad_json")
+    if not present or not isinstance(proc, dict) or not isinstance(cfg, dict):
         return
     vision = cfg.get("vision_config") if isinstance(cfg.get("vision_config"), dict) else cfg
     mt = vision.get("model_type") if vision is not cfg else cfg.get("model_type")
-    shown = ctx.disp(PREPROCESSOR if PREPROCESSOR in ctx.names else PROCESSOR)
+    shown = ctx.disp(source)
     image = _hw(vision.get("image_size"))
     out = _output_size(proc)
     if isinstance(mt, str) and mt in FIXED_SIZE and out is not None and image is not None and out != image:
         ctx.add("config.preprocessor_mismatch", ERROR, shown,
                 f"{shown}: the processor makes {out[0]} x {out[1]} images, but the vision config's image_size is "
                 f"{image[0]} x {image[1]}: the model and its processor load, and the first image fails (its "
-                "position embeddings have one size)", _HINT, stated=list(out), model=list(image))
+                "position embeddings have one size)", _HINT, field="image_size", stated=list(out), model=list(image))
+        return
+    found = _image_tokens(cfg, vision, proc, doc, out)
+    if found is not None:
+        field, tokens, features, details = found
+        if field != "image_seq_length":
+            shown = ctx.disp(PROCESSOR)  # a LlavaProcessor's own fields
+        ctx.add("config.preprocessor_mismatch", ERROR, shown,
+                f"{shown}: the processor puts {tokens} image tokens in the text for an image ({field}), but the vision "
+                f"tower gives {features} features: the model and its processor load, and the first image fails "
+                "(Image features and image tokens do not match)", _HINT, field=field, stated=tokens, model=features,
+                **details)
