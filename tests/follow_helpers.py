@@ -3,11 +3,13 @@ its JSON-lines events, its records, and a plain export of the same save to compa
 
 from __future__ import annotations
 
+import functools
 import json
 import subprocess
 from pathlib import Path
 from typing import Any
 
+from tests.support import REPO
 from tests.support.cli import popen_ckptctl, run_ckptctl
 from tests.support.fs import snapshot
 
@@ -32,14 +34,26 @@ def start_follow(src: Path, dst: Path, *extra: object, env: dict[str, str] | Non
     return popen_ckptctl(*follow_args(src, dst, *extra, once=once), env=env)
 
 
+@functools.lru_cache(maxsize=1)
+def event_validator() -> Any:
+    """docs/schemas/export-follow.schema.json's validator (checked as a schema first)."""
+    import jsonschema
+
+    schema = json.loads((REPO / "docs" / "schemas" / "export-follow.schema.json").read_text())
+    jsonschema.Draft202012Validator.check_schema(schema)
+    return jsonschema.Draft202012Validator(schema)
+
+
 def parse_events(stdout: str) -> list[dict[str, Any]]:
-    """Every line of stdout is one JSON document with the schema's fields."""
+    """Every line of stdout is one JSON document that validates against the follow events' schema
+    (every follow test's events are held to it)."""
     out = []
     for line in stdout.splitlines():
         doc = json.loads(line)
         assert list(doc)[:4] == ["schema_version", "command", "ok", "tool_version"], doc
         assert doc["schema_version"] == 1 and doc["command"] == "export" and "event" in doc, doc
         assert doc["ok"] is (doc["event"] != "error"), doc
+        event_validator().validate(doc)
         out.append(doc)
     return out
 

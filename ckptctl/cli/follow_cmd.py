@@ -4,8 +4,10 @@
 :func:`run_follow`. One line per event on stderr (nothing with ``-q``); with ``--json`` one JSON
 document per event on stdout (JSON lines): ``{"schema_version": 1, "command": "export",
 "ok": true, "tool_version": ..., "event": ..., "name": ..., "step": ..., "message": ..., ...}``, and a last
-``{"event": "error", "ok": false, "error": {...}}`` when the follower stops on an error.
-SIGTERM, SIGHUP and Ctrl-C stop it cleanly: the running export cleans up (nothing is
+``{"event": "error", "ok": false, "error": {...}}`` when the follower stops on an error
+(docs/schemas/export-follow.schema.json). The follow-only options default to None, so one given
+without ``--follow`` is refused (:func:`refuse_follow_only`); ``--from`` and ``--priority`` are
+choices from ``ckptctl.follow.choices``. SIGTERM, SIGHUP and Ctrl-C stop it cleanly: the running export cleans up (nothing is
 half-published), a ``stopped`` event is reported and the exit code is 0.
 
 No ``from __future__ import annotations`` (see ``verify_cmd``): Typer evaluates these aliases.
@@ -18,18 +20,45 @@ from typing import Annotated, Any, Optional
 
 import typer
 
+from ckptctl.cli._options import choices
+from ckptctl.follow.choices import FROM_CHOICES, PRIORITY_CHOICES
+
+From = choices("From", FROM_CHOICES)
+Priority = choices("Priority", PRIORITY_CHOICES)
+
+# The follow-only options default to None (their defaults are applied in _follow, and shown in the
+# help): a value given without --follow is then a usage error, never silently ignored.
 FollowOpt = Annotated[bool, typer.Option("--follow", help="Follow SRC, a training job's output (Megatron --save, DeepSpeed or HF Trainer output, a folder of DCP step folders): publish each completed save as DST/<its name>. See docs/FOLLOW.md.")]
 OnceOpt = Annotated[bool, typer.Option("--once", help="--follow: export what is complete now, then exit (the cron form).")]
-FromOpt = Annotated[str, typer.Option("--from", metavar="newest|all", help="--follow: on the first start, export only the newest complete save already there, or all of them.")]
-QuietPeriodOpt = Annotated[str, typer.Option("--quiet-period", metavar="DURATION", help="--follow: how long nothing in a save must change before it counts as complete (e.g. 30s, 2m; 0: none).")]
-PollOpt = Annotated[str, typer.Option("--poll-interval", metavar="DURATION", help="--follow: time between two looks at SRC.")]
+FromOpt = Annotated[Optional[From], typer.Option("--from", show_default="newest", help="--follow: on the first start, export only the newest complete save already there, or all of them.")]
+QuietPeriodOpt = Annotated[Optional[str], typer.Option("--quiet-period", metavar="DURATION", show_default="30s", help="--follow: how long nothing in a save must change before it counts as complete (e.g. 30s, 2m; 0: none).")]
+PollOpt = Annotated[Optional[str], typer.Option("--poll-interval", metavar="DURATION", show_default="1s", help="--follow: time between two looks at SRC.")]
 ExitWhenIdleOpt = Annotated[Optional[str], typer.Option("--exit-when-idle", metavar="DURATION", help="--follow: exit once nothing happened for DURATION.")]
 KeepLastOpt = Annotated[Optional[int], typer.Option("--keep-last", metavar="K", help="--follow retention: keep the K newest exports.")]
 KeepEveryOpt = Annotated[Optional[int], typer.Option("--keep-every", metavar="N", help="--follow retention: keep exports whose step is a multiple of N.")]
 KeepBestOpt = Annotated[Optional[str], typer.Option("--keep-best", metavar="METRIC[:min|:max]", help="--follow retention: keep the export with the best METRIC in trainer_state.json's log_history.")]
 VerifyOpt = Annotated[bool, typer.Option("--verify", help="--follow: verify each export after its publish; retention removes an old export only once a newer one verified clean.")]
 OnPublishOpt = Annotated[Optional[str], typer.Option("--on-publish", metavar="CMD", help="--follow: run CMD (split like a shell would, run without one) with the new export's path appended; its failure does not stop following.")]
-PriorityOpt = Annotated[str, typer.Option("--priority", metavar="low|normal", help="--follow: CPU and I/O priority (low: nice +10, lowest best-effort I/O).")]
+OnPublishTimeoutOpt = Annotated[Optional[str], typer.Option("--on-publish-timeout", metavar="DURATION", show_default="1h", help="--follow: kill the --on-publish command (its whole process group) after DURATION; recorded as a timeout, following goes on.")]
+PriorityOpt = Annotated[Optional[Priority], typer.Option("--priority", show_default="low", help="--follow: CPU and I/O priority (low: nice +10, lowest best-effort I/O).")]
+
+# export's parameter -> its flag, for every option that means something only with --follow
+FOLLOW_ONLY = (("once", "--once"), ("start_from", "--from"), ("quiet_period", "--quiet-period"),
+               ("poll_interval", "--poll-interval"), ("exit_when_idle", "--exit-when-idle"),
+               ("keep_last", "--keep-last"), ("keep_every", "--keep-every"), ("keep_best", "--keep-best"),
+               ("verify", "--verify"), ("on_publish", "--on-publish"), ("on_publish_timeout", "--on-publish-timeout"),
+               ("priority", "--priority"))
+
+
+def refuse_follow_only(given: dict[str, Any]) -> None:
+    """A follow-only option given without ``--follow`` is a usage error (exit 2), never ignored."""
+    flags = [flag for name, flag in FOLLOW_ONLY if given.get(name) not in (None, False)]
+    if flags:
+        from ckptctl.errors import UsageError
+
+        raise UsageError(f"{', '.join(flags)} {'applies' if len(flags) == 1 else 'apply'} only with --follow",
+                         "add --follow to follow a training job's output (docs/FOLLOW.md), or leave "
+                         + ("it" if len(flags) == 1 else "them") + " out")
 
 
 def run_follow(src: str, dst: str, *, json_: bool, quiet: int, verbose: int, **given: Any) -> None:
@@ -44,7 +73,8 @@ def run_follow(src: str, dst: str, *, json_: bool, quiet: int, verbose: int, **g
             _follow(out, src, dst, json_, given)
         except CkptctlError as exc:
             if json_:
-                out.emit_json(_doc(out, {"event": "error", "message": str(exc)}, ok=False, error=exc.to_dict()))
+                out.emit_json(_doc(out, {"event": "error", "name": None, "step": None, "message": str(exc)}, ok=False,
+                                  error=exc.to_dict()))
             raise
 
 
@@ -72,8 +102,6 @@ def _follow(out: Any, src: str, dst: str, json_: bool, given: dict[str, Any]) ->
     if given.get("overwrite"):
         raise UsageError("--overwrite does not apply to --follow",
                          "the follower replaces only its own exports (a save written again)")
-    if given.get("priority") not in ("low", "normal"):
-        raise UsageError(f"unknown --priority {given.get('priority')!r}", "use low or normal")
     try:
         hook = shlex.split(given["on_publish"]) if given.get("on_publish") is not None else None
     except ValueError as exc:
@@ -88,12 +116,13 @@ def _follow(out: Any, src: str, dst: str, json_: bool, given: dict[str, Any]) ->
                            config=given.get("config"), command=command)
     opts = FollowOptions(
         source=Path(os.path.abspath(src)), dst_root=Path(os.path.abspath(dst)), export=export,
-        key=given.get("key"), only=given.get("only"), start_from=given.get("start_from") or "newest",
+        key=given.get("key"), only=given.get("only"), start_from=str(given.get("start_from") or "newest"),
         quiet=duration("--quiet-period", given.get("quiet_period") or "30s") or 0.0,
         poll=duration("--poll-interval", given.get("poll_interval") or "1s") or 0.0,
         once=bool(given.get("once")), exit_when_idle=duration("--exit-when-idle", given.get("exit_when_idle")),
         retention=Retention.of(given.get("keep_last"), given.get("keep_every"), given.get("keep_best")),
-        verify=bool(given.get("verify")), on_publish=hook, low_priority=given.get("priority") == "low",
+        verify=bool(given.get("verify")), on_publish=hook, low_priority=str(given.get("priority") or "low") == "low",
+        hook_timeout=duration("--on-publish-timeout", given.get("on_publish_timeout") or "1h") or 0.0,
         command=command)
 
     def emit(event: Any) -> None:
@@ -102,7 +131,7 @@ def _follow(out: Any, src: str, dst: str, json_: bool, given: dict[str, Any]) ->
             out.emit_json(_doc(out, doc))
         elif event.event == "warning":
             out.warn(event.message)
-        elif event.event in ("lost", "refused") or (event.event == "hook" and doc.get("exit_code") != 0):
+        elif event.event in ("lost", "refused") or (event.event == "hook" and doc.get("status") != "ok"):
             out.warn(event.message)
         else:
             out.info(event.message)

@@ -11,7 +11,7 @@ exporting      an export of a complete save begins
 published      it is published at ``dest`` (``verified``: with ``--verify``, whether it verified clean)
 lost           the save changed or was deleted while exported, or before its turn: nothing published
 refused        the export refused the save (``error``), or ``dest`` holds a directory not ours
-hook           the ``--on-publish`` command ran (``exit_code``)
+hook           the ``--on-publish`` command ended (``status``: ok, failed, timeout; ``exit_code``)
 removed        retention removed an export of ours (``dest``)
 released       an export of ours was replaced or removed by someone else: never touched again
 recovered      a restart finished what a killed follower left (a publish it made, a removal)

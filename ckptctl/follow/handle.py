@@ -9,7 +9,6 @@ did not leaves no record (the save is exported again); a half-done removal is fi
 from __future__ import annotations
 
 import os
-import subprocess
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -198,22 +197,21 @@ class Handler:
         return not res.failed(), {"counts": res.counts()}
 
     def hook(self, rec: dict[str, Any]) -> None:
-        """Run ``--on-publish`` with the new path as its last argument (no shell); its output goes
-        to stderr (stdout carries the follower's data). Its failure is recorded, never fatal."""
+        """Run ``--on-publish`` with the new path as its last argument (hook.py: no shell, its own
+        process group, killed after ``--on-publish-timeout``). Its failure or timeout is
+        recorded, never fatal."""
+        from ckptctl.follow.hook import run_hook
+
         hook = rec["on_publish"]
-        started = time.monotonic()
-        try:
-            done = subprocess.run(hook["command"], stdin=subprocess.DEVNULL, stdout=2, check=False)
-            code, error = done.returncode, None
-        except OSError as exc:
-            code, error = None, f"{hook['command'][0]}: {exc.strerror or exc}"
-        hook.update(status="done", exit_code=code, error=error, seconds=round(time.monotonic() - started, 3),
+        done = run_hook(hook["command"], self.opts.hook_timeout)
+        hook.update(status=done.status, exit_code=done.exit_code, error=done.error, seconds=done.seconds,
                     at=time.time())
-        self.state.put(rec, {"event": "hook", "exit_code": code})
-        ok = code == 0
-        self.emit(Event("hook", f"--on-publish {'ran' if ok else 'FAILED'} for {rec['name']}"
-                        + ("" if ok else f" ({error or f'exit {code}'})"), rec["name"], rec.get("step"),
-                        {"exit_code": code, "error": error}))
+        self.state.put(rec, {"event": "hook", "status": done.status, "exit_code": done.exit_code})
+        ok = done.status == "ok"
+        self.emit(Event("hook", f"--on-publish {'ran' if ok else 'timed out' if done.status == 'timeout' else 'FAILED'}"
+                        f" for {rec['name']}" + ("" if ok else f" ({done.error})"), rec["name"], rec.get("step"),
+                        {"status": done.status, "exit_code": done.exit_code, "error": done.error,
+                         "seconds": done.seconds}))
 
     # ---- retention ---------------------------------------------------------------------------
     def retain(self) -> None:

@@ -26,6 +26,7 @@ class FollowOptions:
     retention: Retention = field(default_factory=Retention)
     verify: bool = False
     on_publish: list[str] | None = None  # argv; the published path is appended
+    hook_timeout: float = 3600.0  # --on-publish-timeout, seconds (follow/hook.py DEFAULT_TIMEOUT)
     low_priority: bool = True
     command: str = "ckptctl export --follow"
 
@@ -41,6 +42,8 @@ class FollowOptions:
             raise UsageError("--once and --exit-when-idle both say when to stop", "pass one of them")
         if self.on_publish is not None and not self.on_publish:
             raise UsageError("--on-publish is empty", "pass a command, e.g. --on-publish 'upload.sh --repo x'")
+        if not self.hook_timeout > 0:
+            raise UsageError("--on-publish-timeout must be positive", "e.g. --on-publish-timeout 30m")
         if self.export.dry_run:
             raise UsageError("--dry-run does not apply to --follow", "run `ckptctl export SAVE DST --dry-run` on one save")
         src, dst = self.source, self.dst_root
