@@ -1,7 +1,7 @@
 """An image processor that disagrees with the vision tower it feeds (issue 45): CLIP's model and a
 processor that crops 48 x 48 for a 32 x 32 tower each load, and the first image fails; a PaliGemma
-processor whose image_seq_length, or a LlavaProcessor whose patch_size (or CLS count, or feature
-strategy), makes another number of image tokens than the tower's features loads, and the first image
+or Gemma3 processor whose image_seq_length, or a LlavaProcessor whose patch_size (or CLS count,
+or feature strategy), makes another number of image tokens than the tower's features loads, and the first image
 fails (``Image features and image tokens do not match``). verify reports config.preprocessor_mismatch
 (an error) in both modes. The processor saved with the model passes."""
 
@@ -85,7 +85,8 @@ def _first_image(d: Path) -> None:
         warnings.simplefilter("ignore")
         proc = T.AutoProcessor.from_pretrained(d)
         model = T.AutoModelForImageTextToText.from_pretrained(d)
-        inputs = proc(text="<image>w1 w2", images=np.zeros((40, 40, 3), np.uint8), return_tensors="pt")
+        text = "<start_of_image> w1 w2" if type(proc).__name__ == "Gemma3Processor" else "<image>w1 w2"
+        inputs = proc(text=text, images=np.zeros((40, 40, 3), np.uint8), return_tensors="pt")
         assert model(**inputs).logits.isfinite().all()
 
 
@@ -130,8 +131,30 @@ def llava(tmp_path_factory) -> Path:
     return d
 
 
-def test_the_vision_language_processors_saved_with_their_models_pass(paligemma, llava):
-    for d in (paligemma, llava):
+@pytest.fixture(scope="module")
+def gemma3(tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("gemma3") / "gemma3"
+    words = tiny_tokenizer(model_max_length=512)
+    words.add_special_tokens({"additional_special_tokens": ["<start_of_image>", "<end_of_image>", "<image_soft_token>"]})
+    tok = T.PreTrainedTokenizerFast(tokenizer_object=words.backend_tokenizer, pad_token="<pad>", bos_token="<s>",
+                                    eos_token="</s>", unk_token="<unk>", model_max_length=512,
+                                    extra_special_tokens={"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>",
+                                                          "image_token": "<image_soft_token>"})
+    cfg = T.Gemma3Config(vision_config=dict(model_type="siglip_vision_model", **VISION),
+                         text_config=dict(model_type="gemma3_text", vocab_size=80, hidden_size=16, intermediate_size=32,
+                                          num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=8),
+                         mm_tokens_per_image=4, image_token_index=tok.image_token_id, boi_token_index=tok.boi_token_id,
+                         eoi_token_index=tok.convert_tokens_to_ids("<end_of_image>"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        T.Gemma3ForConditionalGeneration(cfg).save_pretrained(d)
+        T.Gemma3Processor(image_processor=T.Gemma3ImageProcessor(size={"height": 32, "width": 32}), tokenizer=tok,
+                          image_seq_length=4).save_pretrained(d)
+    return d
+
+
+def test_the_vision_language_processors_saved_with_their_models_pass(paligemma, llava, gemma3):
+    for d in (paligemma, llava, gemma3):
         _first_image(d)
         for args in ((), ("--static",)):
             rc, found = _codes(d, *args)
@@ -145,6 +168,8 @@ def test_the_vision_language_processors_saved_with_their_models_pass(paligemma, 
     ("llava", ("patch_size",), 4),
     ("llava", ("num_additional_image_tokens",), 0),
     ("llava", ("vision_feature_select_strategy",), "full"),
+    ("gemma3", ("image_seq_length",), 16),
+    ("gemma3", ("image_seq_length",), 1),
 ])
 def test_a_processor_that_makes_another_number_of_image_tokens_is_a_preprocessor_mismatch(
         request, tmp_path, model, path, value):
@@ -155,3 +180,13 @@ def test_a_processor_that_makes_another_number_of_image_tokens_is_a_preprocessor
         rc, found = _codes(d, *args)
         assert rc == 1 and found.get("config.preprocessor_mismatch") == "error", (path, value, found)
 
+
+
+def test_a_gemma3_config_that_pools_to_another_number_of_tokens_is_a_preprocessor_mismatch(gemma3, tmp_path):
+    # the processor is the one saved; config.json's mm_tokens_per_image makes the projector pool the
+    # 4 x 4 patches to 16 features instead of 4
+    d = _edit(gemma3, tmp_path / "gemma3", "config.json", ("mm_tokens_per_image",), 16)
+    with pytest.raises(ValueError, match="Image features and image tokens do not match"):
+        _first_image(d)
+    rc, found = _codes(d)
+    assert rc == 1 and found.get("config.preprocessor_mismatch") == "error", found

@@ -10,7 +10,8 @@ have one fixed size (CLIP, SigLIP, ViT: they do not interpolate unless asked).
 The number of image tokens the processor puts in the text is held to the number of features the
 vision tower gives (the model raises ``Image features and image tokens do not match`` at the first
 image): PaliGemma's ``image_seq_length`` against ``(image_size // patch_size)^2`` of its SigLIP
-tower; a ``LlavaProcessor``'s count, ``(height // patch_size) * (width // patch_size) +
+tower; a ``Gemma3Processor``'s ``image_seq_length`` (256 unless stated) against the tower's patch
+grid pooled to ``sqrt(mm_tokens_per_image)`` a side; a ``LlavaProcessor``'s count, ``(height // patch_size) * (width // patch_size) +
 num_additional_image_tokens`` (less one with ``vision_feature_select_strategy: default``), against
 the CLIP or SigLIP tower's patches (plus CLIP's class token, less one with the model's ``default``
 strategy). Other processors' token counts are not judged.
@@ -22,6 +23,7 @@ config.json itself for a vision model), bounded; config.json through the context
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from ckptctl.config_fields import as_int
@@ -90,21 +92,39 @@ def _llava_features(cfg: dict[str, Any], vision: dict[str, Any]) -> int | None:
     return patches + (mt == "clip_vision_model") - (cfg.get("vision_feature_select_strategy", "default") == "default")
 
 
+def _gemma3_features(cfg: dict[str, Any], vision: dict[str, Any]) -> int | None:
+    """The image features Gemma3ForConditionalGeneration gives for one image: the tower's patch grid
+    average-pooled to ``sqrt(mm_tokens_per_image)`` a side (``Gemma3MultiModalProjector``)."""
+    size, patch, mm = as_int(vision.get("image_size")), as_int(vision.get("patch_size")), \
+        as_int(cfg.get("mm_tokens_per_image", 256))
+    if size is None or patch is None or mm is None or patch <= 0 or mm <= 0 or vision.get("model_type") not in (
+            None, "siglip_vision_model"):
+        return None
+    side = size // patch
+    kernel = side // math.isqrt(mm)
+    return (side // kernel) ** 2 if kernel > 0 else None
+
+
 def _image_tokens(cfg: dict[str, Any], vision: dict[str, Any], proc: dict[str, Any], doc: Any,
-                  out: tuple[int, int] | None) -> tuple[str, int, int, dict[str, Any]] | None:
-    """(field, tokens the processor makes, features the model gives, details) where they differ."""
+                  out: tuple[int, int] | None, source: str) -> tuple[str, str, int, int, dict[str, Any]] | None:
+    """(file, field, tokens the processor makes, features the model gives, details) where they
+    differ; ``source`` is the file ``proc`` (the image processor's fields) came from."""
     mt = cfg.get("model_type")
     if mt == "paligemma" and vision.get("model_type", "siglip_vision_model") == "siglip_vision_model":
         seq, patches = as_int(proc.get("image_seq_length")), _patches(vision)
         if seq is not None and patches is not None and seq != patches:
-            return "image_seq_length", seq, patches, {}
+            return source, "image_seq_length", seq, patches, {}
+    if mt == "gemma3" and isinstance(doc, dict) and doc.get("processor_class") == "Gemma3Processor":
+        seq, features = as_int(doc.get("image_seq_length", 256)), _gemma3_features(cfg, vision)
+        if seq is not None and features is not None and seq != features:
+            return PROCESSOR, "image_seq_length", seq, features, {}
     if mt == "llava" and isinstance(doc, dict) and doc.get("processor_class") == "LlavaProcessor":
         tokens, features = _llava_tokens(doc, out), _llava_features(cfg, vision)
         if tokens is not None and features is not None and tokens != features:
             field = ("patch_size" if doc.get("patch_size") != vision.get("patch_size") else
                      "vision_feature_select_strategy" if doc.get("vision_feature_select_strategy")
                      != cfg.get("vision_feature_select_strategy", "default") else "num_additional_image_tokens")
-            return field, tokens, features, {"processor_patch_size": doc.get("patch_size"),
+            return PROCESSOR, field, tokens, features, {"processor_patch_size": doc.get("patch_size"),
                                              "model_patch_size": vision.get("patch_size")}
     return None
 
@@ -131,11 +151,10 @@ def preprocessor_vision(ctx: Context) -> None:
                 f"{image[0]} x {image[1]}: the model and its processor load, and the first image fails (its "
                 "position embeddings have one size)", _HINT, field="image_size", stated=list(out), model=list(image))
         return
-    found = _image_tokens(cfg, vision, proc, doc, out)
+    found = _image_tokens(cfg, vision, proc, doc, out, source)
     if found is not None:
-        field, tokens, features, details = found
-        if field != "image_seq_length":
-            shown = ctx.disp(PROCESSOR)  # a LlavaProcessor's own fields
+        name, field, tokens, features, details = found
+        shown = ctx.disp(name)
         ctx.add("config.preprocessor_mismatch", ERROR, shown,
                 f"{shown}: the processor puts {tokens} image tokens in the text for an image ({field}), but the vision "
                 f"tower gives {features} features: the model and its processor load, and the first image fails "
