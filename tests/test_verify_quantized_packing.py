@@ -85,8 +85,10 @@ else:  # the library writes its banner to stdout: the answer goes to a file
     json.dump({d: use(d) for d in sys.argv[3:]}, open(sys.argv[2], "w"))
 '''
 
+# gptq_v2: the zero points as hf_pack writes them (a v1 file stores each less one); the reloaded
+# layers then compute what the quantization gives, to fp16 rounding. The packed shapes are v1's.
 GPTQ = {"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": False, "sym": False,
-        "checkpoint_format": "gptq"}
+        "checkpoint_format": "gptq_v2"}
 AWQ = {"quant_method": "awq", "bits": 4, "group_size": 32, "zero_point": True, "version": "gemm"}
 
 
