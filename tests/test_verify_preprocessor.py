@@ -135,14 +135,14 @@ def llava(tmp_path_factory) -> Path:
 def gemma3(tmp_path_factory) -> Path:
     d = tmp_path_factory.mktemp("gemma3") / "gemma3"
     words = tiny_tokenizer(model_max_length=512)
-    words.add_special_tokens({"additional_special_tokens": ["<start_of_image>", "<end_of_image>", "<image_soft_token>"]})
+    special = {"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>", "image_token": "<image_soft_token>"}
+    words.add_special_tokens({"additional_special_tokens": list(special.values())})
     tok = T.PreTrainedTokenizerFast(tokenizer_object=words.backend_tokenizer, pad_token="<pad>", bos_token="<s>",
                                     eos_token="</s>", unk_token="<unk>", model_max_length=512,
-                                    extra_special_tokens={"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>",
-                                                          "image_token": "<image_soft_token>"})
-    cfg = T.Gemma3Config(vision_config=dict(model_type="siglip_vision_model", **VISION),
-                         text_config=dict(model_type="gemma3_text", vocab_size=80, hidden_size=16, intermediate_size=32,
-                                          num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=8),
+                                    extra_special_tokens=special)
+    text = dict(model_type="gemma3_text", vocab_size=80, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                num_attention_heads=2, num_key_value_heads=1, head_dim=8)
+    cfg = T.Gemma3Config(vision_config=dict(model_type="siglip_vision_model", **VISION), text_config=text,
                          mm_tokens_per_image=4, image_token_index=tok.image_token_id, boi_token_index=tok.boi_token_id,
                          eoi_token_index=tok.convert_tokens_to_ids("<end_of_image>"))
     with warnings.catch_warnings():
@@ -190,3 +190,44 @@ def test_a_gemma3_config_that_pools_to_another_number_of_tokens_is_a_preprocesso
         _first_image(d)
     rc, found = _codes(d)
     assert rc == 1 and found.get("config.preprocessor_mismatch") == "error", found
+
+
+@pytest.fixture(scope="module")
+def siglip2(tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("siglip2") / "siglip2"
+    cfg = T.Siglip2Config(text_config=dict(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                           num_attention_heads=2, max_position_embeddings=16),
+                          vision_config=dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                             num_attention_heads=2, patch_size=8, num_patches=16))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        T.Siglip2Model(cfg).save_pretrained(d)
+        T.Siglip2ImageProcessor(patch_size=8, max_num_patches=16).save_pretrained(d)
+    return d
+
+
+def _siglip2_features(d: Path):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        inputs = T.AutoImageProcessor.from_pretrained(d)(images=np.zeros((40, 40, 3), np.uint8), return_tensors="pt")
+        return T.Siglip2Model.from_pretrained(d).get_image_features(**inputs)
+
+
+@pytest.mark.parametrize("patch", [16, 4])
+def test_a_siglip2_processor_that_cuts_other_patches_is_a_preprocessor_mismatch(siglip2, tmp_path, patch):
+    d = _edit(siglip2, tmp_path / "siglip2", "preprocessor_config.json", ("patch_size",), patch)
+    with pytest.raises(RuntimeError, match="shapes cannot be multiplied"):
+        _siglip2_features(d)
+    for args in ((), ("--static",)):
+        rc, found = _codes(d, *args)
+        assert rc == 1 and found.get("config.preprocessor_mismatch") == "error", (patch, found)
+
+
+def test_a_siglip2_processor_saved_with_the_model_or_with_more_patches_passes(siglip2, tmp_path):
+    # max_num_patches is the processor's budget: the tower interpolates its position embeddings
+    more = _edit(siglip2, tmp_path / "siglip2", "preprocessor_config.json", ("max_num_patches",), 64)
+    for d in (siglip2, more):
+        assert _siglip2_features(d) is not None
+        for args in ((), ("--static",)):
+            rc, found = _codes(d, *args)
+            assert rc == 0 and "config.preprocessor_mismatch" not in found, (d, found)

@@ -7,14 +7,19 @@ with both ``height`` and ``width``; a ``shortest_edge`` alone depends on the ima
 judged) is held to the vision config's ``image_size``, for vision towers whose position embeddings
 have one fixed size (CLIP, SigLIP, ViT: they do not interpolate unless asked).
 
+A processor that cuts the image into patches itself (SigLIP2's ``patch_size``) is held to the vision
+config's ``patch_size`` (its patch embedding is a linear layer of ``3 * patch_size^2`` inputs; a
+``max_num_patches`` of another size is interpolated and judged by no one).
+
 The number of image tokens the processor puts in the text is held to the number of features the
 vision tower gives (the model raises ``Image features and image tokens do not match`` at the first
 image): PaliGemma's ``image_seq_length`` against ``(image_size // patch_size)^2`` of its SigLIP
 tower; a ``Gemma3Processor``'s ``image_seq_length`` (256 unless stated) against the tower's patch
-grid pooled to ``sqrt(mm_tokens_per_image)`` a side; a ``LlavaProcessor``'s count, ``(height // patch_size) * (width // patch_size) +
-num_additional_image_tokens`` (less one with ``vision_feature_select_strategy: default``), against
-the CLIP or SigLIP tower's patches (plus CLIP's class token, less one with the model's ``default``
-strategy). Other processors' token counts are not judged.
+grid pooled to ``sqrt(mm_tokens_per_image)`` a side; a ``LlavaProcessor``'s count,
+``(height // patch_size) * (width // patch_size) + num_additional_image_tokens`` (less one with
+``vision_feature_select_strategy: default``), against the CLIP or SigLIP tower's patches (plus
+CLIP's class token, less one with the model's ``default`` strategy). Other processors' token counts
+are not judged.
 
 Read from ``preprocessor_config.json`` (or a ``processor_config.json``'s ``image_processor``), the
 processor's own fields in ``processor_config.json``, and config.json's ``vision_config`` (or
@@ -36,6 +41,9 @@ PREPROCESSOR = "preprocessor_config.json"
 PROCESSOR = "processor_config.json"
 # vision towers whose position embeddings have one size: an image of another size fails
 FIXED_SIZE = frozenset({"clip", "clip_vision_model", "siglip", "siglip_vision_model", "vit"})
+# vision towers fed patches the processor has already cut and flattened (``pixel_values`` of
+# ``[patches, channels * patch_size^2]``): a processor patch size of another size fails the first matmul
+PATCHIFIED = frozenset({"siglip2_vision_model"})
 _HINT = ("save the processor that belongs to this model (processor.save_pretrained), or fix the field the "
          "message names in the processor's file")
 
@@ -150,6 +158,13 @@ def preprocessor_vision(ctx: Context) -> None:
                 f"{shown}: the processor makes {out[0]} x {out[1]} images, but the vision config's image_size is "
                 f"{image[0]} x {image[1]}: the model and its processor load, and the first image fails (its "
                 "position embeddings have one size)", _HINT, field="image_size", stated=list(out), model=list(image))
+        return
+    patch, model_patch = as_int(proc.get("patch_size")), as_int(vision.get("patch_size"))
+    if mt in PATCHIFIED and patch is not None and model_patch is not None and patch != model_patch:
+        ctx.add("config.preprocessor_mismatch", ERROR, shown,
+                f"{shown}: the processor cuts images into {patch} x {patch} patches, but the vision tower's patch "
+                f"embedding takes {model_patch} x {model_patch}: the model and its processor load, and the first "
+                "image fails (a matmul shape error)", _HINT, field="patch_size", stated=patch, model=model_patch)
         return
     found = _image_tokens(cfg, vision, proc, doc, out, source)
     if found is not None:
