@@ -141,7 +141,8 @@ DAMAGE = [({"bits": 8}, ["bits"]), ({"bits": 2}, ["bits"]), ({"bits": 3}, ["bits
 
 
 def test_bits_or_group_size_edited_is_a_packing_mismatch_the_library_fails_on(quantized, tmp_path):
-    cases = [(_edit(quantized, tmp_path / f"d{i}", **fields), fields, blamed) for i, (fields, blamed) in enumerate(DAMAGE)]
+    cases = [(_edit(quantized, tmp_path / f"d{i}", **fields), fields, blamed)
+             for i, (fields, blamed) in enumerate(DAMAGE)]
     used = _use(tmp_path, *(d for d, _, _ in cases))
     for d, fields, blamed in cases:
         error = used[str(d)]["error"]
