@@ -51,17 +51,17 @@ def _layout(q: dict[str, Any]) -> str | None:
 
 
 def _expected(layout: str, bits: int, group: int, word: int, qweight: tuple[int, ...], scales: tuple[int, ...],
-              g_idx: tuple[int, ...] | None) -> dict[str, tuple[int, ...]] | None:
+              g_idx: tuple[int, ...] | None) -> dict[str, tuple[int, ...]]:
     """The shapes ``bits`` and ``group`` give for a layer whose out (and in) features are read off
-    its tensors, or None where they cannot be read."""
+    its tensors (a shape that cannot be judged is given as found)."""
     out = scales[1]
     if layout == "gptq":
         if g_idx is not None and len(g_idx) == 1:
             n_in = g_idx[0]
         elif (qweight[0] * word) % bits == 0:
             n_in = qweight[0] * word // bits
-        else:
-            return None  # no in_features bits can pack into these rows: bits is judged by qzeros alone
+        else:  # in_features is not a multiple of the word: without g_idx only the columns are judged
+            return {"qweight": qweight, "qzeros": (scales[0], _ceil(out * bits, word)), "scales": scales}
         groups = 1 if group == -1 else _ceil(n_in, group)
         return {"qweight": (_ceil(n_in * bits, word), out), "qzeros": (groups, _ceil(out * bits, word)),
                 "scales": (groups, out)}
@@ -102,7 +102,7 @@ def quantized_packing(ctx: Context) -> None:
                 f"{shown}: the packing of this {q.get('quant_method')} checkpoint ({len(layers)} quantized layers) is "
                 "not checked: only GPTQ and AWQ GEMM with one bits and group_size for every layer are", None)
         return
-    wrong: list[tuple[str, str, str, tuple[int, ...], tuple[int, ...]]] = []
+    wrong: list[tuple[str, str, str, tuple[int, ...], tuple[int, ...]]] = []  # layer, field, tensor, got, want
     for layer in layers:
         specs = {k: tensors.get(f"{layer}.{k}") for k in ("qweight", "qzeros", "scales", "g_idx")}
         qw, sc, qz = specs["qweight"], specs["scales"], specs["qzeros"]
@@ -111,21 +111,17 @@ def quantized_packing(ctx: Context) -> None:
             continue  # not a layout of these two (a missing tensor is the model check's)
         g_idx = specs["g_idx"].shape if specs["g_idx"] is not None else None
         exp = _expected(layout, bits, group, _WORD_BITS[qw.dtype], qw.shape, sc.shape, g_idx)
-        if exp is None:
-            wrong.append((layer, "bits", "qweight", qw.shape, ()))
-            continue
         for name, spec in (("qweight", qw), ("qzeros", qz), ("scales", sc)):
             if spec.shape != exp[name]:
                 wrong.append((layer, _field(name, exp, spec.shape), name, spec.shape, exp[name]))
                 break
     if not wrong:
         return
-    layer, field, name, got, want = wrong[0]
+    layer, _, name, got, want = wrong[0]
     fields = sorted({w[1] for w in wrong})
-    said = f"{list(want)}" if want else "no whole number of inputs"
     ctx.add("config.quant_packing_mismatch", ERROR, shown,
             f"{shown}: quantization_config's {' and '.join(fields)} (bits {bits}, group_size {group}) disagree with "
             f"how {len(wrong)} of {len(layers)} quantized layers are packed: {layer}.{name} is {list(got)}, the config "
-            f"makes {said}; transformers stops at load with a size mismatch", _HINT,
+            f"makes {list(want)}; transformers stops at load with a size mismatch", _HINT,
             fields=fields, layers=len(wrong), tensor=f"{layer}.{name}", shape=list(got),
-            expected=list(want) if want else None, bits=bits, group_size=group)
+            expected=list(want), bits=bits, group_size=group)
