@@ -159,6 +159,8 @@ ASSERTED_ELSEWHERE = {
                                      "test_a_processor_of_another_image_size_is_a_preprocessor_mismatch"),
     "config.quant_packing_mismatch": ("test_verify_quantized_packing.py",
                                       "test_bits_or_group_size_edited_is_a_packing_mismatch_the_library_fails_on"),
+    "config.quant_g_idx_missing": ("test_verify_quantized_packing.py",
+                                   "test_a_gptq_file_without_g_idx_is_an_error_the_library_breaks_on"),
     "config.quant_packing_not_checked": ("test_verify_quantized_packing.py",
                                          "test_a_packing_the_check_does_not_know_is_said_not_an_error"),
     "deep.dtype_overflow": ("test_verify_deep_values.py", "test_values_a_float16_config_turns_into_inf_are_found_by_deep"),

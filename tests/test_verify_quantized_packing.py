@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from safetensors.numpy import load_file, save_file
 
 from tests.support import clean_env
 from tests.support.cli import invoke
@@ -75,9 +76,9 @@ def use(d):
         model = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float16)
         with torch.no_grad():
             logits = model(torch.arange(8)[None]).logits.float()
-        return {"ok": bool(torch.isfinite(logits).all()), "error": ""}
+        return {"ok": bool(torch.isfinite(logits).all()), "error": "", "logits": logits.flatten().tolist()}
     except Exception as exc:
-        return {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+        return {"ok": False, "error": f"{type(exc).__name__}: {exc}", "logits": None}
 
 if sys.argv[1] == "build":
     build(sys.argv[2], json.loads(sys.argv[3]))
@@ -105,11 +106,25 @@ def _use(tmp: Path, *dirs: Path) -> dict[str, dict]:
     return json.loads(out.read_text())
 
 
-@pytest.fixture(scope="module", params=[GPTQ, AWQ], ids=["gptq", "awq"])
-def quantized(request, tmp_path_factory) -> Path:
-    d = tmp_path_factory.mktemp(request.param["quant_method"]) / "model"
-    _library("build", str(d), json.dumps(request.param))
+def _build(tmp_path_factory, quant: dict) -> Path:
+    d = tmp_path_factory.mktemp(quant["quant_method"]) / "model"
+    _library("build", str(d), json.dumps(quant))
     return d
+
+
+@pytest.fixture(scope="module")
+def gptq(tmp_path_factory) -> Path:
+    return _build(tmp_path_factory, GPTQ)
+
+
+@pytest.fixture(scope="module")
+def awq(tmp_path_factory) -> Path:
+    return _build(tmp_path_factory, AWQ)
+
+
+@pytest.fixture(scope="module", params=["gptq", "awq"])
+def quantized(request) -> Path:
+    return request.getfixturevalue(request.param)
 
 
 def _edit(src: Path, dst: Path, **fields: object) -> Path:
@@ -128,11 +143,11 @@ def _findings(d: Path, *args: str) -> tuple[int, dict[str, dict]]:
 
 def test_the_checkpoint_the_library_wrote_passes_and_runs(quantized, tmp_path):
     used = _use(tmp_path, quantized)
-    assert used[str(quantized)] == {"ok": True, "error": ""}
+    assert used[str(quantized)]["ok"] and used[str(quantized)]["error"] == ""
     for args in ((), ("--static",)):
         rc, found = _findings(quantized, *args)
-        assert rc == 0 and not {"config.quant_packing_mismatch", "config.quant_packing_not_checked"} & set(found), \
-            found
+        assert rc == 0 and not {"config.quant_packing_mismatch", "config.quant_packing_not_checked",
+                                "config.quant_g_idx_missing"} & set(found), found
 
 
 DAMAGE = [({"bits": 8}, ["bits"]), ({"bits": 2}, ["bits"]), ({"bits": 3}, ["bits"]),
@@ -159,3 +174,21 @@ def test_a_packing_the_check_does_not_know_is_said_not_an_error(quantized, tmp_p
     d = _edit(quantized, tmp_path / "dyn", dynamic={r"-:.*down_proj": {}})
     rc, found = _findings(d, "--static")
     assert rc == 0 and found["config.quant_packing_not_checked"]["severity"] == "info", found
+
+
+
+def test_a_gptq_file_without_g_idx_is_an_error_the_library_breaks_on(gptq, tmp_path):
+    # transformers leaves a buffer the file lacks uninitialised: g_idx then indexes the scales with
+    # whatever the memory held (an IndexError, or another model where it happens to be in range)
+    d = Path(shutil.copytree(gptq, tmp_path / "no-g_idx"))
+    tensors = load_file(d / "model.safetensors")
+    save_file({k: v for k, v in tensors.items() if not k.endswith(".g_idx")}, d / "model.safetensors",
+              metadata={"format": "pt"})
+    used = _use(tmp_path, gptq, d)
+    clean, broken = used[str(gptq)], used[str(d)]
+    assert clean["ok"] and (not broken["ok"] or broken["logits"] != clean["logits"]), broken["error"]
+    for args in ((), ("--static",)):
+        rc, found = _findings(d, *args)
+        assert rc == 1 and found["config.quant_g_idx_missing"]["severity"] == "error", found
+        assert found["config.quant_g_idx_missing"]["details"]["layers"] == 7
+        assert "config.quant_packing_mismatch" not in found, found

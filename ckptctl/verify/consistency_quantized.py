@@ -14,7 +14,9 @@ The packed shapes are GPT-QModel's (``_register_gptq_buffers``, ``AwqGEMMQuantLi
   ceil(out*bits/P)]``, ``scales [in // group_size, out]``.
 
 ``out`` is read from ``scales``, ``in`` from ``g_idx`` (GPTQ; else from ``qweight`` and ``bits``)
-or ``qweight`` (AWQ). Other formats (marlin, bitblas, AWQ GEMV, per-module ``dynamic`` overrides)
+or ``qweight`` (AWQ). A GPTQ layer without ``g_idx`` is ``config.quant_g_idx_missing``: transformers
+reports the buffer missing, leaves it uninitialised, and the first forward indexes the scales with
+it. Other formats (marlin, bitblas, AWQ GEMV, per-module ``dynamic`` overrides)
 are not judged: one note says so.
 """
 
@@ -79,7 +81,8 @@ def _field(name: str, expected: dict[str, tuple[int, ...]], got: tuple[int, ...]
 
 
 def quantized_packing(ctx: Context) -> None:
-    """``config.quant_packing_mismatch`` and ``config.quant_packing_not_checked`` (module docstring)."""
+    """``config.quant_packing_mismatch``, ``config.quant_g_idx_missing`` and
+    ``config.quant_packing_not_checked`` (module docstring)."""
     if ctx.prefix or not ctx.tables:
         return
     present, cfg = ctx.open_json(N.CONFIG, "config", "config.bad_json")
@@ -103,6 +106,7 @@ def quantized_packing(ctx: Context) -> None:
                 "not checked: only GPTQ and AWQ GEMM with one bits and group_size for every layer are", None)
         return
     wrong: list[tuple[str, str, str, tuple[int, ...], tuple[int, ...]]] = []  # layer, field, tensor, got, want
+    no_g_idx: list[str] = []
     for layer in layers:
         specs = {k: tensors.get(f"{layer}.{k}") for k in ("qweight", "qzeros", "scales", "g_idx")}
         qw, sc, qz = specs["qweight"], specs["scales"], specs["qzeros"]
@@ -110,11 +114,19 @@ def quantized_packing(ctx: Context) -> None:
                 or len(qz.shape) != 2 or qw.dtype not in _WORD_BITS:
             continue  # not a layout of these two (a missing tensor is the model check's)
         g_idx = specs["g_idx"].shape if specs["g_idx"] is not None else None
+        if layout == "gptq" and g_idx is None:
+            no_g_idx.append(layer)
         exp = _expected(layout, bits, group, _WORD_BITS[qw.dtype], qw.shape, sc.shape, g_idx)
         for name, spec in (("qweight", qw), ("qzeros", qz), ("scales", sc)):
             if spec.shape != exp[name]:
                 wrong.append((layer, _field(name, exp, spec.shape), name, spec.shape, exp[name]))
                 break
+    if no_g_idx:
+        ctx.add("config.quant_g_idx_missing", ERROR, shown,
+                f"{shown}: {len(no_g_idx)} of {len(layers)} GPTQ layers have no g_idx (first: {no_g_idx[0]}.g_idx): "
+                "transformers loads the file and leaves g_idx uninitialised, and the first forward indexes the "
+                "scales with it (an IndexError, or another model)", "export the checkpoint again from the quantized "
+                "model (GPT-QModel writes g_idx for every layer)", layers=len(no_g_idx), tensor=f"{no_g_idx[0]}.g_idx")
     if not wrong:
         return
     layer, _, name, got, want = wrong[0]
