@@ -1,7 +1,8 @@
 """A GPTQ or AWQ checkpoint whose quantization_config disagrees with how its tensors are packed
 (issue 45): verify reports config.quant_packing_mismatch (an error) from config.json and the
 headers, in both modes; transformers with GPT-QModel (the library its GPTQ and AWQ quantizers run
-on) stops at load with a size mismatch on the same file.
+on) stops at load with a size mismatch on the same file. A GPTQ file without g_idx loads, and the
+first forward breaks: config.quant_g_idx_missing.
 
 The checkpoints are the library's own: a tiny Llama whose config.json carries the quantization_config
 is loaded by ``from_pretrained`` (GPT-QModel's CPU kernels replace its linears, with the buffers the
@@ -100,7 +101,7 @@ def _library(*args: str) -> None:
 
 
 def _use(tmp: Path, *dirs: Path) -> dict[str, dict]:
-    """Each checkpoint's first use by the library: {"ok", "error"} by path."""
+    """Each checkpoint's first use by the library: {"ok", "error", "logits"} by path."""
     out = tmp / "used.json"
     _library("use", str(out), *(str(d) for d in dirs))
     return json.loads(out.read_text())
@@ -174,7 +175,6 @@ def test_a_packing_the_check_does_not_know_is_said_not_an_error(quantized, tmp_p
     d = _edit(quantized, tmp_path / "dyn", dynamic={r"-:.*down_proj": {}})
     rc, found = _findings(d, "--static")
     assert rc == 0 and found["config.quant_packing_not_checked"]["severity"] == "info", found
-
 
 
 def test_a_gptq_file_without_g_idx_is_an_error_the_library_breaks_on(gptq, tmp_path):
