@@ -63,6 +63,12 @@ _LEAF = (1, 0)  # a cell: (objects held, counting repeats by reference; nesting 
 _MARK = pickletools.markobject
 _OPCODES = {ord(code.code): code for code in pickletools.opcodes}
 _CALLS = {"REDUCE": 2, "NEWOBJ": 2, "NEWOBJ_EX": 3}  # stack items a call takes: the callable, its arguments
+# opcodes without an argument whose model is one of _Shape.ops: byte -> (name, what the walk charges before
+# the step, as for any opcode: its cost and a slot per object it leaves)
+_DIRECT = {ord(c.code): (c.name, _COST.get(c.name, 0) + _SLOT * len(c.stack_after)) for c in pickletools.opcodes
+           if c.arg is None and c.name in ("TUPLE2", "TUPLE3", "FROZENSET", "DICT", "LIST", "ADDITEMS", "SETITEMS",
+                                           "APPENDS", "SETITEM", "APPEND", "BUILD", "OBJ", "NEWOBJ", "NEWOBJ_EX",
+                                           "DUP")}
 
 
 def memory_budget(size: int, per_byte: int = MEMORY_PER_BYTE) -> int:
@@ -189,6 +195,39 @@ class _Shape:
                     else:
                         push(_LEAF)
                         spent += _SLOT
+                elif b == 0x94:  # MEMOIZE: a memo put at the next index (protocol 4: DCP's .metadata)
+                    idx = len(memo)
+                    top = stack[-1]
+                    if top is _FRESH:
+                        top = stack[-1] = [1, 1]
+                    spent += _SLOT
+                    if idx not in memo:
+                        spent += _PUT
+                    memo[idx] = top
+                    if idx > self.memo_top:
+                        spent += 16 * (idx - self.memo_top)
+                        self.memo_top = idx
+                elif b == 0x6A and pos + 4 <= n:  # LONG_BINGET
+                    push(memo.get(from_bytes(data[pos:pos + 4], "little"), _LEAF))
+                    spent += _SLOT
+                    pos += 4
+                elif b == 0x4E:  # NONE
+                    push(_LEAF)
+                    spent += _SLOT
+                elif (b == 0x4D and pos + 2 <= n) or (b == 0x4A and pos + 4 <= n):  # BININT2, BININT
+                    push(_LEAF)
+                    spent += _COST["BININT"] + _SLOT
+                    pos += 2 if b == 0x4D else 4
+                elif b == 0x8C and pos < n and pos + 1 + data[pos] <= n:  # SHORT_BINUNICODE: charged per character
+                    end = pos + 1 + data[pos]
+                    push(_LEAF)
+                    spent += _COST["SHORT_BINUNICODE"] + _SLOT + len(str(data[pos + 1:end], "utf-8", "surrogatepass"))
+                    pos = end
+                elif b in _DIRECT:  # no argument to read: straight to its model
+                    name, cost = _DIRECT[b]
+                    self.spent = spent + cost
+                    self.ops[name](None)
+                    spent = self.spent
                 else:
                     code = _OPCODES.get(b)
                     if code is None:
