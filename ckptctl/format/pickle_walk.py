@@ -76,6 +76,43 @@ def memory_budget(size: int, per_byte: int = MEMORY_PER_BYTE) -> int:
     return MEMORY_BASE + per_byte * size
 
 
+def _models(shape: "_Shape") -> dict[str, Any]:
+    """Each opcode's model (by name) for the walk of ``shape``: what it does to the stack, the
+    marks and the memo, and what it is charged beyond the charge before every step."""
+    leaf, stack, memo = shape.stack.append, shape.stack, shape.memo
+    ops: dict[str, Any] = {
+        "MARK": lambda arg: shape.marks.append(len(stack)),
+        "BINPUT": shape._put, "LONG_BINPUT": shape._put, "PUT": shape._put,
+        "MEMOIZE": lambda arg: shape._put(len(memo)),
+        "BINGET": lambda arg: leaf(memo.get(arg, _LEAF)),
+        "DUP": lambda arg: leaf(stack[-1]),
+        "TUPLE": lambda arg: leaf(shape._new(shape._spend_items(shape._pop_mark(), _SLOT), True)),
+        "EMPTY_TUPLE": lambda arg: leaf((1, 1)),
+        "TUPLE1": lambda arg: leaf(shape._new(shape._pop(1), True)),
+        "TUPLE2": lambda arg: leaf(shape._new(shape._pop(2), True)),
+        "TUPLE3": lambda arg: leaf(shape._new(shape._pop(3), True)),
+        "BINPERSID": lambda arg: stack.__setitem__(-1, _LEAF),
+        "FROZENSET": lambda arg: leaf(shape._new(shape._spend_items(shape._charge(shape._pop_mark()), _ENTRY),
+                                                 True)),
+        "DICT": lambda arg: leaf(shape._new(shape._spend_items(shape._charge(shape._pop_mark(), 2), _ENTRY // 2))),
+        "LIST": lambda arg: leaf(shape._new(shape._spend_items(shape._pop_mark(), 10))),
+        "ADDITEMS": lambda arg: shape._into(shape._spend_items(shape._charge(shape._pop_mark()), _ENTRY)),
+        "SETITEMS": lambda arg: shape._into(shape._spend_items(shape._charge(shape._pop_mark(), 2), _ENTRY // 2)),
+        "APPENDS": lambda arg: shape._into(shape._spend_items(shape._pop_mark(), 10)),
+        "SETITEM": lambda arg: shape._into(shape._spend_items(shape._charge(shape._pop(2), 2), _ENTRY // 2)),
+        "APPEND": lambda arg: shape._into(shape._spend_items(shape._pop(1), 10)),
+        "BUILD": lambda arg: shape._into(shape._build(shape._charge(shape._pop(1)))),
+        "OBJ": lambda arg: leaf(shape._new(shape._spend_call(shape._charge(shape._pop_mark())))),
+        "INST": lambda arg: leaf(shape._new(shape._spend_call(shape._charge(shape._pop_mark())))),
+        "STOP": lambda arg: (stack.clear(), shape.marks.clear()),
+    }
+    # the callable may hash, copy or return its arguments (frozenset, set, torch.Size, a passthrough)
+    ops.update({name: (lambda n: lambda arg: leaf(shape._new(shape._spend_call(shape._charge(shape._pop(n))))))(n)
+                for name, n in _CALLS.items()})
+    ops["GET"] = ops["LONG_BINGET"] = ops["BINGET"]
+    return ops
+
+
 class _Shape:
     """The opcode walk's model of what the unpickler is about to build, one cell per object: how
     many objects it holds, counting again what it repeats by memo reference, and how deep it
@@ -88,36 +125,7 @@ class _Shape:
         self.budget = budget
         self.memory, self.spent, self.memo_top, self.per_byte = memory, 0, -1, per_byte
         self.states: dict[int, Any] = {}  # the dict states BUILD has copied once (id -> cell, kept alive)
-        leaf, stack, memo = self.stack.append, self.stack, self.memo
-        self.ops: dict[str, Any] = {
-            "MARK": lambda arg: self.marks.append(len(stack)),
-            "BINPUT": self._put, "LONG_BINPUT": self._put, "PUT": self._put,
-            "MEMOIZE": lambda arg: self._put(len(memo)),
-            "BINGET": lambda arg: leaf(memo.get(arg, _LEAF)),
-            "DUP": lambda arg: leaf(stack[-1]),
-            "TUPLE": lambda arg: leaf(self._new(self._spend_items(self._pop_mark(), _SLOT), True)),
-            "EMPTY_TUPLE": lambda arg: leaf((1, 1)),
-            "TUPLE1": lambda arg: leaf(self._new(self._pop(1), True)),
-            "TUPLE2": lambda arg: leaf(self._new(self._pop(2), True)),
-            "TUPLE3": lambda arg: leaf(self._new(self._pop(3), True)),
-            "BINPERSID": lambda arg: stack.__setitem__(-1, _LEAF),
-            "FROZENSET": lambda arg: leaf(self._new(self._spend_items(self._charge(self._pop_mark()), _ENTRY), True)),
-            "DICT": lambda arg: leaf(self._new(self._spend_items(self._charge(self._pop_mark(), 2), _ENTRY // 2))),
-            "LIST": lambda arg: leaf(self._new(self._spend_items(self._pop_mark(), 10))),
-            "ADDITEMS": lambda arg: self._into(self._spend_items(self._charge(self._pop_mark()), _ENTRY)),
-            "SETITEMS": lambda arg: self._into(self._spend_items(self._charge(self._pop_mark(), 2), _ENTRY // 2)),
-            "APPENDS": lambda arg: self._into(self._spend_items(self._pop_mark(), 10)),
-            "SETITEM": lambda arg: self._into(self._spend_items(self._charge(self._pop(2), 2), _ENTRY // 2)),
-            "APPEND": lambda arg: self._into(self._spend_items(self._pop(1), 10)),
-            "BUILD": lambda arg: self._into(self._build(self._charge(self._pop(1)))),
-            "OBJ": lambda arg: leaf(self._new(self._spend_call(self._charge(self._pop_mark())))),
-            "INST": lambda arg: leaf(self._new(self._spend_call(self._charge(self._pop_mark())))),
-            "STOP": lambda arg: (stack.clear(), self.marks.clear()),
-        }
-        # the callable may hash, copy or return its arguments (frozenset, set, torch.Size, a passthrough)
-        self.ops.update({name: (lambda n: lambda arg: leaf(self._new(self._spend_call(self._charge(self._pop(n))))))(n)
-                         for name, n in _CALLS.items()})
-        self.ops["GET"] = self.ops["LONG_BINGET"] = self.ops["BINGET"]
+        self.ops = _models(self)
 
     def walk(self, data: bytes, pos: int, stream: io.BytesIO) -> int:  # noqa: C901 - one loop over opcodes
         """Check and model the pickle at ``data[pos:]`` up to its STOP; returns where it ends.

@@ -24,9 +24,9 @@ arguments do not explain, an argument no mapping covers, each refuses the export
 
 from __future__ import annotations
 
-import heapq
 import itertools
 import json
+import operator
 import os
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -80,8 +80,11 @@ class RunPieces(Sequence[Piece]):
     def __iter__(self) -> Iterator[Piece]:
         """In the order of the output's bytes (the blocks' runs interleave in a column-sharded
         tensor): each page of the output is written once, before its writeback starts."""
-        runs = [block_pieces(b, self._shape, self._itemsize) for b in self._blocks]
-        return iter(runs[0]) if len(runs) == 1 else heapq.merge(*runs, key=lambda p: p.dst_offset)
+        if len(self._blocks) == 1:
+            return block_pieces(self._blocks[0], self._shape, self._itemsize)
+        runs = [p for b in self._blocks for p in _block_runs(b, self._shape, self._itemsize)]
+        runs.sort(key=_DST)  # the blocks tile the output: no two runs start at one byte
+        return iter(runs)
 
     def __getitem__(self, i: Any) -> Any:  # the writer asks only for [0] of a one-piece tensor
         if isinstance(i, slice):
@@ -91,6 +94,24 @@ class RunPieces(Sequence[Piece]):
         if not 0 <= i < len(self):
             raise IndexError(i)
         return next(itertools.islice(iter(self), i, None))
+
+
+_DST = operator.attrgetter("dst_offset")
+
+
+def _block_runs(b: Block, shape: tuple[int, ...], itemsize: int) -> list[Piece]:
+    """:func:`~ckptctl.sources.dcp.hf.block_pieces` of ``b`` as a list, its destinations
+    computed dimension by dimension (a column shard's thousands of rows, without a sum per row)."""
+    count, length = run_count(b, shape)
+    if count == 1:
+        return list(block_pieces(b, shape, itemsize))
+    split = max(i for i in range(len(shape)) if b.sizes[i] != shape[i])
+    st = strides(shape)
+    starts = [sum(o * s for o, s in zip(b.offsets, st))]
+    for d in range(split):  # row-major over the block's leading dimensions, as block_pieces counts them
+        starts = [x + i * st[d] for x in starts for i in range(b.sizes[d])]
+    n, file, first = length * itemsize, b.file, b.start
+    return [Piece(file, first + r * n, x * itemsize, n) for r, x in enumerate(starts)]
 
 
 def pieces_of(blocks: list[Block], shape: tuple[int, ...], dtype: str, max_pieces: int,
@@ -184,6 +205,27 @@ def cut(blocks: list[Block], prefix: tuple[int, ...], start: int, stop: int, dst
         first = sum((prefix[j] - o[j]) * st[j] for j in range(k)) + (lo - o[k]) * st[k]
         out.append(Block(b.file, b.start + first * itemsize, (dst + lo - start, *o[k + 1:]), (hi - lo, *s[k + 1:])))
     return out
+
+
+class Holding:
+    """The blocks of each tensor that hold a fixed leading index (a layer, a layer's expert),
+    found once per index and kept for the cuts that ask again (an expert's gate, up and down
+    projections): :func:`cut` of a stacked expert tensor then looks at that expert's blocks only."""
+
+    def __init__(self, blocks: dict[str, list[Block]]) -> None:
+        self._blocks = blocks
+        self._found: dict[tuple[str, tuple[int, ...]], list[Block]] = {}
+
+    def __call__(self, fqn: str, prefix: tuple[int, ...]) -> list[Block]:
+        """The blocks of ``fqn`` that hold index ``prefix`` of its leading dimensions, in order."""
+        if not prefix:
+            return self._blocks[fqn]
+        found = self._found.get((fqn, prefix))
+        if found is None:
+            j, at = len(prefix) - 1, prefix[-1]
+            found = [b for b in self(fqn, prefix[:-1]) if b.offsets[j] <= at < b.offsets[j] + b.sizes[j]]
+            self._found[(fqn, prefix)] = found
+        return found
 
 
 class NoArgsError(ArgsError):
@@ -313,9 +355,11 @@ class MegatronSource(DcpHfSource):
             for fqn in sorted(items):
                 src._add(fqn, fqn, dtypes[fqn], shapes[fqn], blocks[fqn], max_pieces)
             return src
+        holding = Holding(blocks)
         for o in outputs:
             size = dt.BY_NAME[dtypes[o.source]].itemsize
-            parts = [b for s in o.slabs for b in cut(blocks[s.fqn], s.prefix, s.start, s.stop, s.dst, size)]
+            parts = [b for s in o.slabs
+                     for b in cut(holding(s.fqn, s.prefix), s.prefix, s.start, s.stop, s.dst, size)]
             src._add(o.name, o.source, dtypes[o.source], o.shape, parts, max_pieces)
         src.family, src.config = desc.family.name, desc.config
         src.notes = [desc.note] if desc.note else []
