@@ -35,7 +35,7 @@ from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tests.megatron_worker import ITERATION, TOKENS, _shims  # noqa: E402
+from tests.megatron_worker import ITERATION, _shims, causal_logits, degree1, run, write_oracle  # noqa: E402
 
 HIDDEN, VOCAB, PADDED = 64, 101, 128
 FIXTURES = {
@@ -192,44 +192,11 @@ def _save(name: str, spec: dict, out: Path) -> None:
 
 
 def _oracle(name: str, spec: dict, out: Path) -> None:
-    import torch
-    import torch.distributed as dist
-    from megatron.core import dist_checkpointing
-    from megatron.core import parallel_state as ps
-
-    ps.initialize_model_parallel(1, 1)
-    torch.manual_seed(7)
-    model = _model(spec, 1, 1)
-    it_dir = out / name / f"iter_{ITERATION:07d}"
-    loaded = dist_checkpointing.load({"model": model.sharded_state_dict()}, str(it_dir))
-    model.load_state_dict(loaded["model"])
-    model.eval()
-    tokens = torch.tensor(TOKENS)
-    s = tokens.shape[1]
-    mask = torch.triu(torch.ones(1, 1, s, s, dtype=torch.bool), diagonal=1)
-    with torch.no_grad():
-        logits = model(tokens, torch.arange(s).unsqueeze(0), mask)
-    if dist.get_rank() == 0:
-        torch.save({"tokens": tokens, "logits": logits.contiguous().clone()}, out / name / "oracle_logits.pt")
-    dist.barrier()
-    ps.destroy_model_parallel()
+    write_oracle(out / name, *causal_logits(degree1(name, out, lambda: _model(spec, 1, 1))))
 
 
 def main() -> None:
-    out = Path(sys.argv[1])
-    names = sys.argv[2:] or list(FIXTURES)
-    import torch
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
-    _shims()
-    _grouped_shim()
-    for name in names:
-        _save(name, FIXTURES[name], out)
-    for name in names:
-        _oracle(name, FIXTURES[name], out)
-    dist.destroy_process_group()
+    run(FIXTURES, _save, _oracle, _shims, _grouped_shim)
 
 
 if __name__ == "__main__":

@@ -30,6 +30,7 @@ import json
 import os
 import sys
 from pathlib import Path
+from typing import Any, Callable
 
 ITERATION = 7
 TOKENS = [[3, 17, 42, 99, 5, 64, 88, 12, 7, 31, 0, 100]]
@@ -169,49 +170,79 @@ def _save(name: str, spec: dict, out: Path) -> None:
     ps.destroy_model_parallel()
 
 
-def _oracle(name: str, spec: dict, out: Path) -> None:
-    """Megatron's own loader and forward, at degree 1, on the saved checkpoint."""
+def degree1(name: str, out: Path, make: Callable[[], Any]) -> Any:
+    """Fixture ``name`` under ``out`` loaded by Megatron's own loader into ``make()`` (a model at
+    degree 1, built after seed 7), in eval mode: the oracle's model (every worker's)."""
     import torch
-    import torch.distributed as dist
     from megatron.core import dist_checkpointing
     from megatron.core import parallel_state as ps
 
     ps.initialize_model_parallel(1, 1)
     torch.manual_seed(7)
-    model = _model(spec, 1, 1, 1)
+    model = make()
     it_dir = out / name / f"iter_{ITERATION:07d}"
     loaded = dist_checkpointing.load({"model": model.sharded_state_dict()}, str(it_dir))
     model.load_state_dict(loaded["model"])
     model.eval()
+    return model
+
+
+def causal_logits(model: Any) -> tuple[Any, Any]:
+    """``TOKENS`` and Megatron's own forward of them, with an explicit causal mask (its default
+    mask is made on cuda)."""
+    import torch
+
     tokens = torch.tensor(TOKENS)
     s = tokens.shape[1]
-    pos = torch.arange(s).unsqueeze(0)
     mask = torch.triu(torch.ones(1, 1, s, s, dtype=torch.bool), diagonal=1)  # True: masked
     with torch.no_grad():
-        logits = model(tokens, pos, mask)
+        return tokens, model(tokens, torch.arange(s).unsqueeze(0), mask)
+
+
+def write_oracle(folder: Path, tokens: Any, logits: Any, files: dict[str, str] | None = None) -> None:
+    """Rank 0 writes ``oracle_logits.pt`` (and ``files``: name -> text) into ``folder``; then the
+    degree-1 model's parallel state goes."""
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
     if dist.get_rank() == 0:
-        # NullTokenizer: Megatron-LM's vocabulary is vocab_size + 1 (its EOD id is vocab_size)
-        torch.save({"tokens": tokens, "logits": logits[..., :VOCAB + 1].contiguous().clone()},
-                   out / name / "oracle_logits.pt")
-        (out / name / "spec.json").write_text(json.dumps(spec))
+        torch.save({"tokens": tokens, "logits": logits.contiguous().clone()}, folder / "oracle_logits.pt")
+        for fname, text in (files or {}).items():
+            (folder / fname).write_text(text)
     dist.barrier()
     ps.destroy_model_parallel()
 
 
-def main() -> None:
+def run(fixtures: dict[str, dict], save: Callable[..., None], oracle: Callable[..., None],
+        *shims: Callable[[], None]) -> None:
+    """A worker's main: ``argv`` is the output directory and the fixtures to build (all by
+    default); on Gloo, the ``shims`` applied, each fixture saved, then each one's oracle."""
     out = Path(sys.argv[1])
-    names = sys.argv[2:] or list(FIXTURES)
+    names = sys.argv[2:] or list(fixtures)
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
-    _shims()
+    for shim in shims:
+        shim()
     for name in names:
-        _save(name, FIXTURES[name], out)
+        save(name, fixtures[name], out)
     for name in names:
-        _oracle(name, FIXTURES[name], out)
+        oracle(name, fixtures[name], out)
     dist.destroy_process_group()
+
+
+def _oracle(name: str, spec: dict, out: Path) -> None:
+    """Megatron's own loader and forward, at degree 1, on the saved checkpoint."""
+    tokens, logits = causal_logits(degree1(name, out, lambda: _model(spec, 1, 1, 1)))
+    # NullTokenizer: Megatron-LM's vocabulary is vocab_size + 1 (its EOD id is vocab_size)
+    write_oracle(out / name, tokens, logits[..., :VOCAB + 1], {"spec.json": json.dumps(spec)})
+
+
+def main() -> None:
+    run(FIXTURES, _save, _oracle, _shims)
 
 
 if __name__ == "__main__":
