@@ -16,11 +16,10 @@ import argparse
 import contextlib
 import json
 import os
-import socket
-import subprocess
 import sys
 from pathlib import Path
 
+from bench.cases._ranks import launch
 from bench.gen import WORK
 from bench.harness import CKPTCTL, Case, Command, clear
 from ckptctl.sizes import parse_size
@@ -46,16 +45,8 @@ def make() -> None:
         return
     clear(root())()
     root().mkdir(parents=True)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = [subprocess.Popen([sys.executable, "-m", "bench.cases.megatron", str(root()), str(SIZE)],
-                              env=dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(r),
-                                       WORLD_SIZE=str(WORLD), LOCAL_RANK=str(r), LOCAL_WORLD_SIZE=str(WORLD),
-                                       PYTHONWARNINGS="ignore"))
-             for r in range(WORLD)]
-    if any(p.wait() for p in procs):
-        raise RuntimeError("building the Megatron checkpoint failed")
+    launch("bench.cases.megatron", [str(root()), str(SIZE)], world=WORLD, what="Megatron checkpoint",
+           env=dict(PYTHONWARNINGS="ignore"))
     stamp.write_text(json.dumps({"size": SIZE, "layers": layers_for(SIZE)}))
 
 

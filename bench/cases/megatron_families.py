@@ -15,11 +15,10 @@ import argparse
 import contextlib
 import json
 import os
-import socket
-import subprocess
 import sys
 from pathlib import Path
 
+from bench.cases._ranks import launch
 from bench.gen import WORK
 from bench.harness import CKPTCTL, Case, Command, clear
 from ckptctl.sizes import parse_size
@@ -46,16 +45,8 @@ def make() -> None:
         return
     clear(root())()
     root().mkdir(parents=True)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = [subprocess.Popen([sys.executable, "-m", "bench.cases.megatron_families", str(root()), str(SIZE)],
-                              env=dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(r),
-                                       WORLD_SIZE=str(WORLD), LOCAL_RANK=str(r), LOCAL_WORLD_SIZE=str(WORLD),
-                                       PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1"))
-             for r in range(WORLD)]
-    if any(p.wait() for p in procs):
-        raise RuntimeError("building the Megatron MoE checkpoint failed")
+    launch("bench.cases.megatron_families", [str(root()), str(SIZE)], world=WORLD, what="Megatron MoE checkpoint",
+           env=dict(PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1"))
     stamp.write_text(json.dumps({"size": SIZE, "layers": layers_for(SIZE), "experts": EXPERTS}))
 
 
