@@ -122,3 +122,30 @@ def test_the_schema_refuses_what_a_follower_never_writes(bad: dict) -> None:
     event_validator().validate(good)
     with pytest.raises(jsonschema.ValidationError):
         event_validator().validate(json.loads(json.dumps({**good, **bad})))
+
+
+def test_stopping_the_follower_mid_hook_ends_its_group_and_the_next_one_runs_it_again(tmp_path: Path) -> None:
+    import signal
+
+    from tests.follow_helpers import parse_events
+
+    run, dst = tmp_path / "run", tmp_path / "hf"
+    Loop(run).save(1)
+    pids = tmp_path / "pids"
+    hook = f"sh -c 'sleep 1000 & echo $! >> {pids}; wait' hook"
+    proc = start_follow(run, dst, "--from", "all", "--on-publish", hook, once=False)  # the default timeout: 1h
+    end = time.monotonic() + 300
+    while not (pids.exists() and pids.read_text().endswith("\n")) and proc.poll() is None and time.monotonic() < end:
+        time.sleep(0.01)  # until the hook's child runs
+    os.kill(proc.pid, signal.SIGTERM)
+    out, err = communicate(proc, 300)
+    events = parse_events(out)
+    assert proc.returncode == 0 and events[-1]["event"] == "stopped", err
+    assert named(events, "hook") == [] and records(dst)["step-1"]["on_publish"]["status"] == "pending"
+    assert _gone(int(pids.read_text().split()[0]))
+    # the next follower runs the command recorded at the publish (the hung one again): its timeout ends it
+    rc, events, err = run_follow(run, dst, "--on-publish", "true", "--on-publish-timeout", "0.2s")
+    assert rc == 0, err
+    assert [(e["name"], e["status"]) for e in events if e["event"] == "hook"] == [("step-1", "timeout")]
+    assert records(dst)["step-1"]["on_publish"]["status"] == "timeout"
+    assert all(_gone(int(p)) for p in pids.read_text().split())
