@@ -234,3 +234,23 @@ def test_exit_when_idle(tmp_path: Path) -> None:
     events = parse_events(out)
     assert proc.returncode == 0, err
     assert named(events, "published") == ["step-1"] and events[-1]["event"] == "idle"
+
+
+def test_an_export_replaced_between_retentions_check_and_its_rename_is_put_back(tmp_path: Path) -> None:
+    """Held after retention's look and before its rename, the export is swapped for a user's
+    directory: what was moved is checked, found not to be ours, and put back untouched."""
+    run, dst = tmp_path / "run", tmp_path / "hf"
+    loop = Loop(run)
+    for step in (1, 2):
+        loop.save(step)
+    rc, events, err = run_follow(run, dst, "--from", "all")
+    assert rc == 0 and named(events, "published") == ["step-1", "step-2"], err
+    proc = _held(run, dst, "follow-remove-staged", "--keep-last", "1")
+    os.rename(dst / "step-1", tmp_path / "aside")
+    shutil.copytree(tmp_path / "aside", dst / "step-1")  # the user's directory, with the same files
+    (dst / "step-1" / "mine.txt").write_text("keep me")
+    rc, events, err = _resume(proc)
+    assert rc == 0, err
+    assert named(events, "released") == ["step-1"] and named(events, "removed") == []
+    assert (dst / "step-1" / "mine.txt").read_text() == "keep me"
+    assert records(dst)["step-1"]["status"] == "released" and leftovers(dst) == []

@@ -220,17 +220,21 @@ class Handler:
 
     def remove(self, rec: dict[str, Any]) -> None:
         dest = Path(rec["dest"])
-        if not still_ours(dest, rec):
-            rec["status"] = "released"
-            self.state.put(rec, {"event": "released"})
-            self.emit(Event("released", f"{dest} is no longer exactly the export published (replaced, or files "
-                            "added or removed); left as it is",
-                            rec["name"], rec.get("step"), {"dest": str(dest)}))
+        if not still_ours(dest, rec):  # the cheap look first; remove_export checks what it moved
+            self._released(rec, dest)
             return
         rec["status"] = "removing"
         self.state.put(rec, {"event": "removing"})
-        remove_export(dest, fsync=self.opts.export.fsync, command=f"{self.opts.command} [retention]")
+        if not remove_export(dest, rec, fsync=self.opts.export.fsync, command=f"{self.opts.command} [retention]"):
+            self._released(rec, dest)
+            return
         self._removed(rec)
+
+    def _released(self, rec: dict[str, Any], dest: Path) -> None:
+        rec["status"] = "released"
+        self.state.put(rec, {"event": "released"})
+        self.emit(Event("released", f"{dest} is no longer exactly the export published (replaced, or files "
+                        "added or removed); left as it is", rec["name"], rec.get("step"), {"dest": str(dest)}))
 
     def _removed(self, rec: dict[str, Any]) -> None:
         rec.update(status="removed", removed_at=time.time())
@@ -254,8 +258,10 @@ class Handler:
                 from ckptctl.staging import recover_destination
 
                 recover_destination(dest)  # the staging directory a killed removal left
-                if still_ours(dest, rec):
-                    remove_export(dest, fsync=self.opts.export.fsync, command=f"{self.opts.command} [retention]")
+                if still_ours(dest, rec) and not remove_export(
+                        dest, rec, fsync=self.opts.export.fsync, command=f"{self.opts.command} [retention]"):
+                    self._released(rec, dest)
+                    continue
                 self._removed(rec)
             elif status == "published" and (rec.get("on_publish") or {}).get("status") == "pending" \
                     and self.opts.on_publish:

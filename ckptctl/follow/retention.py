@@ -12,8 +12,9 @@ that verified clean) are ever removed, so an export goes only once its replaceme
 
 Only what the follower published is removed: a record says it published ``DST_ROOT/<name>``,
 and the directory there must still be the one it published (same device and inode). The
-removal is a rename of that directory into a staging directory of ours (owner record, lock), then
-the staging package's removal, which never follows a link nor crosses a mount: a follower killed
+removal is a rename of that directory into a staging directory of ours (owner record, lock), a
+second check of the directory moved (a directory put in the export's place just before the rename
+is put back, untouched), then the staging package's removal, which never follows a link nor crosses a mount: a follower killed
 at any point leaves either the export, or a staging directory ``gc-tmp`` attributes and removes
 (the next follower does too).
 """
@@ -132,9 +133,12 @@ def still_ours(dest: Path, record: dict[str, Any]) -> bool:
     return isinstance(files, dict) and tree_ids(dest) == files
 
 
-def remove_export(dest: Path, *, fsync: bool, command: str) -> None:
-    """Move ``dest`` into a new staging directory of ours, then remove that directory (module
-    docstring). Raises a CkptctlError when it cannot."""
+def remove_export(dest: Path, record: dict[str, Any], *, fsync: bool, command: str) -> bool:
+    """Move ``dest`` into a new staging directory of ours, check that what was moved is the export
+    ``record`` published (the object moved, not the name looked at before: a directory put in its
+    place between the caller's check and the rename is caught), then remove it (module
+    docstring). False, and nothing removed, when it is not: it is put back where it was. Raises a
+    CkptctlError when it cannot be moved, or moved back."""
     from ckptctl.publish import Stage
 
     stage = Stage(dest, fsync=fsync, command=command, known={})
@@ -148,7 +152,34 @@ def remove_export(dest: Path, *, fsync: bool, command: str) -> None:
     except OSError as exc:
         stage.abort()
         raise from_oserror(exc, f"cannot remove {dest}", phase="retention") from None
+    if not still_ours(data, record):
+        _put_back(stage, data, dest)
+        return False
     stage.published = True  # data/ holds the export now: finish removes it (abort would too)
+    stage.finish()
+    return True
+
+
+def _put_back(stage: Any, data: Path, dest: Path) -> None:
+    """``data`` (not the follower's export) back at ``dest``, never replacing anything; when
+    something appeared there meanwhile, the staging directory is kept with it (never removed) and
+    the error says where."""
+    from ckptctl.errors import CkptctlError, OperationalError
+    from ckptctl.publish import rename_into_place
+
+    try:
+        rename_into_place(data, dest)
+    except (OSError, CkptctlError) as exc:
+        aside = dest.parent / f"{dest.name}.kept-by-ckptctl-{os.getpid()}"  # not a staging name: no
+        try:  # recovery nor gc-tmp ever removes it
+            rename_into_place(data, aside)
+        except (OSError, CkptctlError):
+            stage.kept = True
+            aside = data
+        stage.finish()
+        raise OperationalError(f"{dest} was replaced while retention removed it, and cannot be put back "
+                               f"({exc}): it is kept, untouched, as {aside}",
+                               f"move {aside} back where it belongs", phase="retention") from None
     stage.finish()
 
 
