@@ -7,7 +7,7 @@ Modules: ``saves`` (the saves a directory holds, by step; their fingerprints), `
 its files), ``handle`` (record, export, settle, verify, ``--on-publish``, retention of one
 save), ``hook`` (the ``--on-publish`` command, in its own process group, with a timeout),
 ``retention`` (the keep rules and the removal of an export of ours), ``loop`` (the follower),
-``view`` (what a follower has done, read for ``inspect DST_ROOT``), ``priority`` (low CPU and I/O
+``metacache`` (a waiting save's ``.metadata`` parsed once per version), ``view`` (what a follower has done, read for ``inspect DST_ROOT``), ``priority`` (low CPU and I/O
 priority), ``events`` (what it reports), ``options`` and ``choices`` (the fixed sets of values
 ``--from`` and ``--priority`` take). docs/FOLLOW.md describes the whole. Nothing here prints:
 events go to a callback.

@@ -63,11 +63,16 @@ class Judgement:
     quiet_at_ns: int | None = None  # waiting only for the quiet period: when it ends (wall clock)
 
 
-def judge(save: Save, fp: Fingerprint, *, now_ns: int, quiet_s: float) -> Judgement:
-    """The completion of ``save`` whose files are ``fp`` (module docstring)."""
-    check = {"dcp": _dcp, "trainer": _trainer, "megatron": _megatron, "zero": _zero}[save.kind]
+def judge(save: Save, fp: Fingerprint, *, now_ns: int, quiet_s: float, cache: Any = None) -> Judgement:
+    """The completion of ``save`` whose files are ``fp`` (module docstring); ``cache``: a
+    ``metacache.MetadataCache`` (a DCP ``.metadata`` parsed once per version)."""
     identity: dict[str, Any] = {}
-    reason = check(save, fp, identity)
+    if save.kind == "dcp":
+        reason = _dcp(save, fp, identity, cache=cache)
+    elif save.kind == "megatron":
+        reason = _megatron(save, fp, identity, cache=cache)
+    else:
+        reason = {"trainer": _trainer, "zero": _zero}[save.kind](save, fp, identity)
     quiet_at = None
     if reason is None and quiet_s > 0:
         quiet_at = fp.newest_ns + int(quiet_s * 1e9)
@@ -81,7 +86,7 @@ def _size_time(fp: Fingerprint, rel: str) -> dict[str, int]:
     return {"size": size, "mtime_ns": mtime}
 
 
-def _dcp(save: Save, fp: Fingerprint, identity: dict[str, Any], prefix: str = "") -> str | None:
+def _dcp(save: Save, fp: Fingerprint, identity: dict[str, Any], prefix: str = "", cache: Any = None) -> str | None:
     meta = prefix + DCP_METADATA
     if meta not in fp.files:
         return f"no {DCP_METADATA} yet (torch writes it last)"
@@ -89,35 +94,32 @@ def _dcp(save: Save, fp: Fingerprint, identity: dict[str, Any], prefix: str = ""
         return f"{DCP_METADATA}.tmp present: the coordinator is writing the metadata"
     if fp.files[meta][2] != "file":
         return f"{DCP_METADATA} is not a regular file"
-    from ckptctl.format.dcp_metadata import read_dcp_metadata, storage_needs
+    from ckptctl.follow.metacache import read_fresh
 
     try:
-        md, findings = read_dcp_metadata(save.path / meta, str(save.path / meta))
+        md = cache.read(save.path / meta) if cache is not None else read_fresh(save.path / meta)
     except OSError as exc:
         return f"{DCP_METADATA} unreadable ({exc.strerror or exc})"
-    if md is None:
-        return findings[0].message if findings else f"{DCP_METADATA} unreadable"
+    if md.error is not None:
+        return md.error
     meta_mtime = fp.files[meta][1]
-    for need in storage_needs(md):
-        rel = need.relative_path
+    for rel, end in md.needs:
         if not isinstance(rel, str) or "/" in rel or rel in ("", ".", ".."):
             return f"{DCP_METADATA} names a storage file {rel!r} that is not a plain name"
         got = fp.files.get(prefix + rel)
         if got is None or got[2] != "file":
             return f"{rel} named by {DCP_METADATA} is missing"
-        if got[0] < need.end:
-            return f"{rel} holds {got[0]:,} bytes, {DCP_METADATA} reads up to {need.end:,}"
+        if got[0] < end:
+            return f"{rel} holds {got[0]:,} bytes, {DCP_METADATA} reads up to {end:,}"
     for rel, (_, mtime, kind) in fp.files.items():
         if kind == "file" and rel.startswith(prefix) and rel.endswith(".distcp") and mtime > meta_mtime:
             return f"{rel} is newer than {DCP_METADATA}: the step is being saved again"
-    sm = getattr(md, "storage_meta", None)
-    save_id = getattr(sm, "save_id", None) if sm is not None else None
-    identity["save_id"] = save_id if isinstance(save_id, str) else None
+    identity["save_id"] = md.save_id if isinstance(md.save_id, str) else None
     identity["metadata"] = _size_time(fp, meta)
     return None
 
 
-def _megatron(save: Save, fp: Fingerprint, identity: dict[str, Any]) -> str | None:
+def _megatron(save: Save, fp: Fingerprint, identity: dict[str, Any], cache: Any = None) -> str | None:
     from ckptctl.format.small import TooLarge, read_small
 
     try:
@@ -132,7 +134,7 @@ def _megatron(save: Save, fp: Fingerprint, identity: dict[str, Any]) -> str | No
         return f"{TRACKER} names iteration {int(text)}: not yet {save.step}"
     if "common.pt" not in fp.files and "metadata.json" not in fp.files:
         return "no common.pt or metadata.json"
-    reason = _dcp(save, fp, identity)
+    reason = _dcp(save, fp, identity, cache=cache)
     if reason is not None:
         return reason
     identity.pop("save_id", None)  # Megatron-core's planner caches its plans: the id is not per save

@@ -25,6 +25,7 @@ from ckptctl.errors import from_oserror
 from ckptctl.follow.completion import Judgement, judge
 from ckptctl.follow.events import EmitFn, Event
 from ckptctl.follow.handle import Handler
+from ckptctl.follow.metacache import MetadataCache
 from ckptctl.follow.options import FollowOptions
 from ckptctl.follow.saves import Fingerprint, Save, fingerprint, list_saves, quick_key
 from ckptctl.follow.state import FINAL, FollowState
@@ -41,6 +42,7 @@ class Follower:
         self.handled_key: dict[str, tuple] = {}  # handled save name -> quick key: not looked at again
         self.activity = False  # a waiting save changed during the pass (not idle)
         self.wake_ns: int | None = None  # the end of the earliest quiet period waited for (wall clock)
+        self.metadata = MetadataCache.if_enabled()  # a waiting DCP save's .metadata parsed once per version
 
     def run(self) -> int:
         """Follow until told to stop; returns the number of exports published by this run."""
@@ -137,7 +139,7 @@ class Follower:
         status = rec.get("status") if rec else None
         if rec is not None and fp.digest in (rec.get("lost_digest"), rec.get("refused_digest")):
             return False  # the very files that were lost or refused: wait for a change
-        judged = judge(save, fp, now_ns=time.time_ns(), quiet_s=self.opts.quiet)
+        judged = judge(save, fp, now_ns=time.time_ns(), quiet_s=self.opts.quiet, cache=self.metadata)
         if status in FINAL and not judged.complete:
             self._wait(save, f"being saved again? {judged.reason}", fp)
             return False
@@ -213,7 +215,7 @@ class Follower:
                     fp = fingerprint(save.path)
                 except OSError:
                     continue
-                if judge(save, fp, now_ns=time.time_ns(), quiet_s=self.opts.quiet).complete:
+                if judge(save, fp, now_ns=time.time_ns(), quiet_s=self.opts.quiet, cache=self.metadata).complete:
                     baseline = save.step
                     break
         self.state.set_baseline(baseline)
