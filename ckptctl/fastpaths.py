@@ -29,6 +29,9 @@ FAST_PATHS: dict[str, FastPath] = {  # read-only after import
                       "parsed", "every header decoded by the command's own process"),
     "table": FastPath("CKPTCTL_FAST_TABLE", "a command's result table written as rich draws it, without importing "
                       "rich, off a terminal (printable ASCII cells)", "rich's Table"),
+    "follow-metadata": FastPath("CKPTCTL_FAST_FOLLOW_METADATA",
+                                "export --follow: a waiting DCP save's .metadata parsed once per version of the file",
+                                "the file read and parsed at every look"),
     "convert": FastPath("CKPTCTL_FAST_CONVERT", "a ZeRO export's fp32 masters converted to bf16/fp16 by numpy",
                         "torch's converter"),
     "pieces": FastPath("CKPTCTL_FAST_PIECES",

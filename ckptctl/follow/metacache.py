@@ -19,7 +19,6 @@ from pathlib import Path
 from typing import Any
 
 LIMIT = 256
-ENV = "CKPTCTL_FAST_FOLLOW_METADATA"
 
 
 @dataclass(frozen=True)
@@ -49,7 +48,9 @@ class MetadataCache:
 
     @classmethod
     def if_enabled(cls) -> MetadataCache | None:
-        return None if os.environ.get(ENV, "1") == "0" else cls()
+        from ckptctl.fastpaths import enabled
+
+        return cls() if enabled("follow-metadata") else None
 
     def read(self, path: Path) -> ReadMetadata:
         """As :func:`read_fresh`, from the cache when the file is the version read last."""
