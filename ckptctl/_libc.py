@@ -62,11 +62,3 @@ def madvise(address: int, length: int, advice: int) -> None:
 
     _call(("madvise",), [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], address, length, advice)
 
-
-def die_with_parent(sig: int) -> None:
-    """prctl(PR_SET_PDEATHSIG, sig): this process gets ``sig`` when the thread that forked it ends."""
-    import ctypes
-
-    pr_set_pdeathsig = 1
-    _call(("prctl",), [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong],
-          pr_set_pdeathsig, sig, 0, 0, 0)

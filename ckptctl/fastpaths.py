@@ -24,9 +24,6 @@ class FastPath(NamedTuple):
 FAST_PATHS: dict[str, FastPath] = {  # read-only after import
     "metadata": FastPath("CKPTCTL_FAST_METADATA", "the index parsed by orjson, safetensors headers decoded by msgspec",
                          "json with the duplicate-key hook; the strict hand-walked header reader"),
-    "split": FastPath("CKPTCTL_FAST_SPLIT",
-                      "a large sharded checkpoint's shard headers decoded by a forked child while the index is "
-                      "parsed", "every header decoded by the command's own process"),
     "table": FastPath("CKPTCTL_FAST_TABLE", "a command's result table written as rich draws it, without importing "
                       "rich, off a terminal (printable ASCII cells)", "rich's Table"),
     "follow-metadata": FastPath("CKPTCTL_FAST_FOLLOW_METADATA",

@@ -34,12 +34,9 @@ from __future__ import annotations
 
 import os
 
-from typing import Any
-
 from ckptctl.fastpaths import enabled
 from ckptctl.format.header import Header, decode_header, read_header_bytes
 from ckptctl.format.index import Index, parse_index, read_index_bytes
-from ckptctl.format.names import SAFETENSORS_EXT
 
 
 KEEP_BYTES = 1 << 20  # headers up to this size are kept and compared whole; larger ones by their digest
@@ -48,10 +45,8 @@ KEEP_BYTES = 1 << 20  # headers up to this size are kept and compared whole; lar
 class MetadataReading:
     """One command's reading of checkpoint metadata (see the module's docstring)."""
 
-    def __init__(self, *, fast: bool | None = None, split: bool | None = None) -> None:
+    def __init__(self, *, fast: bool | None = None) -> None:
         self.fast = enabled("metadata") if fast is None else fast
-        self.split = enabled("split") if split is None else split
-        self._split: Any = None  # the HeaderSplit decoding shards beside this process, once one is started
         # by length: (the bytes, the Index parsed from them)
         self._indexes: dict[int, list[tuple[bytes, Index]]] = {}
         # by (file size, header length): (the header's bytes, or their SHA-256 above KEEP_BYTES; the Header)
@@ -69,17 +64,12 @@ class MetadataReading:
         for seen, parsed in kept:
             if seen == raw and (parsed.path == idx.path or not parsed.findings):
                 return parsed.copy(idx.path)
-        self._start_split(p, len(raw))
         parse_index(idx, raw, fast=self.fast)
         kept.append((raw, idx))
         return idx.copy()
 
     def header(self, path: str | os.PathLike[str], *, display: str | None = None) -> Header:
         """The safetensors header of ``path`` as it is now (:func:`~ckptctl.format.header.read_header`)."""
-        split = self._split
-        if split and not split.mine(os.fspath(path)):
-            for _, (key, known, decoded) in split.take():  # the child has decoded this one
-                self._headers.setdefault(key, []).append((known, decoded))
         hdr, raw = read_header_bytes(path, display=display)
         if raw is None:  # unreadable before any decoding: nothing to keep
             return hdr
@@ -91,35 +81,6 @@ class MetadataReading:
         decode_header(hdr, raw, fast=self.fast)
         kept.append((known, hdr))
         return hdr.copy()
-
-    def _start_split(self, index: str, size: int) -> None:
-        """Shards beside a large safetensors index decoded by a child while this process parses the
-        index (:mod:`ckptctl.layout.header_split`), once per reading."""
-        from ckptctl.layout import header_split
-
-        suffix = "." + SAFETENSORS_EXT + ".index.json"
-        if not self.split or self._split is not None or size < header_split.SPLIT_INDEX_BYTES \
-                or not index.endswith(suffix):
-            return
-        folder, name = os.path.split(index)
-        stem = name[: -len(suffix)]
-        try:
-            names = sorted(n for n in os.listdir(folder or ".")
-                           if n.startswith(stem) and n.endswith("." + SAFETENSORS_EXT))
-        except OSError:
-            return
-        self._split = header_split.HeaderSplit.start([os.path.join(folder, n) for n in names], self._decoded) \
-            or False  # False: tried once, not available
-
-    def _decoded(self, path: str) -> tuple[tuple[int, int], bytes, Header] | None:
-        """``path``'s header decoded as :meth:`header` keeps it: (its key, its bytes or digest, the
-        Header); None when it cannot be decoded (run in the split's child)."""
-        hdr, raw = read_header_bytes(path)
-        if raw is None:
-            return None
-        key, known = (hdr.file_size, len(raw)), bytes(raw) if len(raw) <= KEEP_BYTES else _digest(raw)
-        decode_header(hdr, raw, fast=self.fast)  # (which empties raw)
-        return key, known, hdr
 
 
 def _digest(raw: bytearray) -> bytes:
