@@ -61,4 +61,3 @@ def madvise(address: int, length: int, advice: int) -> None:
     import ctypes
 
     _call(("madvise",), [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], address, length, advice)
-
