@@ -88,6 +88,9 @@ def names_line(what: str, names: Sequence[str]) -> str:
 
 
 _PIPE_WIDTH = 100_000
+_ROWS_AT_ONCE = 4096
+# what json's encoder (ensure_ascii=False) escapes in a string: a name without any is its own text
+_JSON_ESCAPED = re.compile(r'[\x00-\x1f\\"]')
 
 
 def _maybe_terminal() -> bool:
@@ -99,9 +102,6 @@ def _maybe_terminal() -> bool:
         return sys.stdout.isatty()
     except ValueError:  # a closed stdout
         return False
-_ROWS_AT_ONCE = 4096
-# what json's encoder (ensure_ascii=False) escapes in a string: a name without any is its own text
-_JSON_ESCAPED = re.compile(r'[\x00-\x1f\\"]')
 
 
 class JsonRows:
