@@ -38,6 +38,9 @@ FAST_PATHS: dict[str, FastPath] = {  # read-only after import
                             "verify's model-class check matching keys as transformers does, without its per-key "
                             "converter copies, and stacking fused experts from their shapes",
                             "transformers' own convert_and_load_state_dict_in_model"),
+    "exit": FastPath("CKPTCTL_FAST_EXIT", "the CLI's process ends after its exit handlers and a flush of its "
+                     "output, without freeing the interpreter's objects (only this thread left, torch never "
+                     "imported)", "sys.exit"),
 }
 
 

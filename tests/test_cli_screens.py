@@ -208,8 +208,10 @@ def test_env_reports_versions_switches_and_the_filesystem(tmp_path: Path) -> Non
 def test_env_never_imports_torch() -> None:
     import sys
 
-    probe = ("import sys, runpy; sys.argv = ['ckptctl', 'env', '--json']\n"
-             "try:\n    runpy.run_module('ckptctl', run_name='__main__')\nexcept SystemExit:\n    pass\n"
-             "print(sorted(m for m in ('torch', 'transformers', 'numpy') if m in sys.modules), file=sys.stderr)")
+    # the modules listed by an exit handler: it runs however the process ends (cli.leave)
+    probe = ("import atexit, sys, runpy; sys.argv = ['ckptctl', 'env', '--json']\n"
+             "atexit.register(lambda: print(sorted(m for m in ('torch', 'transformers', 'numpy') if m in sys.modules),"
+             " file=sys.stderr))\n"
+             "runpy.run_module('ckptctl', run_name='__main__')\n")
     proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=clean_env(), timeout=120)
     assert proc.stderr.strip().splitlines()[-1] == "[]", proc.stderr

@@ -8,16 +8,19 @@ of every registered command when it runs), ``--help``, completion and anything e
 
 from __future__ import annotations
 
+import atexit
 import importlib
 import os
 import re
 import sys
-from typing import Annotated, Any, Callable, Optional
+import threading
+from typing import Annotated, Any, Callable, NoReturn, Optional
 
 import typer
 
 from ckptctl._version import __version__
 from ckptctl.cli._output import Output, Signals
+from ckptctl.fastpaths import enabled
 
 # command name -> (module, function): the order of --help
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -108,7 +111,28 @@ def main() -> None:
         code = _interrupted(args)
     except typer.TyperException as exc:  # Typer's usage errors: unknown option, missing argument, ...
         code = _usage_error(exc, args)
-    sys.exit(code if isinstance(code, int) else 0)
+    leave(code if isinstance(code, int) else 0)
+
+
+def leave(code: int, *, fast: bool | None = None) -> NoReturn:
+    """End the process with ``code``. The reference is ``sys.exit``: the exit handlers run, the
+    output is flushed, and the interpreter frees every module and object before the process ends.
+    The fast path (``fast``; unset: :func:`~ckptctl.fastpaths.enabled`) skips only that freeing,
+    which the kernel does anyway: when nothing but this thread is left and torch was never
+    imported (its own teardown is left to it), the exit handlers run, stdout and stderr are
+    flushed and the process ends with ``os._exit``. Freeing a 92k-tensor command's records took
+    18-60 ms of it."""
+    run_exit_handlers = getattr(atexit, "_run_exitfuncs", None)
+    if (not (enabled("exit") if fast is None else fast) or run_exit_handlers is None
+            or threading.active_count() != 1 or "torch" in sys.modules):
+        sys.exit(code)
+    run_exit_handlers()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a reader gone (Output.write said so already), a closed stream
+            pass
+    os._exit(code)
 
 
 def _command(args: list[str]) -> str:
