@@ -16,9 +16,9 @@ from safetensors.torch import save_file
 from ckptctl.inspect import inspect_path
 from ckptctl.sources import kinds as K
 from ckptctl.sources import open_source
+from ckptctl.sources.kinds import ONLY_CHOICES
 from ckptctl.verify.context import VerifyOptions
 from ckptctl.verify.pipeline import verify_path
-from ckptctl.write.options import ONLY_CHOICES
 from tests.support import REPO
 from tests.support.cli import invoke
 from tests.test_megatron_build import NEEDS_MEGATRON, iteration, megatron_ckpts  # noqa: F401 - the fixture

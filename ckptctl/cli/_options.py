@@ -9,8 +9,7 @@ import typer
 
 from ckptctl.format.dtypes import TARGETS
 from ckptctl.format.names import PRESETS
-from ckptctl.sources.kinds import SHAPES, only_help
-from ckptctl.write.options import NAMES_CHOICES, ONLY_CHOICES
+from ckptctl.sources.kinds import NAMES_CHOICES, ONLY_CHOICES, SHAPES, only_help
 
 
 def choices(name: str, values: tuple[str, ...] | list[str]) -> type[StrEnum]:
@@ -25,7 +24,7 @@ def plain(value: Optional[str]) -> Optional[str]:
 
 
 # Each from its one list: the dtypes --dtype converts to (format/dtypes.py), the source kinds of the
-# registry and the layout's shapes (write/options.py ONLY_CHOICES), the name sets, gc-tmp's presets.
+# registry and the layout's shapes (sources/kinds.py ONLY_CHOICES), the name sets, gc-tmp's presets.
 Dtype = choices("Dtype", ("keep", *TARGETS))
 Only = choices("Only", ONLY_CHOICES)
 NameSet = choices("NameSet", NAMES_CHOICES)

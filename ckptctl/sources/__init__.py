@@ -11,7 +11,20 @@ conversion.
 
 from __future__ import annotations
 
-from ckptctl.sources.base import CHUNK_BYTES, Source, SourceTensor
-from ckptctl.sources.opener import open_source
+from typing import Any
 
 __all__ = ["CHUNK_BYTES", "Source", "SourceTensor", "open_source"]
+
+
+def __getattr__(name: str) -> Any:
+    """The package's names, imported when first asked for: ``ckptctl.sources.kinds`` (what the
+    CLI's options and every probe import) loads no reader and no base class."""
+    if name == "open_source":
+        from ckptctl.sources.opener import open_source
+
+        return open_source
+    if name in __all__:
+        from ckptctl.sources import base
+
+        return getattr(base, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

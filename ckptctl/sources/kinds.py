@@ -79,6 +79,11 @@ NAMES: tuple[str, ...] = tuple(k.name for k in KINDS)
 # What else --only may name: between a single file and a sharded family of one kind, which one
 # (layout.choose applies it).
 SHAPES = ("index", "single")
+# What --only may name: a kind, or a shape.
+ONLY_CHOICES = (*NAMES, *SHAPES)
+# --names: the names an export writes. hf (the default): the library's own, mapped where the
+# source is a training framework's (Megatron); megatron: a Megatron checkpoint's names as they are.
+NAMES_CHOICES = ("hf", "megatron")
 LOCATED: tuple[Kind, ...] = tuple(k for k in KINDS if k.locate is not None)
 FAMILIES: tuple[str, ...] = tuple(k.name for k in KINDS if k.locate is None)  # the layout's family kinds
 BY_NAME: dict[str, Kind] = {k.name: k for k in KINDS}  # read-only after import

@@ -17,16 +17,10 @@ from ckptctl.format import dtypes as dt
 from ckptctl.format import names as N
 from ckptctl.sizes import parse_size
 from ckptctl.sources.base import CHUNK_BYTES
-from ckptctl.sources.kinds import NAMES as KIND_NAMES, SHAPES
+from ckptctl.sources.kinds import NAMES_CHOICES, ONLY_CHOICES
 
 DEFAULT_MAX_SHARD_SIZE = "5GB"
 KEEP = "keep"  # --max-shard-size keep: one output shard per source file, same tensors
-# What --only may name: a source kind (sources/kinds.py), or (between a single file and a sharded
-# family of one kind) index or single, which layout.choose applies.
-ONLY_CHOICES = (*KIND_NAMES, *SHAPES)
-# --names: the names an export writes. hf (the default): the library's own, mapped where the
-# source is a training framework's (Megatron); megatron: a Megatron checkpoint's names as they are.
-NAMES_CHOICES = ("hf", "megatron")
 
 
 @dataclass
