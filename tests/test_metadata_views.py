@@ -250,3 +250,26 @@ def test_a_merged_table_keyed_by_file_maps_each_name_to_its_files_key() -> None:
         MergedSpecs([a, b], keys=["a", "a"])
     with pytest.raises(AssertionError):
         MergedSpecs([a, b]).keyed_index()
+
+
+@pytest.mark.parametrize("seed", range(50))
+def test_a_merged_table_given_its_index_reads_as_the_one_it_builds(seed: int) -> None:
+    """``where``: the index of names verify already holds (a weight_map that agrees with every
+    shard), in the index's own order: the view reads exactly as the one that builds its index
+    from the parts (names in the parts' order, records, length, membership)."""
+    rng = random.Random(seed)
+    parts = _parts(rng, overlap=False)
+    keys = [f"s{i}.safetensors" for i in range(len(parts))]
+    built = MergedSpecs(parts, keys=keys)
+    assert built.disjoint
+    where = dict(built.keyed_index())
+    order = list(where)
+    rng.shuffle(order)
+    given = MergedSpecs(parts, keys=keys, where={n: where[n] for n in order})
+    assert given.disjoint and list(given) == list(built) and len(given) == len(built)
+    assert list(given.items()) == list(built.items()) and all(given[n] == built[n] for n in built)
+    assert all(n in given for n in built) and "no such name" not in given and [] not in given
+    with pytest.raises(KeyError):
+        given["no such name"]
+    with pytest.raises(ValueError):
+        MergedSpecs(parts, where=where)

@@ -145,6 +145,8 @@ class TensorTable(_ByColumn[TensorInfo]):
 
     @property
     def data_bytes(self) -> int:
+        if self._contiguous:  # from 0, each tensor where the one before ends: the sum telescopes
+            return self.data_end
         return sum(self._end) - sum(self._begin)
 
     @property
@@ -208,21 +210,26 @@ class MergedSpecs(_ByColumn[TensorSpec]):
     one spec each unless a rule reads them all."""
 
     def __init__(self, parts: list[Mapping[str, Any]], *, disjoint: bool | None = None,
-                 keys: list[Any] | None = None) -> None:
-        """``disjoint``: the caller knows that no name is in two parts (verify, from the index's
-        agreement with the headers): then no index of every name is built; a look-up by name asks
-        each part's own (a header's rows) in turn. ``keys``: one per part (a shard's file name):
-        the index of every name maps it to its part's key (:meth:`keyed_index`), not to the part."""
+                 keys: list[Any] | None = None, where: dict[str, Any] | None = None) -> None:
+        """``disjoint``: the caller knows that no name is in two parts: then no index of every
+        name is built; a look-up by name asks each part's own (a header's rows) in turn. ``keys``:
+        one per part (a shard's file name): the index of every name maps it to its part's key
+        (:meth:`keyed_index`), not to the part. ``where`` (with ``keys``): that index, which the
+        caller holds already and has proven to be exactly each part's names to its key (verify:
+        an index's ``weight_map`` that agrees with the headers); the parts are then disjoint, and
+        it is read, never changed."""
         self._parts = parts
-        self._where: dict[str, Any] | None = None
-        self._disjoint = disjoint
+        self._where: dict[str, Any] | None = where
+        self._disjoint = True if where is not None else disjoint
         self._lookups: list[Mapping[str, Any]] | None = None
         self._by_key: dict[Any, Mapping[str, Any]] | None = None
         if keys is not None:
             if len(keys) != len(parts) or len(set(keys)) != len(keys):
                 raise ValueError("MergedSpecs: one distinct key per part")
             self._by_key = dict(zip(keys, parts))
-        if disjoint is None:
+        elif where is not None:
+            raise ValueError("MergedSpecs: an index of names needs the parts' keys")
+        if self._disjoint is None:
             self._index()
 
     def _index(self) -> dict[str, Any]:
@@ -267,12 +274,12 @@ class MergedSpecs(_ByColumn[TensorSpec]):
         return (self._by_key[where] if self._by_key is not None else where)[name]  # type: ignore[no-any-return]
 
     def __iter__(self) -> Iterator[str]:
-        if self._where is None and self._disjoint:
+        if self._disjoint:  # each part's names in turn (a given index's order may be another)
             return chain.from_iterable(self._parts)
         return iter(self._index())
 
     def __len__(self) -> int:
-        if self._where is None and self._disjoint:
+        if self._disjoint:
             return sum(map(len, self._parts))
         return len(self._index())
 

@@ -9,6 +9,7 @@ one speaks through its own findings and the family is read by its file names.
 
 from __future__ import annotations
 
+import operator
 import os
 from itertools import repeat
 from typing import Any
@@ -17,7 +18,6 @@ from ckptctl import layout as L
 from ckptctl.config_fields import as_int
 from ckptctl.findings import ERROR, WARNING
 from ckptctl.format import names as N
-from ckptctl.format.header import MergedSpecs
 from ckptctl.format.index import Index
 from ckptctl.verify import weights as W
 from ckptctl.verify.context import Context, FamilyTensors, WeightsRead
@@ -57,9 +57,15 @@ def read_indexed(ctx: Context, fam: L.Family) -> FamilyTensors:
             continue
         if shard in files and ctx.inside(shard) is not None:
             reads[shard] = W.read_file(ctx, shard, fam.container)
-    table = W.merge(ctx, reads)
+    wm = doc.shared_map
+    agreed = _agrees(wm, reads, shards)
     complete = set(shards) <= set(reads) and all(r.names is not None for r in reads.values())
-    _cross_check(ctx, shown, doc.shared_map, reads, shards, table)
+    # agreeing with every shard it names, each holding only its tensors' names, the index is the
+    # merged view's index of names (no second dict of every tensor)
+    exact = agreed and complete and all(len(r.names) == len(r.tensors) for r in reads.values())  # type: ignore[arg-type]
+    table = W.merge(ctx, reads, where=wm if exact else None)
+    if not agreed:
+        _cross_check(ctx, shown, wm, reads)
     if not any(N.member_problem(s) for s in shards):
         _numbering(ctx, shown, shards, ext)
     if fam.container == L.SAFETENSORS:
@@ -71,33 +77,25 @@ def read_indexed(ctx: Context, fam: L.Family) -> FamilyTensors:
     return FamilyTensors(fam, table, complete)
 
 
-def _agrees(wm: dict[str, str], reads: dict[str, WeightsRead], shards: list[str], table: Any = None) -> bool:
-    """Every readable shard holds exactly the names the index maps to it. Said with whole-dict
-    operations: no name is in two readable shards, and the index's entries for those shards are
-    exactly the map of each stored name to its shard (one comparison of two dicts when the index
-    names no other shard). ``table``: the family's merged table; when it is keyed by file and
-    every file's names are its tensors' (no pickle alias, no name only a finding holds), its index
-    of every name is that map already, made once for both."""
+def _agrees(wm: dict[str, str], reads: dict[str, WeightsRead], shards: list[str]) -> bool:
+    """Every readable shard holds exactly the names the index maps to it. Said with C loops and
+    no dict of the stored names: every stored name is mapped to the shard that holds it (so no
+    name is in two shards: the index maps it to one), and the index maps no other name to a
+    readable shard (it has as many entries there as the shards hold names; all of them when the
+    index names no other shard)."""
     readable = {s: r.names for s, r in reads.items() if r.names is not None}
-    if (isinstance(table, MergedSpecs) and table.disjoint and len(readable) == len(reads)
-            and all(len(r.names) == len(r.tensors) for r in reads.values())):  # type: ignore[arg-type]
-        stored = table.keyed_index()
-    else:
-        stored = {}
-        for s, names in readable.items():
-            stored.update(zip(names, repeat(s)))
-        if len(stored) != sum(map(len, readable.values())):
-            return False  # a name in two shards: the index maps it to one of them at most
+    get = wm.get
+    for shard, names in readable.items():
+        if not all(map(operator.eq, map(get, names), repeat(shard))):
+            return False
+    stored = sum(map(len, readable.values()))
     if readable.keys() >= set(shards):
-        return stored == wm
-    return stored == {t: s for t, s in wm.items() if s in readable}
+        return len(wm) == stored
+    return sum(map(readable.__contains__, wm.values())) == stored
 
 
-def _cross_check(ctx: Context, shown: str, wm: dict[str, str], reads: dict[str, WeightsRead],
-                 shards: list[str], table: Any = None) -> None:
-    """``shards``: the index's shard names (``Index.shards``); ``table``: the family's merged table."""
-    if _agrees(wm, reads, shards, table):
-        return  # nothing below can fire
+def _cross_check(ctx: Context, shown: str, wm: dict[str, str], reads: dict[str, WeightsRead]) -> None:
+    """What is wrong between an index that does not agree with its shards (:func:`_agrees`) and them."""
     located: dict[str, list[str]] = {}
     for shard, r in reads.items():
         for t in r.names or ():

@@ -120,13 +120,15 @@ def read_file(ctx: Context, name: str, container: str) -> WeightsRead:
     return out
 
 
-def merge(ctx: Context, reads: dict[str, WeightsRead]) -> Mapping[str, TensorSpec]:
-    """All tensors of a family; a name stored in two files is an error."""
+def merge(ctx: Context, reads: dict[str, WeightsRead], *, where: dict[str, str] | None = None) -> Mapping[str, TensorSpec]:
+    """All tensors of a family; a name stored in two files is an error. ``where``: each stored
+    name to its file, proven so by the caller (an index that agrees with every file, each file's
+    names its tensors'): the merged view's index of names, not built again."""
     if len(reads) == 1:  # one file: its own table (a name cannot repeat in it)
         return next(iter(reads.values())).tensors
     # No name in two files: the first-wins table below is each file's own, side by side (an index
     # of names; a header's spec made only when a rule asks for it).
-    merged = MergedSpecs([r.tensors for r in reads.values()], keys=list(reads))  # keyed by file: see index._agrees
+    merged = MergedSpecs([r.tensors for r in reads.values()], keys=list(reads), where=where)  # keyed by file
     if _no_name_twice(reads, merged):
         return merged
     table: dict[str, TensorSpec] = {}
