@@ -5,6 +5,7 @@ the plan is the directory as it already is (a repair with nothing to do)."""
 
 from __future__ import annotations
 
+import operator
 import os
 import stat
 from dataclasses import dataclass
@@ -110,8 +111,17 @@ class KeptFiles:
 
     def same_map_as(self, old: Index) -> bool:
         """Whether ``old`` maps exactly the plan's tensors to the plan's files (``weight_map``
-        equality)."""
-        return old.shared_map == self.weight_map
+        equality), said with C loops and without making the plan's map: every kept tensor is
+        mapped to its file's new name, and ``old`` has no other entry (:func:`kept_files` keeps
+        each tensor in one file only)."""
+        wm = old.shared_map
+        get, count = wm.get, 0
+        for keep, name in zip(self.keeps, self.names):
+            names = keep if isinstance(keep, TensorTable) else [t.name for t in keep]
+            if not all(map(operator.eq, map(get, names), repeat(name))):
+                return False
+            count += len(names)
+        return len(wm) == count
 
 
 def _records(keep: TensorTable | list[TensorInfo]) -> list[TensorInfo]:
