@@ -25,7 +25,7 @@ from ckptctl.config_fields import ConfigFields, read_config
 from ckptctl.errors import InputError
 from ckptctl.findings import Finding
 from ckptctl.format import dtypes as dt
-from ckptctl.format.header import TensorTable, load_header
+from ckptctl.format.header import TensorTable
 from ckptctl.format.tensor import SpecFields, TensorSpec
 from ckptctl.gcpause import paused
 from ckptctl.layout.version import one_version
@@ -411,7 +411,7 @@ def add_family(res: Inspection, p: Path, lay: L.Layout, fam: L.Family, *, only: 
             return
     if fam.container == L.SAFETENSORS:
         for n in fam.files:
-            hdr = load_header(lay.root / n, display=str(lay.root / n), fast=lay.reading.fast)
+            hdr = lay.reading.load_header(lay.root / n, display=str(lay.root / n))
             res.tensors.add_table(hdr.tensors, rel(n), component)
     else:
         from ckptctl.sources import open_source

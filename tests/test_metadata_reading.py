@@ -24,7 +24,7 @@ from ckptctl.errors import CkptctlError
 from ckptctl.format.index import encode_index
 from ckptctl.inspect import inspect_path
 from ckptctl.fastpaths import FAST_PATHS
-from ckptctl.layout.reading import MetadataReading
+from ckptctl.layout.reading import TYPED_FROM, MetadataReading
 from ckptctl.resave import resave
 from ckptctl.sizes import parse_size
 from ckptctl.verify import VerifyOptions, verify_paths
@@ -127,6 +127,8 @@ def test_verify_inspect_and_resave_are_the_same_without_the_fast_paths_over_the_
             d.mkdir(parents=True)
             case.make(d)
             monkeypatch.setenv(FAST_ENV, fast)
+            # the corpus's headers are small: the typed decoder is made to read them all
+            monkeypatch.setattr("ckptctl.layout.reading.TYPED_FROM", 0 if fast == "1" else TYPED_FROM)
             results.append(_run(case, d))
         if results[0] != results[1]:
             differ.append({"case": case.name, "fast": results[0], "reference": results[1]})
@@ -177,3 +179,48 @@ def test_the_cli_prints_the_same_bytes_without_the_fast_paths(tmp_path: Path, co
         assert runs[0][1] == runs[1][1]
     if edit is not None and command[0] == "verify":
         assert runs[0][0] == 1
+
+
+def test_the_typed_decoder_takes_over_once_a_reading_has_decoded_typed_from_bytes(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Below TYPED_FROM bytes of headers the strict reader decodes them (importing msgspec would
+    cost more); from the header that reaches it on, the typed decoder; the same headers either way."""
+    from ckptctl.format import header_fast
+
+    files = []
+    for i in range(3):  # headers of about TYPED_FROM / 2 bytes each
+        names = [f"model.layers.{i}.block.{j:05d}." + "x" * 40 for j in range(TYPED_FROM // 2 // 130)]
+        files.append(tmp_path / f"s{i}.safetensors")
+        save_file({n: np.zeros(1, np.float32) for n in names}, str(files[-1]))
+    sizes = [int.from_bytes(f.read_bytes()[:8], "little") for f in files]
+    assert sizes[0] + sizes[1] < TYPED_FROM <= sum(sizes)
+    typed: list[int] = []
+    decode = header_fast.decode
+    monkeypatch.setattr(header_fast, "decode", lambda raw, **kw: typed.append(len(raw)) or decode(raw, **kw))
+    reading, strict = MetadataReading(fast=True), MetadataReading(fast=False)
+    for f in files:
+        got, want = reading.header(f), strict.header(f)
+        assert got.ok and list(got.tensors.items()) == list(want.tensors.items())
+    assert typed == [sizes[2]]
+    assert MetadataReading(fast=True).typed(TYPED_FROM) and not MetadataReading(fast=False).typed(TYPED_FROM)
+
+
+def test_a_command_on_a_small_checkpoint_never_imports_msgspec(tmp_path: Path) -> None:
+    """The typed decoder's import is what a small checkpoint would pay for it: it is not made."""
+    import subprocess
+    import sys
+
+    d = tmp_path / "small"
+    d.mkdir()
+    save_file({"model.embed_tokens.weight": np.zeros((8, 4), np.float32)}, str(d / "model.safetensors"))
+    probe = ("import atexit, sys\n"
+             "atexit.register(lambda: sys.stderr.write('MSGSPEC %s\\n' % ('msgspec' in sys.modules)))\n"
+             "sys.argv[0] = 'ckptctl'\n"
+             "from ckptctl.cli import main\n"
+             "main()\n")
+    for args in (["verify", str(d), "--static"], ["inspect", str(d), "--json"],
+                 ["export", str(d), str(tmp_path / "out")]):
+        proc = subprocess.run([sys.executable, "-c", probe, *args], capture_output=True, text=True, timeout=300,
+                              env={k: v for k, v in os.environ.items() if not k.startswith("CKPTCTL_")})
+        assert proc.returncode == 0, proc.stderr
+        assert proc.stderr.rstrip().endswith("MSGSPEC False"), (args, proc.stderr)

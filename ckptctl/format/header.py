@@ -51,7 +51,7 @@ from ckptctl.gcpause import paused
 __all__ = [
     "HUB_MAX_HEADER_SIZE", "MAX_DIM_PRODUCT", "MAX_HEADER_SIZE", "MAX_JSON_DEPTH", "METADATA_KEY", "VALID_FORMATS",
     "DuplicateKey", "Header", "MergedSpecs", "Offsets", "SpecView", "TensorInfo", "TensorTable",
-    "decode_header", "encode_header", "header_size_of", "layout_order", "load_header", "no_duplicate_keys",
+    "checked", "decode_header", "encode_header", "header_size_of", "layout_order", "load_header", "no_duplicate_keys",
     "parse_header_bytes", "read_header", "read_header_bytes", "sniff",
 ]
 
@@ -249,7 +249,11 @@ def parse_header_bytes(data: bytes, *, path: str = "<bytes>", fast: bool = True)
 
 def load_header(path: str | os.PathLike[str], *, display: str | None = None, fast: bool = True) -> Header:
     """Read a header and raise :class:`InputError` (listing every error) if it is invalid."""
-    hdr = read_header(path, display=display, fast=fast)
+    return checked(read_header(path, display=display, fast=fast))
+
+
+def checked(hdr: Header) -> Header:
+    """``hdr``, or :class:`InputError` (listing every error) if it is invalid."""
     errors = [f for f in hdr.findings if f.severity == ERROR]
     if errors:
         first = errors[0]

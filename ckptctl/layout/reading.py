@@ -25,6 +25,10 @@ found at.
 ``fast`` switches every metadata fast path at once: orjson for the index
 (:func:`ckptctl.format.index.parse_index`) and the typed header decoder
 (:func:`ckptctl.format.header.read_header`). With ``fast=False`` only the reference readers run.
+The typed decoder earns its import (msgspec's, about 7 ms) only on enough header text: a reading
+hands it the headers from the one that brings what it has decoded to :data:`TYPED_FROM` bytes on
+(:meth:`MetadataReading.typed`); before that the strict reader, which reads 64 KiB in about 2.5 ms,
+decodes them. Both read every header the same way, so which one did is never seen.
 Left unset, it is on unless the environment says ``CKPTCTL_FAST_METADATA=0`` (how a command line,
 and the suite's runs of the commands with the reference readers, turn it off); the suite runs
 the commands both ways and compares their documents byte for byte.
@@ -35,11 +39,12 @@ from __future__ import annotations
 import os
 
 from ckptctl.fastpaths import enabled
-from ckptctl.format.header import Header, decode_header, read_header_bytes
+from ckptctl.format.header import Header, checked, decode_header, read_header_bytes
 from ckptctl.format.index import Index, parse_index, read_index_bytes
 
 
 KEEP_BYTES = 1 << 20  # headers up to this size are kept and compared whole; larger ones by their digest
+TYPED_FROM = 1 << 16  # header bytes a reading decodes before the typed decoder takes over (see the module)
 
 
 class MetadataReading:
@@ -51,6 +56,7 @@ class MetadataReading:
         self._indexes: dict[int, list[tuple[bytes, Index]]] = {}
         # by (file size, header length): (the header's bytes, or their SHA-256 above KEEP_BYTES; the Header)
         self._headers: dict[tuple[int, int], list[tuple[bytes, Header]]] = {}
+        self._decoded = 0  # header bytes this reading was asked to decode
 
     def index(self, path: str | os.PathLike[str], *, display: str | None = None) -> Index:
         """The index at ``path`` as it is now (findings for what is wrong with it; raises
@@ -78,9 +84,20 @@ class MetadataReading:
         for seen, decoded in kept:
             if seen == known and (decoded.path == hdr.path or not decoded.findings):
                 return decoded.copy(hdr.path)
-        decode_header(hdr, raw, fast=self.fast)
+        decode_header(hdr, raw, fast=self.typed(len(raw)))
         kept.append((known, hdr))
         return hdr.copy()
+
+    def load_header(self, path: str | os.PathLike[str], *, display: str | None = None) -> Header:
+        """:meth:`header`, raising :class:`~ckptctl.errors.InputError` for an invalid one (as
+        :func:`~ckptctl.format.header.load_header`)."""
+        return checked(self.header(path, display=display))
+
+    def typed(self, size: int) -> bool:
+        """Whether the typed decoder decodes the next header, of ``size`` bytes: with ``fast`` on,
+        once the headers this reading has decoded, that one included, reach :data:`TYPED_FROM`."""
+        self._decoded += size
+        return self.fast and self._decoded >= TYPED_FROM
 
 
 def _digest(raw: bytearray) -> bytes:

@@ -176,7 +176,7 @@ def _resave(root: Path, opts: ExportOptions, *, output: str | os.PathLike[str] |
     if replan:
         from ckptctl.sources.safetensors_source import SafetensorsSource
 
-        src = SafetensorsSource.open(root, chosen.files, fast=reading.fast)
+        src = SafetensorsSource.open(root, chosen.files, reading=reading)
         entries = entries_for(src, opts.dtype)
         # --dtype alone keeps the shard boundaries (each file's tensors stay together); a size re-plans
         groups = _file_groups(entries) if opts.max_shard_size is None or settings.keep_layout else None

@@ -65,7 +65,7 @@ def open_family(path: Path, *, key: str | None = None, only: str | None = None,
     if fam.container == L.SAFETENSORS:
         from ckptctl.sources.safetensors_source import SafetensorsSource
 
-        return SafetensorsSource.open(lay.root, fam.files, kind=fam.kind, fast=lay.reading.fast, extras=extras,
+        return SafetensorsSource.open(lay.root, fam.files, kind=fam.kind, reading=lay.reading, extras=extras,
                                       is_adapter=adapter, stem=stem, variant=fam.variant)
     if fam.container == L.PYTORCH:
         from ckptctl.sources.torch_source import TorchSource
