@@ -54,15 +54,6 @@ class FileId(NamedTuple):
         return hash(self[:4])
 
 
-def dir_names(p: Path) -> list[str] | None:
-    """The names in directory ``p``, or None when ``p`` is not a directory that can be listed (a
-    source finder then says "not mine"; the ordinary scan reports what cannot be read)."""
-    try:
-        return os.listdir(p) if p.is_dir() else None
-    except OSError:
-        return None
-
-
 def key_refused(path: Path, kind: str, key: str, hint: str) -> UsageError:
     """The usage error of ``--key`` on a source that is not a nested state dict (exit 2)."""
     return UsageError(f"{path} is a {kind} checkpoint: --key {key} selects nothing in it", f"drop --key: {hint}")

@@ -16,6 +16,7 @@ imports the reader of the kind it reads and no other (the probes' modules import
 from __future__ import annotations
 
 import importlib
+import os
 from pathlib import Path
 from typing import Any, Callable, NamedTuple
 
@@ -121,6 +122,16 @@ def locate(path: Path, *, only: str | None = None) -> Located | None:
         if only is not None:
             raise UsageError(f"{path} {kind.expect}", kind.expect_hint)
     return None
+
+
+def dir_names(p: Path) -> list[str] | None:
+    """The names in directory ``p``, or None when ``p`` is not a directory that can be listed (a
+    probe then says "not mine"; the ordinary scan reports what cannot be read). Here, beside the
+    registry, so that a probe imports no reader's base."""
+    try:
+        return os.listdir(p) if p.is_dir() else None
+    except OSError:
+        return None
 
 
 def only_help(*extra: str) -> str:

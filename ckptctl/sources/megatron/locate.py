@@ -11,7 +11,7 @@ from pathlib import Path
 from ckptctl.errors import InputError
 from ckptctl.format import names as N
 from ckptctl.format.small import TooLarge, read_small
-from ckptctl.sources.base import dir_names
+from ckptctl.sources.kinds import dir_names
 
 TRACKER = "latest_checkpointed_iteration.txt"
 COMMON = "common.pt"

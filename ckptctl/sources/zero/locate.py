@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ckptctl.errors import InputError
-from ckptctl.sources.base import dir_names
+from ckptctl.sources.kinds import dir_names
 
 LATEST = "latest"
 _OPTIM = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
