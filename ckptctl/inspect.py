@@ -411,7 +411,7 @@ def add_family(res: Inspection, p: Path, lay: L.Layout, fam: L.Family, *, only: 
             return
     if fam.container == L.SAFETENSORS:
         for n in fam.files:
-            hdr = lay.reading.load_header(lay.root / n, display=str(lay.root / n))
+            hdr = lay.reading.load_header(lay.root / n, display=str(lay.root / n), keep=False)
             res.tensors.add_table(hdr.tensors, rel(n), component)
     else:
         from ckptctl.sources import open_source

@@ -224,3 +224,25 @@ def test_a_command_on_a_small_checkpoint_never_imports_msgspec(tmp_path: Path) -
                               env={k: v for k, v in os.environ.items() if not k.startswith("CKPTCTL_")})
         assert proc.returncode == 0, proc.stderr
         assert proc.stderr.rstrip().endswith("MSGSPEC False"), (args, proc.stderr)
+
+
+def test_a_header_read_not_to_be_kept_uses_a_kept_decoding_and_keeps_none(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``keep=False`` (inspect, an export's source): no copy of the bytes is kept, so each such read
+    decodes; a decoding kept by an earlier read (a resave's analysis) is used as any read uses it."""
+    import ckptctl.layout.reading as R
+
+    f = tmp_path / "model.safetensors"
+    save_file({"a": np.zeros(2, np.float32), "b": np.ones(3, np.float32)}, str(f))
+    decoded: list[str] = []
+    decode = R.decode_header
+    monkeypatch.setattr(R, "decode_header", lambda hdr, raw, **kw: decoded.append(hdr.path) or decode(hdr, raw, **kw))
+    reading = MetadataReading()
+    first, second = reading.header(f, keep=False), reading.header(f, keep=False)
+    assert len(decoded) == 2 and not reading._headers  # nothing kept
+    kept = reading.header(f)
+    assert len(decoded) == 3
+    again = reading.load_header(f, keep=False)
+    assert len(decoded) == 3  # the kept decoding, copied
+    assert again is not kept and again.tensors is kept.tensors
+    assert [list(h.tensors.items()) for h in (first, second, kept)] == [list(again.tensors.items())] * 3

@@ -74,24 +74,31 @@ class MetadataReading:
         kept.append((raw, idx))
         return idx.copy()
 
-    def header(self, path: str | os.PathLike[str], *, display: str | None = None) -> Header:
-        """The safetensors header of ``path`` as it is now (:func:`~ckptctl.format.header.read_header`)."""
+    def header(self, path: str | os.PathLike[str], *, display: str | None = None, keep: bool = True) -> Header:
+        """The safetensors header of ``path`` as it is now (:func:`~ckptctl.format.header.read_header`).
+        ``keep=False``: for a reader that will not ask for this header again (inspect, an export's
+        source): a decoding this reading kept is still used, but this one is not kept (no copy of
+        its bytes, no digest)."""
         hdr, raw = read_header_bytes(path, display=display)
         if raw is None:  # unreadable before any decoding: nothing to keep
             return hdr
-        kept = self._headers.setdefault((hdr.file_size, len(raw)), [])
-        known = bytes(raw) if len(raw) <= KEEP_BYTES else _digest(raw)
-        for seen, decoded in kept:
-            if seen == known and (decoded.path == hdr.path or not decoded.findings):
-                return decoded.copy(hdr.path)
+        key = (hdr.file_size, len(raw))
+        kept = self._headers.get(key)
+        if kept or keep:
+            known = bytes(raw) if len(raw) <= KEEP_BYTES else _digest(raw)
+            for seen, decoded in kept or ():
+                if seen == known and (decoded.path == hdr.path or not decoded.findings):
+                    return decoded.copy(hdr.path)
         decode_header(hdr, raw, fast=self.typed(len(raw)))
-        kept.append((known, hdr))
+        if not keep:
+            return hdr
+        self._headers.setdefault(key, []).append((known, hdr))
         return hdr.copy()
 
-    def load_header(self, path: str | os.PathLike[str], *, display: str | None = None) -> Header:
+    def load_header(self, path: str | os.PathLike[str], *, display: str | None = None, keep: bool = True) -> Header:
         """:meth:`header`, raising :class:`~ckptctl.errors.InputError` for an invalid one (as
         :func:`~ckptctl.format.header.load_header`)."""
-        return checked(self.header(path, display=display))
+        return checked(self.header(path, display=display, keep=keep))
 
     def typed(self, size: int) -> bool:
         """Whether the typed decoder decodes the next header, of ``size`` bytes: with ``fast`` on,

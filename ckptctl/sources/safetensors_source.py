@@ -21,15 +21,15 @@ class SafetensorsSource(Source):
     def open(cls, root: Path, files: list[str], *, kind: str = "safetensors", reading: MetadataReading | None = None,
              **fields: Any) -> "SafetensorsSource":
         """The tensors of ``files`` in ``root``, their headers read by ``reading`` (the command's:
-        a header it decoded before is not decoded again); ``fields``: the rest of the source's
-        identity (extras, stem, variant, is_adapter)."""
+        a header it kept is not decoded again; these are not kept, the source holds them);
+        ``fields``: the rest of the source's identity (extras, stem, variant, is_adapter)."""
         src = cls(path=root, kind=kind, **fields)
         reading = reading or MetadataReading()
         for name in files:
             fpath = root / name
             file = str(fpath)
             # the version of the file whose header this is: its bytes are copied from it only
-            hdr, ident = read_pinned(file, lambda: reading.load_header(fpath, display=file))
+            hdr, ident = read_pinned(file, lambda: reading.load_header(fpath, display=file, keep=False))
             src.pin(file, ident)
             table = hdr.tensors  # by column: a spec and an offset per tensor, no TensorInfo
             src.add_all(list(map(SourceTensor, table.spec_list(), repeat(None), repeat(None), repeat(file),
