@@ -22,7 +22,7 @@ class FastPath(NamedTuple):
 
 
 FAST_PATHS: dict[str, FastPath] = {  # read-only after import
-    "metadata": FastPath("CKPTCTL_FAST_METADATA", "the index parsed by orjson, safetensors headers decoded by msgspec",
+    "metadata": FastPath("CKPTCTL_FAST_METADATA", "indexes and safetensors headers decoded by msgspec",
                          "json with the duplicate-key hook; the strict hand-walked header reader"),
     "table": FastPath("CKPTCTL_FAST_TABLE", "a command's result table written as rich draws it, without importing "
                       "rich, off a terminal (printable ASCII cells)", "rich's Table"),

@@ -19,7 +19,7 @@ from ckptctl.cli._output import Output, human_size
 
 # What ckptctl runs on, then what it uses when installed (each read from its metadata only).
 REQUIRED = ("typer", "rich", "safetensors", "huggingface_hub", "numpy", "torch", "transformers")
-OPTIONAL = ("orjson", "msgspec", "accelerate", "diffusers", "peft", "sentence-transformers", "deepspeed",
+OPTIONAL = ("msgspec", "accelerate", "diffusers", "peft", "sentence-transformers", "deepspeed",
             "megatron-core", "tiktoken", "jsonschema")
 _VARIABLE = re.compile(r"(?<![A-Za-z0-9_])CKPTCTL_[A-Z][A-Z0-9_]*")
 

@@ -69,7 +69,7 @@ _REBUILD = "run `ckptctl resave --repair DIR` to rebuild the index from the shar
 
 def read_index(path: str | os.PathLike[str], *, display: str | None = None, fast: bool = True) -> Index:
     """Read and check an index file (never raises for its content: every problem is a finding;
-    :class:`CkptctlError` only when it cannot be read at all). ``fast``: orjson may parse it
+    :class:`CkptctlError` only when it cannot be read at all). ``fast``: msgspec may parse it
     (:func:`parse_index`)."""
     p = os.fspath(path)
     idx = Index(display or p)
@@ -107,11 +107,15 @@ def read_index_bytes(p: str, idx: Index) -> bytes | None:
 
 def parse_index(idx: Index, raw: bytes, *, fast: bool = True) -> None:
     """Parse ``raw`` into ``idx``: ``json`` with :func:`no_duplicate_keys` is the reference;
-    ``fast``: orjson reads it first wherever it provably reads the same (:func:`_fast_load`)."""
+    ``fast``: msgspec reads it first wherever it provably reads the same
+    (:func:`ckptctl.format.index_fast.load`, imported only then)."""
     try:
-        obj = _fast_load(raw) if fast else None
-        if obj is None:
-            obj = json.loads(raw.decode("utf-8"), object_pairs_hook=no_duplicate_keys)
+        typed = None
+        if fast:
+            from ckptctl.format import index_fast
+
+            typed = index_fast.load(raw)
+        obj = typed if typed is not None else json.loads(raw.decode("utf-8"), object_pairs_hook=no_duplicate_keys)
     except DuplicateKey as exc:
         idx.add("index.duplicate_key", f"{idx.path}: key {exc.key!r} appears twice", hint=_REBUILD,
                 tensor=exc.key)
@@ -123,8 +127,9 @@ def parse_index(idx: Index, raw: bytes, *, fast: bool = True) -> None:
         idx.add("index.bad_schema", f"{idx.path}: top level is not a JSON object", hint=_REBUILD)
         return
     wm = obj.get("weight_map")
-    # json.loads makes every key a str and every string value an exact str: a C-level pass over the types
-    if not isinstance(wm, dict) or not set(map(type, wm.values())) <= {str}:
+    # json.loads makes every key a str and every string value an exact str: a C-level pass over the
+    # types (msgspec's record holds only strings: nothing to check)
+    if not isinstance(wm, dict) or (obj is not typed and not set(map(type, wm.values())) <= {str}):
         idx.add("index.bad_schema", f"{idx.path}: 'weight_map' is missing or does not map strings to strings",
                 hint=_REBUILD)
         return
@@ -142,55 +147,6 @@ def _metadata(idx: Index, obj: dict[str, Any]) -> None:
         idx.add("index.bad_schema", f"{idx.path}: 'metadata' is not an object", hint=_REBUILD)
     else:
         idx.metadata = meta
-
-
-def _fast_load(raw: bytes) -> Any:
-    """orjson's reading of an index (about twice as fast as json's on 92k entries), where it is
-    provably what ``json.loads`` with :func:`no_duplicate_keys` reads; None where it may not be
-    (json then reads it): orjson missing or refusing it, an escape anywhere, a weight_map that is
-    not strings to strings, a number 0 (orjson reads ``-0`` as 0) or a float outside it, nesting
-    past 64 levels, or a key orjson dropped as a repeat. With no backslash in the text every
-    ``"`` opens or closes a string, so the text holds as many strings as the reading does (each
-    key and each string value) exactly when no key repeats."""
-    if b"\\" in raw:
-        return None
-    try:
-        import orjson
-    except ImportError:
-        return None
-    try:
-        obj = orjson.loads(raw)
-    except orjson.JSONDecodeError:
-        return None
-    if type(obj) is not dict:
-        return None
-    wm = obj.get("weight_map")
-    if type(wm) is not dict or not set(map(type, wm.values())) <= {str}:
-        return None
-    strings = 0
-    for key, value in obj.items():
-        more = 2 * len(wm) if key == "weight_map" else _strings_in(value, 1)
-        if more is None:
-            return None
-        strings += 1 + more
-    return obj if raw.count(b'"') == 2 * strings else None
-
-
-def _strings_in(value: Any, depth: int) -> int | None:
-    """The strings (keys and values) in ``value``; None for what json may read otherwise."""
-    if type(value) is str:
-        return 1
-    if value is None or type(value) is bool or (type(value) is int and value != 0):
-        return 0
-    if depth > 64 or type(value) not in (dict, list):
-        return None  # a float, a 0 (perhaps -0), deep nesting
-    total = len(value) if type(value) is dict else 0
-    for item in (value.values() if type(value) is dict else value):
-        got = _strings_in(item, depth + 1)
-        if got is None:
-            return None
-        total += got
-    return total
 
 
 def encode_index(weight_map: dict[str, str], total_size: int, *, total_parameters: int | None = None,

@@ -22,13 +22,14 @@ hundredth of decoding it, and no second copy of a 90 MB header). A reading made 
 is handed to another only when it has no findings: a finding's message names the path it was
 found at.
 
-``fast`` switches every metadata fast path at once: orjson for the index
-(:func:`ckptctl.format.index.parse_index`) and the typed header decoder
+``fast`` switches every metadata fast path at once: msgspec's typed readers of the index
+(:func:`ckptctl.format.index.parse_index`) and of the headers
 (:func:`ckptctl.format.header.read_header`). With ``fast=False`` only the reference readers run.
-The typed decoder earns its import (msgspec's, about 7 ms) only on enough header text: a reading
-hands it the headers from the one that brings what it has decoded to :data:`TYPED_FROM` bytes on
-(:meth:`MetadataReading.typed`); before that the strict reader, which reads 64 KiB in about 2.5 ms,
-decodes them. Both read every header the same way, so which one did is never seen.
+The typed readers earn their import (msgspec's, about 7 ms) only on enough text: a reading hands
+them the index or header that brings what it has read to :data:`TYPED_FROM` bytes, and every one
+after it (:meth:`MetadataReading.typed`); before that the reference readers (``json``, which
+reads a 64 KiB index in well under a millisecond; the strict header reader, 64 KiB in about
+2.5 ms) read them. Each typed reader reads what its reference reads, so which one did is never seen.
 Left unset, it is on unless the environment says ``CKPTCTL_FAST_METADATA=0`` (how a command line,
 and the suite's runs of the commands with the reference readers, turn it off); the suite runs
 the commands both ways and compares their documents byte for byte.
@@ -44,7 +45,7 @@ from ckptctl.format.index import Index, parse_index, read_index_bytes
 
 
 KEEP_BYTES = 1 << 20  # headers up to this size are kept and compared whole; larger ones by their digest
-TYPED_FROM = 1 << 16  # header bytes a reading decodes before the typed decoder takes over (see the module)
+TYPED_FROM = 1 << 16  # index and header bytes a reading reads before the typed readers take over (see the module)
 
 
 class MetadataReading:
@@ -56,7 +57,7 @@ class MetadataReading:
         self._indexes: dict[int, list[tuple[bytes, Index]]] = {}
         # by (file size, header length): (the header's bytes, or their SHA-256 above KEEP_BYTES; the Header)
         self._headers: dict[tuple[int, int], list[tuple[bytes, Header]]] = {}
-        self._decoded = 0  # header bytes this reading was asked to decode
+        self._decoded = 0  # index and header bytes this reading was asked to parse or decode
 
     def index(self, path: str | os.PathLike[str], *, display: str | None = None) -> Index:
         """The index at ``path`` as it is now (findings for what is wrong with it; raises
@@ -70,7 +71,7 @@ class MetadataReading:
         for seen, parsed in kept:
             if seen == raw and (parsed.path == idx.path or not parsed.findings):
                 return parsed.copy(idx.path)
-        parse_index(idx, raw, fast=self.fast)
+        parse_index(idx, raw, fast=self.typed(len(raw)))
         kept.append((raw, idx))
         return idx.copy()
 
@@ -101,8 +102,8 @@ class MetadataReading:
         return checked(self.header(path, display=display, keep=keep))
 
     def typed(self, size: int) -> bool:
-        """Whether the typed decoder decodes the next header, of ``size`` bytes: with ``fast`` on,
-        once the headers this reading has decoded, that one included, reach :data:`TYPED_FROM`."""
+        """Whether the typed reader reads the next index or header, of ``size`` bytes: with ``fast``
+        on, once what this reading has parsed and decoded, that one included, reaches :data:`TYPED_FROM`."""
         self._decoded += size
         return self.fast and self._decoded >= TYPED_FROM
 
