@@ -61,3 +61,13 @@ def madvise(address: int, length: int, advice: int) -> None:
     import ctypes
 
     _call(("madvise",), [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], address, length, advice)
+
+
+def die_with_parent(sig: int) -> None:
+    """prctl(PR_SET_PDEATHSIG, sig): this process gets ``sig`` when the thread that forked it
+    ends (a worker never outlives the command that started it)."""
+    import ctypes
+
+    pr_set_pdeathsig = 1
+    _call(("prctl",), [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong],
+          pr_set_pdeathsig, sig, 0, 0, 0)
