@@ -27,6 +27,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import cached_property
 from itertools import repeat
+from typing import Any
 
 from ckptctl.format.tensor import TensorSpec, dtypes
 
@@ -56,6 +57,9 @@ class TensorNames:
     def __init__(self, tensors: Mapping[str, TensorSpec]) -> None:
         self.tensors = tensors
         self.names = list(tensors)
+        # what rules worked out from these names alone, by rule (each rule keeps its own answer
+        # here, and reads it back); given from outside only for the very same set of names
+        self.facts: dict[str, Any] = {}
         # "\n" before every name and after the last: a name is exactly what lies between two newlines
         # (one join: the text is never copied to frame it)
         text = "\n".join(["", *self.names, ""])
@@ -66,7 +70,7 @@ class TensorNames:
         """Names without their table, as a text made as ``text`` is (a newline before every
         name and after the last; no name holds one): for the rules that read names only."""
         out = cls.__new__(cls)
-        out.tensors, out.names, out.text = {}, [], text
+        out.tensors, out.names, out.text, out.facts = {}, [], text, {}
         return out
 
     @cached_property

@@ -19,7 +19,8 @@ class Index:
 
     ``shards`` is computed once (sorted). A copy made by :meth:`copy` (what a
     :class:`ckptctl.layout.reading.MetadataReading` hands out for a second read of the same bytes)
-    makes its own ``weight_map`` from the original's the first time someone asks for it."""
+    makes its own ``weight_map`` from the original's the first time someone asks for it, and
+    shares the original's :meth:`name_facts`."""
 
     def __init__(self, path: str) -> None:
         self.path = path
@@ -28,6 +29,11 @@ class Index:
         self.shards: list[str] = []
         self._map: dict[str, str] | None = {}
         self._source: Index | None = None  # the reading this one copies (its map, on first use)
+        # the names work a reading started on this index's names (a ckptctl.worker.Job, kept until
+        # this index goes: a worker that delivered is reaped then, never waited for), its result
+        self.names_job: Any = None
+        self._facts: dict[str, Any] | None = None
+        self._facts_taken = False
 
     @property
     def ok(self) -> bool:
@@ -48,6 +54,23 @@ class Index:
             return self._map
         assert self._source is not None
         return self._source.shared_map
+
+    def name_facts(self) -> dict[str, Any] | None:
+        """What the reading's names work drew from this index's names
+        (:class:`~ckptctl.layout.reading.MetadataReading` ``names_work``), taken from its worker on
+        the first call; None when none was started or the worker failed (the caller then works
+        it out itself)."""
+        if self._source is not None:
+            return self._source.name_facts()
+        if self.names_job is not None and not self._facts_taken:
+            from ckptctl.worker import WorkerFailed
+
+            self._facts_taken = True
+            try:
+                self._facts = self.names_job.result()
+            except WorkerFailed:
+                self._facts = None
+        return self._facts
 
     def add(self, code: str, message: str, *, severity: str = ERROR, hint: str | None = None,
             tensor: str | None = None, **details: Any) -> None:

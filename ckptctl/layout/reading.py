@@ -14,6 +14,14 @@ else the process did. Every read goes to the file as it is now; only the decodin
   hard-linked shards of a repair's staged version, which its verify reads) are decoded once.
   Each read gets its own :meth:`Header.copy`.
 
+A reading made with ``names_work`` (verify's: :func:`ckptctl.verify.model.name_facts`) runs it on
+the names of every index of :data:`NAMES_WORK_FROM` names or more it parses, in a worker forked
+as the index is parsed (:mod:`ckptctl.worker`: the child works on its copy of the parsed index,
+while this process goes on to decode the shard headers); the caller takes the result with
+:meth:`~ckptctl.format.index.Index.name_facts` and uses it only for the very names of that index.
+``workers`` (default: the ``names-worker`` fast path's switch) turns the worker off; without one
+the caller works the same facts out itself when it needs them.
+
 What was decoded is known by its bytes, looked up by their length (and the file's size) and
 compared whole: a header of up to :data:`KEEP_BYTES` and an index (bounded at 10 MiB) are kept
 as bytes (a shard's header is a few KB to a few hundred: a copy costs less than any digest of
@@ -38,12 +46,18 @@ the commands both ways and compares their documents byte for byte.
 from __future__ import annotations
 
 import os
+from typing import Any, Callable
 
 from ckptctl.fastpaths import enabled
 from ckptctl.format.header import Header, checked, decode_header, read_header_bytes
 from ckptctl.format.index import Index, parse_index, read_index_bytes
 
 
+# An index of this many names or more has its names work (``names_work``) run by a worker: below
+# it, the fork and the result's way back cost more than the work (about half a microsecond a name).
+NAMES_WORK_FROM = 10_000
+# the worker's result: address space reserved, touched only as far as its pickle fills it
+NAMES_WORK_CAPACITY = 1 << 26
 KEEP_BYTES = 1 << 20  # headers up to this size are kept and compared whole; larger ones by their digest
 TYPED_FROM = 1 << 16  # index and header bytes a reading reads before the typed readers take over (see the module)
 
@@ -51,8 +65,13 @@ TYPED_FROM = 1 << 16  # index and header bytes a reading reads before the typed 
 class MetadataReading:
     """One command's reading of checkpoint metadata (see the module's docstring)."""
 
-    def __init__(self, *, fast: bool | None = None) -> None:
+    def __init__(self, *, fast: bool | None = None, names_work: Callable[[Any], Any] | None = None,
+                 workers: bool | None = None) -> None:
         self.fast = enabled("metadata") if fast is None else fast
+        # what the command works out from an index's names (verify: its config rules' facts), and
+        # whether a forked worker may do it beside the header decoding (see the module)
+        self.names_work = names_work
+        self.workers = enabled("names-worker") if workers is None else workers
         # by length: (the bytes, the Index parsed from them)
         self._indexes: dict[int, list[tuple[bytes, Index]]] = {}
         # by (file size, header length): (the header's bytes, or their SHA-256 above KEEP_BYTES; the Header)
@@ -72,6 +91,10 @@ class MetadataReading:
             if seen == raw and (parsed.path == idx.path or not parsed.findings):
                 return parsed.copy(idx.path)
         parse_index(idx, raw, fast=self.typed(len(raw)))
+        if self.names_work is not None and self.workers and idx.ok and len(idx.shared_map) >= NAMES_WORK_FROM:
+            from ckptctl import worker
+
+            idx.names_job = worker.start(self.names_work, idx.shared_map, capacity=NAMES_WORK_CAPACITY)
         kept.append((raw, idx))
         return idx.copy()
 

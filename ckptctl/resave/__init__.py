@@ -113,7 +113,14 @@ def _resave(root: Path, opts: ExportOptions, *, output: str | os.PathLike[str] |
         from ckptctl.write.inputs import check_paths
 
         check_paths(root, Path(output))
-    reading = MetadataReading()  # what this command reads of the directory's metadata, read once
+    # what this command reads of the directory's metadata, read once; a repair ends with a verify,
+    # whose config rules' facts a worker may draw from the index as it is read (verify's names work)
+    if repair:
+        from ckptctl.verify.model import name_facts
+
+        reading = MetadataReading(names_work=name_facts)
+    else:
+        reading = MetadataReading()
     held = Held.open(root)  # the version the first scan reads (layout.version); closed by one_version
     try:
         first = L.scan(root, reading=reading) if root.is_dir() else None  # reused below unless a recovery changed it

@@ -61,11 +61,15 @@ class WeightsRead:
 @dataclass
 class FamilyTensors:
     """A weights family with the tensors of the files that could be read. ``complete`` is False
-    when a file of the family is missing or unreadable (config rules then do not run)."""
+    when a file of the family is missing or unreadable (config rules then do not run).
+    ``facts``: where the family's index names exactly these tensors, what the reading's names
+    work drew from the index's names (:meth:`ckptctl.format.index.Index.name_facts`, asked only
+    when the config rules run)."""
 
     family: Family
     tensors: dict[str, TensorSpec]
     complete: bool
+    facts: Callable[[], dict[str, Any] | None] | None = None
 
 
 def within(real: str, base: str) -> bool:

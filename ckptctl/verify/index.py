@@ -74,7 +74,7 @@ def read_indexed(ctx: Context, fam: L.Family) -> FamilyTensors:
         names = set().union(*(r.names or set() for r in reads.values()))
         ctx.extend(W.alias_findings(doc.metadata, names, shown))
     W.shard_sizes(ctx, reads)
-    return FamilyTensors(fam, table, complete)
+    return FamilyTensors(fam, table, complete, facts=doc.name_facts if exact else None)
 
 
 def _agrees(wm: dict[str, str], reads: dict[str, WeightsRead], shards: list[str]) -> bool:

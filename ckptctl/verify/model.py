@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from operator import attrgetter
 from typing import Any
 
@@ -28,7 +28,8 @@ from ckptctl.format import names as N
 from ckptctl.format.tensor import TensorSpec
 from ckptctl.verify.architectures import GENERATIVE, SPECS, Dims, Spec, unknown_family
 from ckptctl.verify.context import Context
-from ckptctl.verify.stacks import EXTRA_LAYER_FIELDS, check_experts, check_stacks, count_findings
+from ckptctl.verify.stacks import EXTRA_LAYER_FIELDS, check_experts, check_stacks, containers, count_findings, \
+    expert_blocks
 from ckptctl.tensor_names import RunPattern, TensorNames, dtypes, run_pattern
 from ckptctl.verify.tied import tied_bytes_step
 from ckptctl.verify.weights import transformers_rank
@@ -61,9 +62,36 @@ _DETECT_ENDS = tuple({s.embed for s in SPECS} | {"." + s.rules[0].suffix for s i
 
 
 def _detect(tensors: "Tensors | TensorNames") -> tuple[Spec, str] | None:
-    """The layout and the prefix in front of its embedding (e.g. ``model.``)."""
-    best: tuple[int, Spec, str] | None = None
+    """The layout and the prefix in front of its embedding (e.g. ``model.``). Kept in the names'
+    facts as (the layout's place in :data:`SPECS`, the prefix)."""
     names = TensorNames.of(tensors)
+    if "detect" not in names.facts:
+        found = _detect_in(names)
+        names.facts["detect"] = None if found is None else (SPECS.index(found[0]), found[1])
+    known = names.facts["detect"]
+    return None if known is None else (SPECS[known[0]], known[1])
+
+
+def name_facts(names: Iterable[str]) -> dict[str, Any] | None:
+    """What the config rules work out from tensor names alone (expert blocks, layer stacks, the
+    layout), for ``names``: the facts a :class:`TensorNames` of the same set of names keeps, in
+    plain values (a :class:`~ckptctl.layout.reading.MetadataReading`'s names work, run on an
+    index's names by a worker beside the header decoding; :func:`check_config` takes them back
+    through ``facts``, only for the very same names). None where a name holds a newline (the
+    rules then read the names one by one)."""
+    listed = list(names)
+    text = "\n".join(["", *listed, ""])
+    if text.count("\n") != len(listed) + 1:
+        return None
+    found = TensorNames.of_text(text)
+    expert_blocks(found)
+    containers(found)
+    _detect(found)
+    return found.facts
+
+
+def _detect_in(names: TensorNames) -> tuple[Spec, str] | None:
+    best: tuple[int, Spec, str] | None = None
     candidates = names.ending_any(_DETECT_ENDS)
     # every name ending with an embedding's name is a candidate: the look-up of one needs no table
     known = set(candidates)
@@ -98,13 +126,15 @@ def _shape_ok(actual: tuple[int, ...], expected: tuple[int | None, ...] | None) 
 
 def check_config(display: str, cfg: Any, tensors: Tensors, *, check_dtype: bool = True,
                  tokenizer_size: int | None = None, tokenizer_display: str | None = None,
-                 class_checked: bool = False) -> list[Finding]:
+                 class_checked: bool = False, facts: dict[str, Any] | None = None) -> list[Finding]:
     """Findings about config.json (already parsed) against the checkpoint's tensors.
 
     ``class_checked``: the model-class check judged these tensors (:mod:`ckptctl.verify.classes`),
     so the rules it decides the same way do not run (layer counts, projection, embedding and
     position shapes, an untied lm_head missing); the rules for what loaders let through do
-    (dtype, quantization, tokenizer ids, MoE counts, a tied head stored too)."""
+    (dtype, quantization, tokenizer ids, MoE counts, a tied head stored too). ``facts``: what
+    :func:`name_facts` worked out from exactly these tensors' names (the caller proved the set the
+    same), so the rules do not work it out again."""
     ctx = PathFindings(display)
     if not isinstance(cfg, dict):
         ctx.add("config.bad_json", ERROR, f"{display}: top level is a JSON {type(cfg).__name__}, not an object",
@@ -121,6 +151,8 @@ def check_config(display: str, cfg: Any, tensors: Tensors, *, check_dtype: bool 
                     _FIX_CONFIG, field=key)
     quantized = isinstance(cfg.get("quantization_config"), dict) or isinstance(cfg.get("compression_config"), dict)
     names = TensorNames(tensors)
+    if facts:
+        names.facts.update(facts)
     _check_quantization(ctx, names, quantized)
     if check_dtype and not quantized:
         _check_dtype(ctx, c, names.tensors)
@@ -376,7 +408,8 @@ def config_step(ctx: Context) -> str | None:
         variant_match = any(want is not None and _dominant_float(t.tensors) == want
                             for t in ctx.tables if t.family.variant is not None)
         ctx.extend(check_config(shown, cfg, loaded.tensors, check_dtype=not variant_match, tokenizer_size=tok,
-                                tokenizer_display=tok_shown, class_checked=ctx.class_checked))
+                                tokenizer_display=tok_shown, class_checked=ctx.class_checked,
+                                facts=loaded.facts() if loaded.facts is not None else None))
         if ctx.options.deep and isinstance(cfg, dict):
             tied_bytes_step(ctx, cfg, loaded)
     if not isinstance(cfg, dict):

@@ -25,6 +25,7 @@ from ckptctl.errors import InputError, UsageError
 from ckptctl.findings import ERROR, SEVERITY_RANK, Finding
 from ckptctl.format import names as N
 from ckptctl.gcpause import paused
+from ckptctl.layout.reading import MetadataReading
 from ckptctl.layout.version import one_version
 from ckptctl.verify.classes import model_class_step
 from ckptctl.verify.consistency import consistency_step
@@ -32,7 +33,7 @@ from ckptctl.verify.context import DEEP_NOT_ASKED, Context, ProgressFn, VerifyOp
 from ckptctl.verify.dcp import check_dcp
 from ckptctl.verify.index import family_tensors
 from ckptctl.verify.manifest import manifest_step
-from ckptctl.verify.model import config_step
+from ckptctl.verify.model import config_step, name_facts
 from ckptctl.verify.peft import adapter_step
 from ckptctl.verify.report import IO_CODE, Checks, PathResult, Report
 from ckptctl.verify.screen import scan_directory
@@ -335,7 +336,9 @@ def verify_path(path: str | os.PathLike[str], *, display: str | None = None, opt
 def _checked(res: PathResult, p: Path, opts: VerifyOptions, progress: ProgressFn | None,
              base_root: Path | None) -> PathResult:
     is_dir = p.is_dir()
-    ctx = Context(p if is_dir else p.parent, res, opts, progress, base_root)
+    # a verify's own reading works out its config rules' facts from a large index beside the headers
+    reading = opts.reading if opts.reading is not None else MetadataReading(names_work=name_facts)
+    ctx = Context(p if is_dir else p.parent, res, opts, progress, base_root, reading)
     _run(ctx, DIRECTORY_STEPS if is_dir else FILE_STEPS)
     res.checks = checks_of(ctx.checks, NOT_READ if ctx.stopped else NOT_FOR_FILE)
     res.findings.sort(key=lambda f: (-SEVERITY_RANK[f.severity], f.path, f.code, f.tensor or ""))

@@ -63,15 +63,21 @@ def _first(items: list[int], total: int, shown: int = 10) -> str:
 
 def containers(tensors: "Tensors | TensorNames") -> dict[str, set[int]]:
     """Layer container prefix (``model.layers``) -> the layer indices that hold tensors. A container
-    nested in a layer of another (T5's ``block.0.layer.1``) is not a stack of its own."""
+    nested in a layer of another (T5's ``block.0.layer.1``) is not a stack of its own. Kept in
+    the names' facts (read it, never change it)."""
+    names = TensorNames.of(tensors)
+    known = names.facts.get("containers")
+    if known is not None:
+        return known
     out: dict[str, set[int]] = {}
-    for where, index in TensorNames.of(tensors).runs(LAYER_RUNS):
+    for where, index in names.runs(LAYER_RUNS):
         got = out.get(where)
         if got is None:
             if LAYER.match(where + "."):
                 continue  # nested
             got = out[where] = set()
         got.add(int(index))
+    names.facts["containers"] = out
     return out
 
 
@@ -149,8 +155,16 @@ def check_stacks(ctx: PathFindings, cfg: dict, tensors: "Tensors | TensorNames",
 
 
 def expert_blocks(tensors: "Tensors | TensorNames") -> dict[str, set[int]]:
-    """Expert block prefix (``model.layers.3.mlp.``) -> the expert indices that hold tensors."""
+    """Expert block prefix (``model.layers.3.mlp.``) -> the expert indices that hold tensors. Kept
+    in the names' facts (read it, never change it)."""
     names = TensorNames.of(tensors)
+    known = names.facts.get("expert_blocks")
+    if known is None:
+        known = names.facts["expert_blocks"] = _expert_blocks(names)
+    return known
+
+
+def _expert_blocks(names: TensorNames) -> dict[str, set[int]]:
     text = names.text
     per_block: dict[str, set[int]] = {}
     if text is not None:

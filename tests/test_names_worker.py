@@ -1,0 +1,163 @@
+"""verify's names work (``MetadataReading(names_work=...)``, fast path ``names-worker``): the
+config rules' facts of a large index's names (expert blocks, layer stacks, the layout) worked
+out by a forked worker while the headers are decoded, used only where the index names exactly
+the tensors. Judged by what it must equal: the facts the rules work out from the tensor table,
+and ``verify --json`` byte for byte with the worker off."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+from safetensors.numpy import save_file
+
+from ckptctl.format.index import encode_index
+from ckptctl.layout.reading import NAMES_WORK_FROM
+from ckptctl.tensor_names import TensorNames
+from ckptctl.verify import model, stacks
+
+LAYERS, EXPERTS, SHARDS, HIDDEN, VOCAB = 2, 1700, 4, 4, 16
+INDEX = "model.safetensors.index.json"
+
+
+def _mixtral_shapes() -> dict[str, tuple[int, ...]]:
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (VOCAB, HIDDEN), "model.norm.weight": (HIDDEN,),
+                                          "lm_head.weight": (VOCAB, HIDDEN)}
+    for n in range(LAYERS):
+        p = f"model.layers.{n}."
+        for proj in "qkvo":
+            shapes[f"{p}self_attn.{proj}_proj.weight"] = (HIDDEN, HIDDEN)
+        shapes[p + "input_layernorm.weight"] = shapes[p + "post_attention_layernorm.weight"] = (HIDDEN,)
+        shapes[p + "block_sparse_moe.gate.weight"] = (EXPERTS, HIDDEN)
+        for e in range(EXPERTS):
+            for w in ("w1", "w2", "w3"):
+                shapes[f"{p}block_sparse_moe.experts.{e}.{w}.weight"] = (HIDDEN, HIDDEN)
+    return shapes
+
+
+CONFIG = {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "hidden_size": HIDDEN,
+          "intermediate_size": HIDDEN, "num_hidden_layers": LAYERS, "num_attention_heads": 1,
+          "num_key_value_heads": 1, "vocab_size": VOCAB, "num_local_experts": EXPERTS, "num_experts_per_tok": 2,
+          "tie_word_embeddings": False, "torch_dtype": "float32"}
+
+
+@pytest.fixture(scope="module")
+def moe(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A Mixtral of more than NAMES_WORK_FROM tensors in SHARDS shards, its index and config."""
+    d = tmp_path_factory.mktemp("names-worker") / "moe"
+    d.mkdir()
+    shapes = _mixtral_shapes()
+    assert len(shapes) >= NAMES_WORK_FROM
+    names = sorted(shapes)
+    wm, total, per = {}, 0, -(-len(names) // SHARDS)
+    for k in range(SHARDS):
+        shard = f"model-{k + 1:05d}-of-{SHARDS:05d}.safetensors"
+        part = {n: np.zeros(shapes[n], np.float32) for n in names[k * per:(k + 1) * per]}
+        save_file(part, str(d / shard), metadata={"format": "pt"})
+        wm.update(dict.fromkeys(part, shard))
+        total += sum(a.nbytes for a in part.values())
+    (d / INDEX).write_bytes(encode_index(wm, total))
+    (d / "config.json").write_text(json.dumps(CONFIG))
+    return d
+
+
+def _variant(moe: Path, tmp_path: Path, case: str) -> Path:
+    d = tmp_path / case
+    d.mkdir()
+    for n in os.listdir(moe):
+        os.link(moe / n, d / n)
+    if case == "expert-missing":  # the config counts more experts than are stored
+        os.unlink(d / "config.json")
+        (d / "config.json").write_text(json.dumps({**CONFIG, "num_local_experts": EXPERTS + 3}))
+    elif case == "index-disagrees":  # one name mapped to a shard that does not hold it: no facts used
+        doc = json.loads((moe / INDEX).read_text())
+        wm = doc["weight_map"]
+        wm["model.layers.1.block_sparse_moe.experts.7.w1.weight"] = "model-00001-of-00004.safetensors"
+        os.unlink(d / INDEX)
+        (d / INDEX).write_bytes(encode_index(wm, doc["metadata"]["total_size"]))
+    return d
+
+
+def _verify(d: Path, worker: str) -> tuple[int, str]:
+    env = {**os.environ, "CKPTCTL_FAST_NAMES_WORKER": worker}
+    proc = subprocess.run([sys.executable, "-m", "ckptctl", "verify", str(d), "--static", "--json"],
+                          capture_output=True, text=True, env=env, timeout=300)
+    return proc.returncode, proc.stdout
+
+
+@pytest.mark.parametrize("case", ["clean", "expert-missing", "index-disagrees"])
+def test_verify_says_the_same_with_and_without_the_worker(moe: Path, tmp_path: Path, case: str) -> None:
+    d = _variant(moe, tmp_path, case)
+    with_worker, without = _verify(d, "1"), _verify(d, "0")
+    assert with_worker == without
+    codes = {f["code"] for r in json.loads(without[1])["results"] for f in r["findings"]}
+    expected = {"clean": set(), "expert-missing": {"config.expert_missing"},
+                "index-disagrees": {"index.wrong_shard"}}[case]
+    assert expected <= codes and (case != "clean" or without[0] == 0)
+
+
+def test_the_worker_draws_the_facts_verify_uses(moe: Path) -> None:
+    """In a fresh interpreter (no torch, no thread: a fork is safe) the reading's worker delivers
+    the facts, and check_config is handed them."""
+    script = textwrap.dedent(f"""
+        import json
+        from pathlib import Path
+        from ckptctl import worker
+        from ckptctl.layout.reading import MetadataReading
+        from ckptctl.verify import VerifyOptions, verify_path
+        from ckptctl.verify import model
+        handed = []
+        check = model.check_config
+        def spy(*args, **kwargs):
+            handed.append(kwargs.get("facts") is not None)
+            return check(*args, **kwargs)
+        model.check_config = spy
+        reading = MetadataReading(names_work=model.name_facts, workers=True)
+        verify_path(Path({str(moe)!r}), options=VerifyOptions(static=True, reading=reading))
+        print(json.dumps([worker.available(), handed]))
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    available, handed = json.loads(proc.stdout)
+    if not available:
+        pytest.skip("no fork here: fewer than two CPUs in the affinity mask")
+    assert handed == [True]
+
+
+def _names_sets() -> dict[str, list[str]]:
+    llama = [f"model.layers.{i}.{t}.weight" for i in range(3) for t in ("self_attn.q_proj", "mlp.up_proj")]
+    llama += ["model.embed_tokens.weight", "lm_head.weight"]
+    t5 = [f"{s}.block.{i}.layer.{j}.SelfAttention.q.weight" for s in ("encoder", "decoder") for i in range(2)
+          for j in range(2)] + ["shared.weight"]
+    deepseek = [f"model.layers.{i}.mlp.experts.{e}.down_proj.weight" for i in range(1, 3) for e in range(5)]
+    deepseek += [f"model.layers.{i}.mlp.shared_experts.up_proj.weight" for i in range(3)]
+    deepseek += ["model.layers.0.mlp.gate_proj.weight", "model.embed_tokens.weight"]
+    gpt2 = [f"transformer.h.{i}.attn.c_attn.weight" for i in range(2)] + ["transformer.wte.weight"]
+    return {"mixtral": sorted(_mixtral_shapes()), "llama": llama, "t5": t5, "deepseek": deepseek, "gpt2": gpt2}
+
+
+@pytest.mark.parametrize("kind", sorted(_names_sets()))
+def test_the_names_facts_are_the_rules_own(kind: str) -> None:
+    """name_facts of the names in one order equals what expert_blocks, containers and _detect work
+    out from a table of the same names in another order."""
+    names = _names_sets()[kind]
+    shuffled = names[:]
+    random.Random(0).shuffle(shuffled)
+    table = TensorNames(dict.fromkeys(shuffled))  # the rules read names only
+    stacks.expert_blocks(table), stacks.containers(table), model._detect(table)
+    assert model.name_facts(names) == table.facts
+    seeded = TensorNames(dict.fromkeys(shuffled))
+    seeded.facts.update(model.name_facts(names) or {})
+    assert (stacks.expert_blocks(seeded), stacks.containers(seeded), model._detect(seeded)) == \
+        (stacks.expert_blocks(table), stacks.containers(table), model._detect(table))
+
+
+def test_no_facts_where_a_name_holds_a_newline() -> None:
+    assert model.name_facts(["model.layers.0.a\nb.weight", "model.embed_tokens.weight"]) is None
