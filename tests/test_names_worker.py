@@ -23,7 +23,7 @@ from ckptctl.layout.reading import NAMES_WORK_FROM
 from ckptctl.tensor_names import TensorNames
 from ckptctl.verify import model, stacks
 
-LAYERS, EXPERTS, SHARDS, HIDDEN, VOCAB = 2, 1700, 4, 4, 16
+LAYERS, EXPERTS, SHARDS, HIDDEN, VOCAB = 2, 2000, 4, 4, 16
 INDEX = "model.safetensors.index.json"
 
 
@@ -50,11 +50,11 @@ CONFIG = {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "hid
 
 @pytest.fixture(scope="module")
 def moe(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A Mixtral of more than NAMES_WORK_FROM tensors in SHARDS shards, its index and config."""
+    """A Mixtral of 12k tensors in SHARDS shards (an index of over NAMES_WORK_FROM bytes), its
+    index and config."""
     d = tmp_path_factory.mktemp("names-worker") / "moe"
     d.mkdir()
     shapes = _mixtral_shapes()
-    assert len(shapes) >= NAMES_WORK_FROM
     names = sorted(shapes)
     wm, total, per = {}, 0, -(-len(names) // SHARDS)
     for k in range(SHARDS):
@@ -64,6 +64,7 @@ def moe(tmp_path_factory: pytest.TempPathFactory) -> Path:
         wm.update(dict.fromkeys(part, shard))
         total += sum(a.nbytes for a in part.values())
     (d / INDEX).write_bytes(encode_index(wm, total))
+    assert (d / INDEX).stat().st_size >= NAMES_WORK_FROM
     (d / "config.json").write_text(json.dumps(CONFIG))
     return d
 

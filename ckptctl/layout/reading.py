@@ -15,9 +15,12 @@ else the process did. Every read goes to the file as it is now; only the decodin
   Each read gets its own :meth:`Header.copy`.
 
 A reading made with ``names_work`` (verify's: :func:`ckptctl.verify.model.name_facts`) runs it on
-the names of every index of :data:`NAMES_WORK_FROM` names or more it parses, in a worker forked
-as the index is parsed (:mod:`ckptctl.worker`: the child works on its copy of the parsed index,
-while this process goes on to decode the shard headers); the caller takes the result with
+the names of every index of :data:`NAMES_WORK_FROM` bytes or more it parses, in a worker
+(:mod:`ckptctl.worker`) forked just before this process parses the index: the child parses the
+same bytes with the same reader and works on their names, while this process parses them and
+goes on to decode the shard headers (forked before the parse, the child shares no page of the
+parsed index: this process writes none of the pages it shares with the child, each a fault and a
+copy, as it builds it). The caller takes the result with
 :meth:`~ckptctl.format.index.Index.name_facts` and uses it only for the very names of that index.
 ``workers`` (default: the ``names-worker`` fast path's switch) turns the worker off; without one
 the caller works the same facts out itself when it needs them.
@@ -53,9 +56,10 @@ from ckptctl.format.header import Header, checked, decode_header, read_header_by
 from ckptctl.format.index import Index, parse_index, read_index_bytes
 
 
-# An index of this many names or more has its names work (``names_work``) run by a worker: below
-# it, the fork and the result's way back cost more than the work (about half a microsecond a name).
-NAMES_WORK_FROM = 10_000
+# An index of this many bytes or more (about 10,000 names) has its names work (``names_work``)
+# run by a worker: below it, the fork and the result's way back cost more than the work (about
+# half a microsecond a name).
+NAMES_WORK_FROM = 1 << 20
 # the worker's result: address space reserved, touched only as far as its pickle fills it
 NAMES_WORK_CAPACITY = 1 << 26
 KEEP_BYTES = 1 << 20  # headers up to this size are kept and compared whole; larger ones by their digest
@@ -90,11 +94,12 @@ class MetadataReading:
         for seen, parsed in kept:
             if seen == raw and (parsed.path == idx.path or not parsed.findings):
                 return parsed.copy(idx.path)
-        parse_index(idx, raw, fast=self.typed(len(raw)))
-        if self.names_work is not None and self.workers and idx.ok and len(idx.shared_map) >= NAMES_WORK_FROM:
+        fast = self.typed(len(raw))
+        if self.names_work is not None and self.workers and len(raw) >= NAMES_WORK_FROM:
             from ckptctl import worker
 
-            idx.names_job = worker.start(self.names_work, idx.shared_map, capacity=NAMES_WORK_CAPACITY)
+            idx.names_job = worker.start(_names_work_on, self.names_work, raw, fast, capacity=NAMES_WORK_CAPACITY)
+        parse_index(idx, raw, fast=fast)
         kept.append((raw, idx))
         return idx.copy()
 
@@ -129,6 +134,14 @@ class MetadataReading:
         on, once what this reading has parsed and decoded, that one included, reaches :data:`TYPED_FROM`."""
         self._decoded += size
         return self.fast and self._decoded >= TYPED_FROM
+
+
+def _names_work_on(work: Callable[[Any], Any], raw: bytes, fast: bool) -> Any:
+    """The worker's call: ``work`` on the names of the index ``raw`` parsed as this reading parses
+    it (the same bytes, the same reader: the same names); None for an index with an error."""
+    idx = Index("")
+    parse_index(idx, raw, fast=fast)
+    return work(idx.shared_map) if idx.ok else None
 
 
 def _digest(raw: bytearray) -> bytes:
