@@ -38,10 +38,11 @@ FAST_PATHS: dict[str, FastPath] = {  # read-only after import
                             "verify's model-class check matching keys as transformers does, without its per-key "
                             "converter copies, and stacking fused experts from their shapes",
                             "transformers' own convert_and_load_state_dict_in_model"),
-    "names-worker": FastPath("CKPTCTL_FAST_NAMES_WORKER",
-                             "verify's config-rule facts of a large index's names (expert blocks, layer stacks, "
-                             "the layout) worked out by a forked worker while the shard headers are decoded",
-                             "the same facts worked out from the tensor table when the rules run"),
+    "index-worker": FastPath("CKPTCTL_FAST_INDEX_WORKER",
+                             "a large index parsed by a forked worker (which hands back each shard's names, and "
+                             "verify's config-rule facts of them) while the command decodes the headers ahead",
+                             "the index parsed, and the facts worked out from the tensor table, in the command's "
+                             "own process"),
     "exit": FastPath("CKPTCTL_FAST_EXIT", "the CLI's process ends after its exit handlers and a flush of its "
                      "output, without freeing the interpreter's objects (only this thread left, torch never "
                      "imported)", "sys.exit"),

@@ -3,7 +3,9 @@
 :func:`start` forks a child that runs one call on what the caller holds at that moment (the
 child's copy of its memory: nothing is sent to it) and hands its result back as a pickle in an
 anonymous shared mapping; the parent meanwhile does its own work and then collects the result
-with :meth:`Job.result`. What the child returns is only ever a faster way to a value the caller
+with :meth:`Job.result`. A call that returns a generator hands back each value it yields, in
+turn, as soon as it is made (:meth:`Job.next`): the parent may go on with the first while the
+child works on the next. What the child returns is only ever a faster way to a value the caller
 can compute itself: any failure of the child (an exception, a signal, a result past its mapping)
 is :class:`WorkerFailed`, and the caller then makes the same call itself.
 
@@ -29,6 +31,7 @@ import signal
 import struct
 import sys
 import threading
+import types
 import weakref
 from typing import Any, Callable
 
@@ -59,17 +62,25 @@ class Job:
         self._end = weakref.finalize(self, self._state.end)
 
     def result(self) -> Any:
-        """The call's return value, once the child has written it (it writes the length last).
-        Raises :class:`WorkerFailed` (the child then killed and reaped). A child that delivered
-        is not waited for: it is ending on its own, and is reaped when the job is closed or
-        collected."""
+        """The call's return value (:meth:`next`), and the job done with (:meth:`done`)."""
+        got = self.next()
+        self.done()
+        return got
+
+    def next(self) -> Any:
+        """The next value the child handed back, once it has written it (it writes where it is
+        last). Raises :class:`WorkerFailed` (the child then killed and reaped)."""
         try:
-            got = self._state.result()
+            return self._state.next()
         except BaseException:
             self.close()
             raise
+
+    def done(self) -> None:
+        """No more values are taken: the pipe and the mapping released. A child that delivered
+        is not waited for: it is ending on its own, and is reaped when the job is closed or
+        collected."""
         self._state.release()
-        return got
 
     def close(self) -> None:
         """Kill the child if it still runs, reap it, release the mapping (idempotent)."""
@@ -85,23 +96,23 @@ class _Child:
         self.fd: int | None = fd
         self.shared = shared
 
-    def result(self) -> Any:
-        if self.fd is None:
+    def next(self) -> Any:
+        if self.fd is None or self.shared.closed:
             raise WorkerFailed("the worker was ended before its result was taken")
         told = b""
         try:
-            while len(told) < 8 and (chunk := os.read(self.fd, 8 - len(told))):
+            while len(told) < 16 and (chunk := os.read(self.fd, 16 - len(told))):
                 told += chunk
         except OSError as exc:
             raise WorkerFailed(f"reading the worker's result: {exc}") from None
-        if len(told) != 8:  # the child ended before its result was whole
+        if len(told) != 16:  # the child ended before this result was whole
             raise WorkerFailed("the worker ended without a result")
-        (n,) = struct.unpack("<Q", told)
-        if n > len(self.shared):
+        begin, end = struct.unpack("<QQ", told)
+        if not begin <= end <= len(self.shared):
             raise WorkerFailed("the worker's result overran its mapping")
         with memoryview(self.shared) as view:
             try:
-                return pickle.loads(view[:n])  # our own child's pickle, of plain values
+                return pickle.loads(view[begin:end])  # our own child's pickle, of plain values
             except Exception as exc:  # noqa: BLE001 - a damaged result is never used half-way
                 raise WorkerFailed(f"the worker's result is unreadable: {exc}") from None
 
@@ -179,8 +190,11 @@ def _child(r: int, w: int, shared: mmap.mmap, fn: Callable[..., Any], args: tupl
         os.close(r)
         os.closerange(3, w)
         os.closerange(w + 1, _max_fd())
-        pickle.dump(fn(*args), shared, protocol=pickle.HIGHEST_PROTOCOL)  # ValueError past the capacity
-        os.write(w, struct.pack("<Q", shared.tell()))
+        got = fn(*args)
+        for value in (got if isinstance(got, types.GeneratorType) else (got,)):
+            begin = shared.tell()
+            pickle.dump(value, shared, protocol=pickle.HIGHEST_PROTOCOL)  # ValueError past the capacity
+            os.write(w, struct.pack("<QQ", begin, shared.tell()))
         code = 0
     except BaseException:  # noqa: BLE001 - the parent makes the call itself and meets any error there
         pass

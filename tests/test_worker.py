@@ -27,6 +27,9 @@ PRELUDE = textwrap.dedent("""
         os.kill(os.getpid(), signal.SIGKILL)
     def descriptors():
         return sorted(os.listdir("/proc/self/fd"))
+    def two(values):
+        yield sorted(values)
+        yield len(values)
     def outcome(job):
         try:
             return ["result", job.result()]
@@ -57,6 +60,16 @@ def test_the_child_works_on_the_callers_memory_and_hands_back_its_result() -> No
         print(json.dumps([first, double(held)]))
     """)
     assert got[0] == ["result", got[1]]
+
+
+def test_a_generator_hands_back_each_value_in_turn() -> None:
+    got = _run("""
+        job = worker.start(two, {"b": 1, "a": 2}, capacity=CAPACITY)
+        first, second = job.next(), job.next()
+        job.done()
+        print(json.dumps([first, second, outcome(job)[0]]))  # nothing after done
+    """)
+    assert got == [["a", "b"], 2, "failed"]
 
 
 @pytest.mark.parametrize("fn", ["fail", "big", "die"], ids=["raises", "over-capacity", "killed"])

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import json
+import operator
 import os
 import stat
-from typing import Any
+from collections.abc import Collection, Iterator
+from itertools import repeat
+from typing import Any, Callable
 
 from ckptctl.errors import from_oserror
 from ckptctl.findings import ERROR, Finding, has_errors
@@ -20,7 +23,11 @@ class Index:
     ``shards`` is computed once (sorted). A copy made by :meth:`copy` (what a
     :class:`ckptctl.layout.reading.MetadataReading` hands out for a second read of the same bytes)
     makes its own ``weight_map`` from the original's the first time someone asks for it, and
-    shares the original's :meth:`name_facts`."""
+    shares the original's :meth:`agrees` and :meth:`name_facts`.
+
+    An index a worker parsed (:meth:`from_worker`) holds, instead of its map, each shard's names
+    joined by newlines, and its bytes: :meth:`agrees` reads the names, and the map is parsed
+    from the bytes, in this process, only when someone asks for it."""
 
     def __init__(self, path: str) -> None:
         self.path = path
@@ -29,11 +36,24 @@ class Index:
         self.shards: list[str] = []
         self._map: dict[str, str] | None = {}
         self._source: Index | None = None  # the reading this one copies (its map, on first use)
-        # the names work a reading started on this index's names (a ckptctl.worker.Job, kept until
-        # this index goes: a worker that delivered is reaped then, never waited for), its result
-        self.names_job: Any = None
-        self._facts: dict[str, Any] | None = None
-        self._facts_taken = False
+        # a worker's reading: each shard's names joined by newlines, and the bytes (and whether
+        # the fast reader may read them) that the map is parsed from on first use
+        self._joins: dict[str, str] | None = None
+        self._unparsed: tuple[bytes, bool] | None = None
+        self._facts: dict[str, Any] | None = None  # what a worker's names work drew from the names
+        self._facts_job: Any = None  # the worker that hands it back (next), until it is taken
+        self._sets: dict[str, set[str]] = {}  # a worker's reading: each shard's names, made when asked
+
+    @classmethod
+    def from_worker(cls, path: str, raw: bytes, fast: bool, read: dict[str, Any], facts: Any = None) -> "Index":
+        """The index at ``path`` as a worker read its bytes ``raw`` (:func:`worker_reading`);
+        ``facts``: the worker's job (``ckptctl.worker.Job``) whose next value is its names work's
+        result, taken by :meth:`name_facts` when it is first asked for."""
+        out = cls(path)
+        out.findings, out.metadata, out.shards = read["findings"], read["metadata"], read["shards"]
+        out._joins, out._facts_job = read["joins"], facts
+        out._map, out._unparsed = None, (raw, fast)
+        return out
 
     @property
     def ok(self) -> bool:
@@ -42,8 +62,7 @@ class Index:
     @property
     def weight_map(self) -> dict[str, str]:
         if self._map is None:
-            assert self._source is not None
-            self._map = dict(self._source.weight_map)
+            self._map = dict(self._source.weight_map) if self._source is not None else self._parsed()
         return self._map
 
     @property
@@ -52,24 +71,72 @@ class Index:
         92k entries for a caller that only reads it): read it, never change it."""
         if self._map is not None:
             return self._map
-        assert self._source is not None
-        return self._source.shared_map
+        if self._source is not None:
+            return self._source.shared_map
+        self._map = self._parsed()
+        return self._map
+
+    def _parsed(self) -> dict[str, str]:
+        """A worker's reading's map, parsed from its bytes here (the same bytes, the same reader)."""
+        assert self._unparsed is not None
+        raw, fast = self._unparsed
+        again = Index(self.path)
+        parse_index(again, raw, fast=fast)
+        assert again._map is not None and again.shards == self.shards, "the bytes the worker read"
+        self._unparsed = None
+        return again._map
+
+    def parsed_map(self) -> dict[str, str] | None:
+        """The map if it is at hand (parsed here, or by the reading this one copies); None for a
+        worker's reading nobody has asked for the map yet."""
+        if self._source is not None:
+            return self._source.parsed_map()
+        return self._map
+
+    def agrees(self, held: dict[str, Collection[str]], *, whole: bool) -> bool:
+        """Whether the index maps to each shard of ``held`` exactly the names it holds (each
+        shard's names distinct); with ``whole``, also no name to any other shard. Without the
+        map (a worker's reading), from each shard's names: a set per shard, no dict of every name."""
+        if self._source is not None:
+            return self._source.agrees(held, whole=whole)
+        count = sum(map(len, held.values()))
+        if self._joins is not None:
+            joins, sets = self._joins, self._sets
+            for shard, names in held.items():
+                text = joins.get(shard)
+                if text is None:
+                    if names:
+                        return False
+                    continue
+                mapped = sets.get(shard)
+                if mapped is None:
+                    mapped = sets[shard] = set(text.split("\n"))
+                if len(mapped) != len(names) or not all(map(mapped.__contains__, names)):
+                    return False
+            return not whole or all(map(held.__contains__, joins))
+        wm = self.shared_map
+        get = wm.get
+        for shard, names in held.items():
+            if not all(map(operator.eq, map(get, names), repeat(shard))):
+                return False
+        # no other name is mapped to these shards: as many entries there as names held
+        return len(wm) == count if whole else sum(map(held.__contains__, wm.values())) == count
 
     def name_facts(self) -> dict[str, Any] | None:
-        """What the reading's names work drew from this index's names
-        (:class:`~ckptctl.layout.reading.MetadataReading` ``names_work``), taken from its worker on
-        the first call; None when none was started or the worker failed (the caller then works
-        it out itself)."""
+        """What the reading's names work (:class:`~ckptctl.layout.reading.MetadataReading`
+        ``names_work``) drew from this index's names in a worker; None when no worker ran it (the
+        caller then works it out itself)."""
         if self._source is not None:
             return self._source.name_facts()
-        if self.names_job is not None and not self._facts_taken:
+        job, self._facts_job = self._facts_job, None
+        if job is not None:
             from ckptctl.worker import WorkerFailed
 
-            self._facts_taken = True
             try:
-                self._facts = self.names_job.result()
+                self._facts = job.next()
             except WorkerFailed:
                 self._facts = None
+            job.done()
         return self._facts
 
     def add(self, code: str, message: str, *, severity: str = ERROR, hint: str | None = None,
@@ -159,6 +226,28 @@ def parse_index(idx: Index, raw: bytes, *, fast: bool = True) -> None:
     idx._map = wm
     idx.shards = sorted(set(wm.values()))
     _metadata(idx, obj)
+
+
+def worker_reading(raw: bytes, path: str, fast: bool,
+                   names_work: Callable[[Any], Any] | None) -> Iterator[dict[str, Any] | Any]:
+    """What a worker hands back, in turn (``ckptctl.worker``: each as soon as it is made): for
+    :meth:`Index.from_worker`, the index ``raw`` parsed as :func:`parse_index` parses it (its
+    findings, metadata and shards) with each shard's names joined by newlines in the index's
+    order (None where a name holds one: the map is then parsed where it is needed); then, with
+    ``names_work``, its result on the names (None for an index with an error)."""
+    idx = Index(path)
+    parse_index(idx, raw, fast=fast)
+    joins: dict[str, str] | None = None
+    if idx.ok and idx._map is not None:
+        groups: dict[str, list[str]] = {}
+        for name, shard in idx._map.items():
+            groups.setdefault(shard, []).append(name)
+        joins = {shard: "\n".join(names) for shard, names in groups.items()}
+        if any(text.count("\n") != len(groups[shard]) - 1 for shard, text in joins.items()):
+            joins = None
+    yield {"findings": idx.findings, "metadata": idx.metadata, "shards": idx.shards, "joins": joins}
+    if names_work is not None:
+        yield names_work(idx._map) if idx.ok and idx._map is not None else None
 
 
 def _metadata(idx: Index, obj: dict[str, Any]) -> None:

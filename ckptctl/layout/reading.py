@@ -14,16 +14,18 @@ else the process did. Every read goes to the file as it is now; only the decodin
   hard-linked shards of a repair's staged version, which its verify reads) are decoded once.
   Each read gets its own :meth:`Header.copy`.
 
-A reading made with ``names_work`` (verify's: :func:`ckptctl.verify.model.name_facts`) runs it on
-the names of every index of :data:`NAMES_WORK_FROM` bytes or more it parses, in a worker
-(:mod:`ckptctl.worker`) forked just before this process parses the index: the child parses the
-same bytes with the same reader and works on their names, while this process parses them and
-goes on to decode the shard headers (forked before the parse, the child shares no page of the
-parsed index: this process writes none of the pages it shares with the child, each a fault and a
-copy, as it builds it). The caller takes the result with
-:meth:`~ckptctl.format.index.Index.name_facts` and uses it only for the very names of that index.
-``workers`` (default: the ``names-worker`` fast path's switch) turns the worker off; without one
-the caller works the same facts out itself when it needs them.
+An index of :data:`WORKER_FROM` bytes or more is parsed by a worker (:mod:`ckptctl.worker`)
+where one can run: a child forked with its bytes parses them with the same reader and hands back
+its findings, metadata and shards, each shard's names joined by newlines, and, for a reading
+made with ``names_work`` (verify's: :func:`ckptctl.verify.model.name_facts`), that work's result
+on the names; meanwhile this process decodes the headers of the safetensors files in the
+index's folder ahead (kept apart, each used once, and only for the very bytes it came from). The
+index's map is parsed here only when someone asks for it (:meth:`~ckptctl.format.index.Index.from_worker`):
+verify's and a repair's agreement checks read the joined names
+(:meth:`~ckptctl.format.index.Index.agrees`), and the names work's result is used only for the
+very names of that index (:meth:`~ckptctl.format.index.Index.name_facts`). ``workers``
+(default: the ``index-worker`` fast path's switch) turns the worker off: the index is then parsed
+here, and nothing is decoded ahead. A worker that fails leaves the parse to this process.
 
 What was decoded is known by its bytes, looked up by their length (and the file's size) and
 compared whole: a header of up to :data:`KEEP_BYTES` and an index (bounded at 10 MiB) are kept
@@ -49,19 +51,22 @@ the commands both ways and compares their documents byte for byte.
 from __future__ import annotations
 
 import os
+import stat
 from typing import Any, Callable
 
+from ckptctl.errors import CkptctlError
 from ckptctl.fastpaths import enabled
 from ckptctl.format.header import Header, checked, decode_header, read_header_bytes
-from ckptctl.format.index import Index, parse_index, read_index_bytes
+from ckptctl.format.index import Index, parse_index, read_index_bytes, worker_reading
 
 
-# An index of this many bytes or more (about 10,000 names) has its names work (``names_work``)
-# run by a worker: below it, the fork and the result's way back cost more than the work (about
-# half a microsecond a name).
-NAMES_WORK_FROM = 1 << 20
+# An index of this many bytes or more (about 10,000 names) is parsed by a worker (see the module):
+# below it, the fork and the result's way back cost more than the parse.
+WORKER_FROM = 1 << 20
 # the worker's result: address space reserved, touched only as far as its pickle fills it
-NAMES_WORK_CAPACITY = 1 << 26
+WORKER_CAPACITY = 1 << 28
+# headers decoded ahead while a worker parses an index: the first files of its folder, by name
+AHEAD_FILES = 4096
 KEEP_BYTES = 1 << 20  # headers up to this size are kept and compared whole; larger ones by their digest
 TYPED_FROM = 1 << 16  # index and header bytes a reading reads before the typed readers take over (see the module)
 
@@ -73,9 +78,12 @@ class MetadataReading:
                  workers: bool | None = None) -> None:
         self.fast = enabled("metadata") if fast is None else fast
         # what the command works out from an index's names (verify: its config rules' facts), and
-        # whether a forked worker may do it beside the header decoding (see the module)
+        # whether a large index is parsed by a forked worker (see the module)
         self.names_work = names_work
-        self.workers = enabled("names-worker") if workers is None else workers
+        self.workers = enabled("index-worker") if workers is None else workers
+        # headers decoded ahead while a worker parsed an index, as _headers; each used once
+        self._ahead: dict[tuple[int, int], list[tuple[bytes, Header]]] = {}
+        self._done: list[Any] = []  # workers that delivered (ckptctl.worker.Job), reaped with the reading
         # by length: (the bytes, the Index parsed from them)
         self._indexes: dict[int, list[tuple[bytes, Index]]] = {}
         # by (file size, header length): (the header's bytes, or their SHA-256 above KEEP_BYTES; the Header)
@@ -95,11 +103,11 @@ class MetadataReading:
             if seen == raw and (parsed.path == idx.path or not parsed.findings):
                 return parsed.copy(idx.path)
         fast = self.typed(len(raw))
-        if self.names_work is not None and self.workers and len(raw) >= NAMES_WORK_FROM:
-            from ckptctl import worker
-
-            idx.names_job = worker.start(_names_work_on, self.names_work, raw, fast, capacity=NAMES_WORK_CAPACITY)
-        parse_index(idx, raw, fast=fast)
+        read = self._worker_read(p, idx.path, raw, fast) if self.workers and len(raw) >= WORKER_FROM else None
+        if read is not None:
+            idx = Index.from_worker(idx.path, raw, fast, read[0], facts=read[1])
+        else:
+            parse_index(idx, raw, fast=fast)
         kept.append((raw, idx))
         return idx.copy()
 
@@ -112,17 +120,73 @@ class MetadataReading:
         if raw is None:  # unreadable before any decoding: nothing to keep
             return hdr
         key = (hdr.file_size, len(raw))
-        kept = self._headers.get(key)
-        if kept or keep:
+        kept, ahead = self._headers.get(key), self._ahead.get(key)
+        if kept or ahead or keep:
             known = bytes(raw) if len(raw) <= KEEP_BYTES else _digest(raw)
             for seen, decoded in kept or ():
                 if seen == known and (decoded.path == hdr.path or not decoded.findings):
+                    return decoded.copy(hdr.path)
+            for i, (seen, decoded) in enumerate(ahead or ()):
+                if seen == known and (decoded.path == hdr.path or not decoded.findings):
+                    del ahead[i]  # decoded ahead: used once, then kept as any decoding (keep)
+                    if keep:
+                        self._headers.setdefault(key, []).append((seen, decoded))
                     return decoded.copy(hdr.path)
         decode_header(hdr, raw, fast=self.typed(len(raw)))
         if not keep:
             return hdr
         self._headers.setdefault(key, []).append((known, hdr))
         return hdr.copy()
+
+    def _worker_read(self, path: str, shown: str, raw: bytes, fast: bool) -> tuple[dict[str, Any], Any] | None:
+        """The index ``raw`` parsed by a worker (:func:`~ckptctl.format.index.worker_reading`)
+        while this process decodes the headers of its folder's safetensors files ahead: what it
+        read, and the job whose next value is the names work's result (None without names work);
+        None where no worker runs or it failed (the caller parses the index itself)."""
+        from ckptctl import worker
+
+        job = worker.start(worker_reading, raw, shown, fast, self.names_work, capacity=WORKER_CAPACITY)
+        if job is None:
+            return None
+        try:
+            self._decode_ahead(os.path.dirname(path) or ".")
+            got = job.next()
+        except worker.WorkerFailed:
+            return None
+        except BaseException:  # Ctrl-C, SIGTERM: the child is killed and reaped before it goes on
+            job.close()
+            raise
+        self._done.append(job)  # ending on its own: reaped with this reading, never waited for here
+        if self.names_work is None:
+            job.done()
+        if not isinstance(got, dict):
+            job.close()
+            return None
+        return got, job if self.names_work is not None else None
+
+    def _decode_ahead(self, folder: str) -> None:
+        """Decode the headers of the safetensors files of ``folder`` (regular files, no links;
+        the first :data:`AHEAD_FILES` by name) into the decodings kept apart for one use each."""
+        try:
+            names = sorted(n for n in os.listdir(folder) if n.endswith(".safetensors") and not n.startswith("."))
+        except OSError:
+            return
+        for name in names[:AHEAD_FILES]:
+            path = os.path.join(folder, name)
+            try:
+                if not stat.S_ISREG(os.lstat(path).st_mode):
+                    continue
+                hdr, raw = read_header_bytes(path)
+            except (OSError, CkptctlError):
+                continue
+            if raw is None:
+                continue
+            key = (hdr.file_size, len(raw))
+            known = bytes(raw) if len(raw) <= KEEP_BYTES else _digest(raw)
+            if any(seen == known for seen, _ in self._headers.get(key, ())):
+                continue  # decoded already
+            decode_header(hdr, raw, fast=self.typed(len(raw)))
+            self._ahead.setdefault(key, []).append((known, hdr))
 
     def load_header(self, path: str | os.PathLike[str], *, display: str | None = None, keep: bool = True) -> Header:
         """:meth:`header`, raising :class:`~ckptctl.errors.InputError` for an invalid one (as
@@ -134,14 +198,6 @@ class MetadataReading:
         on, once what this reading has parsed and decoded, that one included, reaches :data:`TYPED_FROM`."""
         self._decoded += size
         return self.fast and self._decoded >= TYPED_FROM
-
-
-def _names_work_on(work: Callable[[Any], Any], raw: bytes, fast: bool) -> Any:
-    """The worker's call: ``work`` on the names of the index ``raw`` parsed as this reading parses
-    it (the same bytes, the same reader: the same names); None for an index with an error."""
-    idx = Index("")
-    parse_index(idx, raw, fast=fast)
-    return work(idx.shared_map) if idx.ok else None
 
 
 def _digest(raw: bytearray) -> bytes:

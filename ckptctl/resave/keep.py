@@ -5,7 +5,6 @@ the plan is the directory as it already is (a repair with nothing to do)."""
 
 from __future__ import annotations
 
-import operator
 import os
 import stat
 from dataclasses import dataclass
@@ -114,14 +113,9 @@ class KeptFiles:
         equality), said with C loops and without making the plan's map: every kept tensor is
         mapped to its file's new name, and ``old`` has no other entry (:func:`kept_files` keeps
         each tensor in one file only)."""
-        wm = old.shared_map
-        get, count = wm.get, 0
-        for keep, name in zip(self.keeps, self.names):
-            names = keep if isinstance(keep, TensorTable) else [t.name for t in keep]
-            if not all(map(operator.eq, map(get, names), repeat(name))):
-                return False
-            count += len(names)
-        return len(wm) == count
+        held = {name: keep if isinstance(keep, TensorTable) else [t.name for t in keep]
+                for keep, name in zip(self.keeps, self.names)}
+        return old.agrees(held, whole=True)
 
 
 def _records(keep: TensorTable | list[TensorInfo]) -> list[TensorInfo]:

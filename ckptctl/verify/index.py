@@ -9,9 +9,7 @@ one speaks through its own findings and the family is read by its file names.
 
 from __future__ import annotations
 
-import operator
 import os
-from itertools import repeat
 from typing import Any
 
 from ckptctl import layout as L
@@ -57,15 +55,18 @@ def read_indexed(ctx: Context, fam: L.Family) -> FamilyTensors:
             continue
         if shard in files and ctx.inside(shard) is not None:
             reads[shard] = W.read_file(ctx, shard, fam.container)
-    wm = doc.shared_map
-    agreed = _agrees(wm, reads, shards)
+    readable = {s: r.names for s, r in reads.items() if r.names is not None}
+    # every readable shard holds exactly the names the index maps to it (and, when every shard it
+    # names is readable, it maps no other name)
+    agreed = doc.agrees(readable, whole=readable.keys() >= set(shards))
     complete = set(shards) <= set(reads) and all(r.names is not None for r in reads.values())
     # agreeing with every shard it names, each holding only its tensors' names, the index is the
-    # merged view's index of names (no second dict of every tensor)
+    # merged view's index of names (no second dict of every tensor); a worker's reading has no map
+    # at hand, and the shards are then known to hold no name twice
     exact = agreed and complete and all(len(r.names) == len(r.tensors) for r in reads.values())  # type: ignore[arg-type]
-    table = W.merge(ctx, reads, where=wm if exact else None)
+    table = W.merge(ctx, reads, where=doc.parsed_map() if exact else None, disjoint=exact)
     if not agreed:
-        _cross_check(ctx, shown, wm, reads)
+        _cross_check(ctx, shown, doc.shared_map, reads)
     if not any(N.member_problem(s) for s in shards):
         _numbering(ctx, shown, shards, ext)
     if fam.container == L.SAFETENSORS:
@@ -77,25 +78,8 @@ def read_indexed(ctx: Context, fam: L.Family) -> FamilyTensors:
     return FamilyTensors(fam, table, complete, facts=doc.name_facts if exact else None)
 
 
-def _agrees(wm: dict[str, str], reads: dict[str, WeightsRead], shards: list[str]) -> bool:
-    """Every readable shard holds exactly the names the index maps to it. Said with C loops and
-    no dict of the stored names: every stored name is mapped to the shard that holds it (so no
-    name is in two shards: the index maps it to one), and the index maps no other name to a
-    readable shard (it has as many entries there as the shards hold names; all of them when the
-    index names no other shard)."""
-    readable = {s: r.names for s, r in reads.items() if r.names is not None}
-    get = wm.get
-    for shard, names in readable.items():
-        if not all(map(operator.eq, map(get, names), repeat(shard))):
-            return False
-    stored = sum(map(len, readable.values()))
-    if readable.keys() >= set(shards):
-        return len(wm) == stored
-    return sum(map(readable.__contains__, wm.values())) == stored
-
-
 def _cross_check(ctx: Context, shown: str, wm: dict[str, str], reads: dict[str, WeightsRead]) -> None:
-    """What is wrong between an index that does not agree with its shards (:func:`_agrees`) and them."""
+    """What is wrong between an index that does not agree with its shards (:meth:`Index.agrees`) and them."""
     located: dict[str, list[str]] = {}
     for shard, r in reads.items():
         for t in r.names or ():

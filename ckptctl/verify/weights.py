@@ -120,15 +120,19 @@ def read_file(ctx: Context, name: str, container: str) -> WeightsRead:
     return out
 
 
-def merge(ctx: Context, reads: dict[str, WeightsRead], *, where: dict[str, str] | None = None) -> Mapping[str, TensorSpec]:
+def merge(ctx: Context, reads: dict[str, WeightsRead], *, where: dict[str, str] | None = None,
+          disjoint: bool = False) -> Mapping[str, TensorSpec]:
     """All tensors of a family; a name stored in two files is an error. ``where``: each stored
     name to its file, proven so by the caller (an index that agrees with every file, each file's
-    names its tensors'): the merged view's index of names, not built again."""
+    names its tensors'): the merged view's index of names, not built again. ``disjoint``: the
+    caller proved so that no name is in two files, without such an index at hand (a look-up by
+    name then asks each file's table in turn)."""
     if len(reads) == 1:  # one file: its own table (a name cannot repeat in it)
         return next(iter(reads.values())).tensors
     # No name in two files: the first-wins table below is each file's own, side by side (an index
     # of names; a header's spec made only when a rule asks for it).
-    merged = MergedSpecs([r.tensors for r in reads.values()], keys=list(reads), where=where)  # keyed by file
+    merged = MergedSpecs([r.tensors for r in reads.values()], keys=list(reads), where=where,
+                         disjoint=True if disjoint else None)  # keyed by file
     if _no_name_twice(reads, merged):
         return merged
     table: dict[str, TensorSpec] = {}

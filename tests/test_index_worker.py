@@ -1,8 +1,10 @@
-"""verify's names work (``MetadataReading(names_work=...)``, fast path ``names-worker``): the
-config rules' facts of a large index's names (expert blocks, layer stacks, the layout) worked
-out by a forked worker while the headers are decoded, used only where the index names exactly
-the tensors. Judged by what it must equal: the facts the rules work out from the tensor table,
-and ``verify --json`` byte for byte with the worker off."""
+"""A large index parsed by a forked worker (``MetadataReading``, fast path ``index-worker``)
+while the command decodes the headers ahead: the worker hands back each shard's names (the map
+is parsed here only when asked for) and, for verify's reading, the config rules' facts of the
+names (expert blocks, layer stacks, the layout), used only where the index names exactly the
+tensors. Judged by what it must equal: the map and the agreement the index parsed here gives,
+the facts the rules work out from the tensor table, and each command's output byte for byte
+with the worker off."""
 
 from __future__ import annotations
 
@@ -19,7 +21,8 @@ import pytest
 from safetensors.numpy import save_file
 
 from ckptctl.format.index import encode_index
-from ckptctl.layout.reading import NAMES_WORK_FROM
+from ckptctl.format.index import Index, parse_index, worker_reading
+from ckptctl.layout.reading import WORKER_FROM
 from ckptctl.tensor_names import TensorNames
 from ckptctl.verify import model, stacks
 
@@ -50,9 +53,9 @@ CONFIG = {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "hid
 
 @pytest.fixture(scope="module")
 def moe(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A Mixtral of 12k tensors in SHARDS shards (an index of over NAMES_WORK_FROM bytes), its
+    """A Mixtral of 12k tensors in SHARDS shards (an index of over WORKER_FROM bytes), its
     index and config."""
-    d = tmp_path_factory.mktemp("names-worker") / "moe"
+    d = tmp_path_factory.mktemp("index-worker") / "moe"
     d.mkdir()
     shapes = _mixtral_shapes()
     names = sorted(shapes)
@@ -64,14 +67,14 @@ def moe(tmp_path_factory: pytest.TempPathFactory) -> Path:
         wm.update(dict.fromkeys(part, shard))
         total += sum(a.nbytes for a in part.values())
     (d / INDEX).write_bytes(encode_index(wm, total))
-    assert (d / INDEX).stat().st_size >= NAMES_WORK_FROM
+    assert (d / INDEX).stat().st_size >= WORKER_FROM
     (d / "config.json").write_text(json.dumps(CONFIG))
     return d
 
 
 def _variant(moe: Path, tmp_path: Path, case: str) -> Path:
     d = tmp_path / case
-    d.mkdir()
+    d.mkdir(parents=True)
     for n in os.listdir(moe):
         os.link(moe / n, d / n)
     if case == "expert-missing":  # the config counts more experts than are stored
@@ -83,25 +86,54 @@ def _variant(moe: Path, tmp_path: Path, case: str) -> Path:
         wm["model.layers.1.block_sparse_moe.experts.7.w1.weight"] = "model-00001-of-00004.safetensors"
         os.unlink(d / INDEX)
         (d / INDEX).write_bytes(encode_index(wm, doc["metadata"]["total_size"]))
+    elif case == "hostile-folder":  # what the worker's reading ahead must pass by: a FIFO, links
+        os.mkfifo(d / "model-00000-of-00004.safetensors")
+        os.symlink("/dev/zero", d / "zz-a.safetensors")
+        os.symlink(moe / "model-00001-of-00004.safetensors", d / "zz-b.safetensors")
     return d
 
 
-def _verify(d: Path, worker: str) -> tuple[int, str]:
-    env = {**os.environ, "CKPTCTL_FAST_NAMES_WORKER": worker}
-    proc = subprocess.run([sys.executable, "-m", "ckptctl", "verify", str(d), "--static", "--json"],
-                          capture_output=True, text=True, env=env, timeout=300)
-    return proc.returncode, proc.stdout
+def _run(worker: str, *args: str) -> tuple[int, str, str]:
+    env = {**os.environ, "CKPTCTL_FAST_INDEX_WORKER": worker}
+    proc = subprocess.run([sys.executable, "-m", "ckptctl", *args], capture_output=True, text=True, env=env,
+                          timeout=300)
+    return proc.returncode, proc.stdout, proc.stderr
 
 
-@pytest.mark.parametrize("case", ["clean", "expert-missing", "index-disagrees"])
+CASES = ["clean", "expert-missing", "index-disagrees", "hostile-folder"]
+
+
+@pytest.mark.parametrize("case", CASES)
 def test_verify_says_the_same_with_and_without_the_worker(moe: Path, tmp_path: Path, case: str) -> None:
     d = _variant(moe, tmp_path, case)
-    with_worker, without = _verify(d, "1"), _verify(d, "0")
-    assert with_worker == without
+    args = ("verify", str(d), "--static", "--json")
+    with_worker, without = _run("1", *args), _run("0", *args)
+    assert with_worker[:2] == without[:2]
     codes = {f["code"] for r in json.loads(without[1])["results"] for f in r["findings"]}
     expected = {"clean": set(), "expert-missing": {"config.expert_missing"},
-                "index-disagrees": {"index.wrong_shard"}}[case]
+                "index-disagrees": {"index.wrong_shard"}, "hostile-folder": set()}[case]
     assert expected <= codes and (case != "clean" or without[0] == 0)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_inspect_says_the_same_with_and_without_the_worker(moe: Path, tmp_path: Path, case: str) -> None:
+    d = _variant(moe, tmp_path, case)
+    with_worker, without = _run("1", "inspect", str(d), "--json"), _run("0", "inspect", str(d), "--json")
+    assert with_worker[:2] == without[:2] and without[0] == 0
+
+
+@pytest.mark.parametrize("case", ["clean", "index-disagrees"])
+def test_a_repair_does_the_same_with_and_without_the_worker(moe: Path, tmp_path: Path, case: str) -> None:
+    """A no-op repair writes nothing either way; a repair of a stale index rebuilds the same one."""
+    outcomes = []
+    for worker in ("1", "0"):
+        d = _variant(moe, tmp_path / worker, case)
+        before = {n: (d / n).stat().st_ino for n in os.listdir(d)}
+        code, out, err = _run(worker, "resave", "--repair", str(d), "--static", "--json")
+        after = {n: (d / n).stat().st_ino for n in os.listdir(d)}
+        outcomes.append((code, json.loads(out).get("fixes"), (d / INDEX).read_bytes(), before == after))
+    assert outcomes[0] == outcomes[1]
+    assert outcomes[0][3] == (case == "clean")  # only the stale index is rewritten
 
 
 def test_the_worker_draws_the_facts_verify_uses(moe: Path) -> None:
@@ -162,3 +194,50 @@ def test_the_names_facts_are_the_rules_own(kind: str) -> None:
 
 def test_no_facts_where_a_name_holds_a_newline() -> None:
     assert model.name_facts(["model.layers.0.a\nb.weight", "model.embed_tokens.weight"]) is None
+
+
+def _worker_index(raw: bytes, names_work=None) -> Index:
+    """An index as a worker hands it back (its generator run here: the worker's call itself)."""
+    steps = worker_reading(raw, "model.safetensors.index.json", True, names_work)
+    read = next(steps)
+    out = Index.from_worker("model.safetensors.index.json", raw, True, read)
+    assert list(steps) == ([] if names_work is None else [names_work])
+    return out
+
+
+def test_a_worker_reading_parses_the_map_here_only_when_asked(moe: Path) -> None:
+    raw = (moe / INDEX).read_bytes()
+    here = Index("model.safetensors.index.json")
+    parse_index(here, raw)
+    got = _worker_index(raw)
+    assert (got.findings, got.metadata, got.shards) == (here.findings, here.metadata, here.shards)
+    assert got.parsed_map() is None and got.copy().parsed_map() is None
+    assert got.copy().weight_map == here.weight_map and got.parsed_map() == here.shared_map
+
+
+def test_a_worker_reading_agrees_as_the_map_does(moe: Path) -> None:
+    """Index.agrees from each shard's joined names and from the map, over the ways a shard set
+    can differ from what the index maps to it."""
+    raw = (moe / INDEX).read_bytes()
+    here = Index("i")
+    parse_index(here, raw)
+    groups: dict[str, list[str]] = {}
+    for name, shard in here.shared_map.items():
+        groups.setdefault(shard, []).append(name)
+    first, second = sorted(groups)[:2]
+    moved = {**groups, first: groups[first][1:], second: groups[second] + groups[first][:1]}
+    cases = {
+        "exact": groups,
+        "shuffled": {s: sorted(n, reverse=True) for s, n in groups.items()},
+        "a shard left out": {s: n for s, n in groups.items() if s != first},
+        "a name missing": {**groups, first: groups[first][1:]},
+        "a name invented": {**groups, first: groups[first] + ["model.invented.weight"]},
+        "a name moved": moved,
+        "a shard the index does not name": {**groups, "model-09999.safetensors": ["x"]},
+        "an empty shard the index does not name": {**groups, "model-09999.safetensors": []},
+    }
+    worker = _worker_index(raw)
+    for what, held in cases.items():
+        for whole in (True, False):
+            assert worker.agrees(held, whole=whole) == here.agrees(held, whole=whole), (what, whole)
+    assert worker.agrees(groups, whole=True) and not worker.agrees(moved, whole=False)
