@@ -16,10 +16,25 @@ import pytest
 from ckptctl.format.header import MergedSpecs, parse_header_bytes
 from ckptctl.format.tensor import TensorSpec, dtypes
 from ckptctl.verify.context import WeightsRead
-from ckptctl.verify.index import _agrees
+from ckptctl.format.index import Index, parse_index, worker_reading
 
 NAMES = ["a", "b.weight", "c\nd", "é", "x.experts.1.w", "__metadata__x", "z", " sp ace"]
 DTYPES = ["BF16", "F32", "F8_E4M3", "U8"]
+
+
+def _agrees(wm: dict[str, str], reads: dict[str, WeightsRead], shards: list[str]) -> bool:
+    """verify's agreement check (``Index.agrees``, as ``verify/index.read_indexed`` asks it), by
+    the index parsed here (its map) and as a worker hands it back (each shard's names joined;
+    the map where a name holds a newline): both must answer the same."""
+    raw = json.dumps({"metadata": {}, "weight_map": wm}, ensure_ascii=False).encode()
+    here = Index("i")
+    parse_index(here, raw)
+    joined = Index.from_worker("i", raw, True, next(worker_reading(raw, "i", True, None)))
+    readable = {s: r.names for s, r in reads.items() if r.names is not None}
+    whole = readable.keys() >= set(shards)
+    answers = {idx.agrees(readable, whole=whole) for idx in (here, joined)}
+    assert len(answers) == 1
+    return answers.pop()
 
 
 def _header(specs: list[TensorSpec]):
