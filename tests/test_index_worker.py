@@ -241,3 +241,30 @@ def test_a_worker_reading_agrees_as_the_map_does(moe: Path) -> None:
         for whole in (True, False):
             assert worker.agrees(held, whole=whole) == here.agrees(held, whole=whole), (what, whole)
     assert worker.agrees(groups, whole=True) and not worker.agrees(moved, whole=False)
+
+
+def test_headers_decoded_ahead_are_regular_files_within_the_budget(tmp_path: Path) -> None:
+    """What the command decodes ahead while its worker parses an index: the folder's safetensors
+    files by name, passing by links, FIFOs and hidden files, and none whose header would take the
+    text decoded ahead past its budget (those are decoded when read, as without a worker)."""
+    from ckptctl.layout.reading import MetadataReading
+
+    d = tmp_path / "folder"
+    d.mkdir()
+    small = {"a": np.zeros((2,), np.float32)}
+    large = {f"t{i}": np.zeros((1,), np.float32) for i in range(200)}
+    save_file(small, str(d / "a-small.safetensors"))
+    save_file(large, str(d / "b-large.safetensors"))
+    save_file(small, str(d / "c-small.safetensors"))
+    save_file(small, str(d / ".hidden.safetensors"))
+    os.mkfifo(d / "d-fifo.safetensors")
+    os.symlink(d / "a-small.safetensors", d / "e-link.safetensors")
+    sizes = {n: int.from_bytes((d / n).read_bytes()[:8], "little") for n in ("a-small.safetensors",
+                                                                            "b-large.safetensors")}
+    reading = MetadataReading(workers=False)
+    reading._decode_ahead(str(d), sizes["a-small.safetensors"] + sizes["b-large.safetensors"] - 1)
+    ahead = sorted(h.path.rsplit("/", 1)[1] for entries in reading._ahead.values() for _, h in entries)
+    assert ahead == ["a-small.safetensors", "c-small.safetensors"]  # b over the budget, the rest passed by
+    got = reading.header(d / "a-small.safetensors", keep=False)
+    assert got.ok and list(got.tensors) == ["a"]
+    assert sum(map(len, reading._ahead.values())) == 1  # each decoded ahead is used once

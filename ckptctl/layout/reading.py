@@ -65,8 +65,11 @@ from ckptctl.format.index import Index, parse_index, read_index_bytes, worker_re
 WORKER_FROM = 1 << 20
 # the worker's result: address space reserved, touched only as far as its pickle fills it
 WORKER_CAPACITY = 1 << 28
-# headers decoded ahead while a worker parses an index: the first files of its folder, by name
+# headers decoded ahead while a worker parses an index: the first files of its folder, by name, as
+# long as their header text stays within this many times the index's (an index of 92k names: 8.8
+# MB, its 163 headers 10.6 MB); what is left is decoded when it is read, as without a worker
 AHEAD_FILES = 4096
+AHEAD_PER_INDEX_BYTE = 4
 KEEP_BYTES = 1 << 20  # headers up to this size are kept and compared whole; larger ones by their digest
 TYPED_FROM = 1 << 16  # index and header bytes a reading reads before the typed readers take over (see the module)
 
@@ -149,7 +152,7 @@ class MetadataReading:
         if job is None:
             return None
         try:
-            self._decode_ahead(os.path.dirname(path) or ".")
+            self._decode_ahead(os.path.dirname(path) or ".", AHEAD_PER_INDEX_BYTE * len(raw))
             got = job.next()
         except worker.WorkerFailed:
             return None
@@ -164,9 +167,10 @@ class MetadataReading:
             return None
         return got, job if self.names_work is not None else None
 
-    def _decode_ahead(self, folder: str) -> None:
+    def _decode_ahead(self, folder: str, budget: int) -> None:
         """Decode the headers of the safetensors files of ``folder`` (regular files, no links;
-        the first :data:`AHEAD_FILES` by name) into the decodings kept apart for one use each."""
+        the first :data:`AHEAD_FILES` by name, while their header text stays within ``budget``
+        bytes) into the decodings kept apart for one use each."""
         try:
             names = sorted(n for n in os.listdir(folder) if n.endswith(".safetensors") and not n.startswith("."))
         except OSError:
@@ -174,8 +178,15 @@ class MetadataReading:
         for name in names[:AHEAD_FILES]:
             path = os.path.join(folder, name)
             try:
-                if not stat.S_ISREG(os.lstat(path).st_mode):
+                # its header's length first (a link or anything but a regular file is passed by)
+                fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
+                try:
+                    length = os.read(fd, 8) if stat.S_ISREG(os.fstat(fd).st_mode) else b""
+                finally:
+                    os.close(fd)
+                if len(length) != 8 or int.from_bytes(length, "little") > budget:
                     continue
+                budget -= int.from_bytes(length, "little")
                 hdr, raw = read_header_bytes(path)
             except (OSError, CkptctlError):
                 continue
