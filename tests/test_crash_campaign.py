@@ -120,10 +120,17 @@ def test_kill_at_random_moments(prepared, zygote, tmp_path, scenario):
     rng = random.Random(f"fast-{scenario}")
     outcomes: list[H.Outcome] = []
     # at least 3 trials, and on until one was really killed: a delay drawn near the end of a
-    # clean run's span lets the run complete, more often on a busy machine (at most 8 trials)
+    # clean run's span lets the run complete, more often when a run is quicker than the clean
+    # runs measured while the case was prepared (a host that was busier then). After three, each
+    # trial aims at half the shortest delay that let a run complete, so the kill does not hang on
+    # how fast this machine is now (at most 8 trials: the last at a 32nd of it)
     while len(outcomes) < 3 or (not any(o.killed for o in outcomes) and len(outcomes) < 8):
         i = len(outcomes)
-        outcomes.append(H.run_trial(prep, H.random_fault(rng, prep), tmp_path / f"t{i}", zygote, poll=(i == 0)))
+        fault = H.random_fault(rng, prep)
+        if i >= 3:
+            shortest = min(o.delay or 0.0 for o in outcomes)
+            fault = H.Fault("random", delay=round(shortest / 2 ** (i - 2), 4))
+        outcomes.append(H.run_trial(prep, fault, tmp_path / f"t{i}", zygote, poll=(i == 0)))
     for o in outcomes:
         assert not o.violations, _show(o)
         assert o.after_kill in ("old", "new") and o.after_recovery in ("old", "new") and o.rerun_identical
