@@ -235,6 +235,10 @@ def test_a_worker_reading_agrees_as_the_map_does(moe: Path) -> None:
         "a name moved": moved,
         "a shard the index does not name": {**groups, "model-09999.safetensors": ["x"]},
         "an empty shard the index does not name": {**groups, "model-09999.safetensors": []},
+        # names holding newlines, as many as the index maps there: joined, more lines than its text
+        "two names fused by a newline": {**groups, first: ["\n".join(groups[first][:2]), *groups[first][2:], "z"]},
+        "a name ending in a newline": {**groups, first: [groups[first][0] + "\n", *groups[first][1:]]},
+        "an empty name": {**groups, first: ["", *groups[first][1:]]},
     }
     worker = _worker_index(raw)
     for what, held in cases.items():

@@ -26,7 +26,7 @@ class Index:
     shares the original's :meth:`agrees` and :meth:`name_facts`.
 
     An index a worker parsed (:meth:`from_worker`) holds, instead of its map, each shard's names
-    joined by newlines, and its bytes: :meth:`agrees` reads the names, and the map is parsed
+    sorted and joined by newlines, and its bytes: :meth:`agrees` reads the names, and the map is parsed
     from the bytes, in this process, only when someone asks for it."""
 
     def __init__(self, path: str) -> None:
@@ -36,13 +36,12 @@ class Index:
         self.shards: list[str] = []
         self._map: dict[str, str] | None = {}
         self._source: Index | None = None  # the reading this one copies (its map, on first use)
-        # a worker's reading: each shard's names joined by newlines, and the bytes (and whether
-        # the fast reader may read them) that the map is parsed from on first use
+        # a worker's reading: each shard's names sorted and joined by newlines, and the bytes (and
+        # whether the fast reader may read them) that the map is parsed from on first use
         self._joins: dict[str, str] | None = None
         self._unparsed: tuple[bytes, bool] | None = None
         self._facts: dict[str, Any] | None = None  # what a worker's names work drew from the names
         self._facts_job: Any = None  # the worker that hands it back (next), until it is taken
-        self._sets: dict[str, set[str]] = {}  # a worker's reading: each shard's names, made when asked
 
     @classmethod
     def from_worker(cls, path: str, raw: bytes, fast: bool, read: dict[str, Any], facts: Any = None) -> "Index":
@@ -96,22 +95,21 @@ class Index:
     def agrees(self, held: dict[str, Collection[str]], *, whole: bool) -> bool:
         """Whether the index maps to each shard of ``held`` exactly the names it holds (each
         shard's names distinct); with ``whole``, also no name to any other shard. Without the
-        map (a worker's reading), from each shard's names: a set per shard, no dict of every name."""
+        map (a worker's reading), from each shard's names sorted and joined (no set, no dict of
+        every name): a shard's names, as distinct, sorted and joined the same way, are the same
+        text only if they are the same names (a name holding a newline would add one)."""
         if self._source is not None:
             return self._source.agrees(held, whole=whole)
         count = sum(map(len, held.values()))
         if self._joins is not None:
-            joins, sets = self._joins, self._sets
+            joins = self._joins
             for shard, names in held.items():
                 text = joins.get(shard)
                 if text is None:
                     if names:
                         return False
                     continue
-                mapped = sets.get(shard)
-                if mapped is None:
-                    mapped = sets[shard] = set(text.split("\n"))
-                if len(mapped) != len(names) or not all(map(mapped.__contains__, names)):
+                if len(names) != text.count("\n") + 1 or "\n".join(sorted(names)) != text:
                     return False
             return not whole or all(map(held.__contains__, joins))
         wm = self.shared_map
@@ -232,8 +230,8 @@ def worker_reading(raw: bytes, path: str, fast: bool,
                    names_work: Callable[[Any], Any] | None) -> Iterator[dict[str, Any] | Any]:
     """What a worker hands back, in turn (``ckptctl.worker``: each as soon as it is made): for
     :meth:`Index.from_worker`, the index ``raw`` parsed as :func:`parse_index` parses it (its
-    findings, metadata and shards) with each shard's names joined by newlines in the index's
-    order (None where a name holds one: the map is then parsed where it is needed); then, with
+    findings, metadata and shards) with each shard's names sorted and joined by newlines (None
+    where a name holds one: the map is then parsed where it is needed); then, with
     ``names_work``, its result on the names (None for an index with an error)."""
     idx = Index(path)
     parse_index(idx, raw, fast=fast)
@@ -242,7 +240,7 @@ def worker_reading(raw: bytes, path: str, fast: bool,
         groups: dict[str, list[str]] = {}
         for name, shard in idx._map.items():
             groups.setdefault(shard, []).append(name)
-        joins = {shard: "\n".join(names) for shard, names in groups.items()}
+        joins = {shard: "\n".join(sorted(names)) for shard, names in groups.items()}
         if any(text.count("\n") != len(groups[shard]) - 1 for shard, text in joins.items()):
             joins = None
     yield {"findings": idx.findings, "metadata": idx.metadata, "shards": idx.shards, "joins": joins}
