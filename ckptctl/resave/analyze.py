@@ -17,7 +17,7 @@ from ckptctl.format.header import Header
 from ckptctl.format.index import Index
 from ckptctl.layout.policy import label
 from ckptctl.layout.reading import MetadataReading
-from ckptctl.resave.saves import Save, assess, mtime_ns, read_all, split, usable_index
+from ckptctl.resave.saves import Save, assess, is_complete, mtime_ns, read_all, split, usable_index
 
 
 @dataclass
@@ -140,20 +140,27 @@ def _choose_save(root: Path, lay: L.Layout, fams: list[L.Family], prefer: str | 
     judged: dict[int, L.Assessment] = {}
     read: dict[int, tuple[dict[str, Header], list[Finding]]] = {}  # each save's headers, read once
 
+    def headers_of(fam: L.Family) -> tuple[dict[str, Header], list[Finding]]:
+        got = read.get(id(fam))
+        if got is None:
+            got = read[id(fam)] = read_all(root, fam.files, lay.reading)
+        return got
+
     def judge(fam: L.Family) -> L.Assessment:
         if id(fam) not in judged:
-            read[id(fam)] = read_all(root, fam.files, lay.reading)
-            judged[id(fam)] = assess(root, by_family[id(fam)], cfg, read[id(fam)])
+            judged[id(fam)] = assess(root, by_family[id(fam)], cfg, headers_of(fam))
         return judged[id(fam)]
 
+    # saves are judged (config.json, tensor counts) only where the choice among them or a fix's
+    # message needs it: a lone save is kept whatever config.json says (the final verify judges it)
     chosen = L.choose(lay, prefer=prefer, assess=judge, among=[s.family for s in saves])
-    verdict = judge(chosen)
     save = by_family[id(chosen)]
+    problems = headers_of(chosen)[1]
     # Shards numbered -of-N with numbers missing and no index: when it is the only save, nothing
     # says the missing numbers ever existed (a writer that misnamed its shards); they are
     # renumbered, and the final verify judges the result.
-    renumber = save.gaps_only and len(saves) == 1 and not read[id(chosen)][1]
-    if not verdict.complete and not renumber:
+    renumber = save.gaps_only and len(saves) == 1 and not problems
+    if not is_complete(save, problems) and not renumber:
         raise _incomplete(root, save, lay.reading)
     _refuse_a_mix(root, lay, chosen)
     why = f"--prefer {prefer}" if prefer else None
@@ -162,7 +169,7 @@ def _choose_save(root: Path, lay: L.Layout, fams: list[L.Family], prefer: str | 
             continue
         other = judge(s.family)
         reason = why or ("incomplete" if not other.complete else "disagrees with config.json")
-        rep.fixes.append(f"kept {label(chosen)} ({chosen.describe()}, {verdict.tensors} tensors); dropped "
+        rep.fixes.append(f"kept {label(chosen)} ({chosen.describe()}, {judge(chosen).tensors} tensors); dropped "
                          f"{', '.join(s.family.all_files)} ({reason})")
         rep.dropped.extend(n for n in s.family.all_files if n not in chosen.all_files)
     broken = [f.index for f in fams if f.index and not usable_index(f)]

@@ -159,6 +159,11 @@ def _gaps(key: tuple[str | None, str, str | None], files: list[str], counts: set
             for c in sorted(counts) for k in range(1, c + 1) if (k, c) not in have]
 
 
+def is_complete(save: Save, problems: list[Finding]) -> bool:
+    """Every file of the save there with a sound header (``problems``: ``read_all``'s)."""
+    return not problems and not save.missing and bool(save.family.files)
+
+
 def assess(root: Path, save: Save, cfg: dict[str, Any] | None,
            read: tuple[dict[str, Header], list[Finding]]) -> L.Assessment:
     """Complete (every file there with a sound header), consistent with config.json, how many
@@ -166,7 +171,7 @@ def assess(root: Path, save: Save, cfg: dict[str, Any] | None,
     headers, problems = read
     tensors = MergedSpecs([h.tensors for h in headers.values()])
     mtime = max((_mtime(root / n) for n in save.family.all_files), default=0.0)
-    return L.Assessment(complete=not problems and not save.missing and bool(save.family.files),
+    return L.Assessment(complete=is_complete(save, problems),
                         agrees=config_mismatches(tensors, cfg) == 0, tensors=len(tensors), mtime=mtime,
                         missing=tuple(save.missing))
 
