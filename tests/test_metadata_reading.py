@@ -246,3 +246,22 @@ def test_a_header_read_not_to_be_kept_uses_a_kept_decoding_and_keeps_none(
     assert len(decoded) == 3  # the kept decoding, copied
     assert again is not kept and again.tensors is kept.tensors
     assert [list(h.tensors.items()) for h in (first, second, kept)] == [list(again.tensors.items())] * 3
+
+
+def test_a_kept_header_is_its_bytes_as_read_and_a_change_at_the_same_length_is_decoded_again(
+        tmp_path: Path) -> None:
+    """A reading keeps the bytes it decoded (not a copy: the decoding leaves them as they are) and
+    compares each later read with them: the same bytes give the kept decoding, bytes changed in
+    place at the same length are decoded again."""
+    f = tmp_path / "model.safetensors"
+    save_file({"a": np.zeros(2, np.float32), "b": np.ones(3, np.float32)}, str(f))
+    header = f.read_bytes()[8:8 + int.from_bytes(f.read_bytes()[:8], "little")]
+    reading = MetadataReading()
+    first = reading.header(f)
+    assert [bytes(seen) for kept in reading._headers.values() for seen, _ in kept] == [header]
+    f.write_bytes(f.read_bytes().replace(b'"a"', b'"c"', 1))  # the same length, another name
+    second = reading.header(f)
+    assert sorted(first.tensors) == ["a", "b"] and sorted(second.tensors) == ["b", "c"]
+    assert reading.header(f).tensors is second.tensors  # kept: the same decoding
+    assert sorted(bytes(seen) for kept in reading._headers.values() for seen, _ in kept) == \
+        sorted([header, header.replace(b'"a"', b'"c"', 1)])
