@@ -91,6 +91,9 @@ class KeptFiles:
     keeps: list[TensorTable | list[TensorInfo]]
     unchanged: list[bool]
     index_name: str | None
+    # the index the files came with, and whether it maps to each of them, under its own name,
+    # exactly the names its header holds (kept_files asked it: no tensor is then stored twice)
+    agreed: tuple[Index, bool] | None = None
 
     @property
     def total_size(self) -> int:
@@ -113,6 +116,9 @@ class KeptFiles:
         equality), said with C loops and without making the plan's map: every kept tensor is
         mapped to its file's new name, and ``old`` has no other entry (:func:`kept_files` keeps
         each tensor in one file only)."""
+        whole = [keep is self.headers[n].tensors for n, keep in zip(self.files, self.keeps)]
+        if self.agreed is not None and self.agreed[0] is old and self.names == self.files and all(whole):
+            return self.agreed[1]  # the plan is the files as they are: asked already
         held = {name: keep if isinstance(keep, TensorTable) else [t.name for t in keep]
                 for keep, name in zip(self.keeps, self.names)}
         return old.agrees(held, whole=True)
@@ -130,7 +136,12 @@ def kept_files(root: Path, chosen: Chosen, rep: Repair) -> KeptFiles:
     reading = chosen.layout.reading if chosen.layout is not None else MetadataReading()
     headers = {n: chosen.headers.get(n) or reading.header(root / n, display=str(root / n)) for n in files}
     keeps: dict[str, TensorTable | list[TensorInfo]]
-    if len(set().union(*(headers[n].tensors for n in files))) == sum(len(headers[n].tensors) for n in files):
+    # no tensor stored twice: the index says so where it maps to each file exactly its header's
+    # names (it names each tensor once), else the distinct names are counted
+    tables = {n: headers[n].tensors for n in sorted(files) if headers[n].tensors}
+    agreed = (chosen.index, chosen.index.agrees(tables, whole=True)) if chosen.index is not None else None
+    if (agreed is not None and agreed[1]) or \
+            len(set().union(*(headers[n].tensors for n in files))) == sum(len(headers[n].tensors) for n in files):
         # no tensor stored twice: every file keeps all its tensors
         keeps = {n: headers[n].tensors for n in sorted(files) if headers[n].tensors}
     else:
@@ -155,7 +166,7 @@ def kept_files(root: Path, chosen: Chosen, rep: Repair) -> KeptFiles:
         names.append(new_name)
         unchanged.append(same)
     index = N.index_name(chosen.stem, N.SAFETENSORS_EXT, variant=chosen.variant) if n_out > 1 else None
-    return KeptFiles(root, headers, ordered, names, [keeps[n] for n in ordered], unchanged, index)
+    return KeptFiles(root, headers, ordered, names, [keeps[n] for n in ordered], unchanged, index, agreed)
 
 
 def keep_layout_plan(kf: KeptFiles) -> tuple[Plan, Kept]:
