@@ -165,8 +165,12 @@ class TensorRows(Sequence[TensorRow]):
         """The rows shown as columns: the names, a code per row, and the JSON fields but the name
         of each code (the ``fields`` of :meth:`named_rows`, made on first use)."""
         rows, places = self._rows(), len(self._places)
-        codes = list(map(operator.add, map(operator.mul, map(self._kind.__getitem__, rows), repeat(places)),
-                         map(self._where.__getitem__, rows)))
+        if len(rows) == len(self._names):  # every row: each one's code made in storage order, then looked up
+            stored = [kind * places + where for kind, where in zip(self._kind, self._where)]
+            codes = list(map(stored.__getitem__, rows))
+        else:
+            codes = list(map(operator.add, map(operator.mul, map(self._kind.__getitem__, rows), repeat(places)),
+                             map(self._where.__getitem__, rows)))
         return list(map(self._names.__getitem__, rows)), codes, _Fields(self)
 
     def json_rows(self) -> Iterator[dict[str, Any]]:
