@@ -44,7 +44,7 @@ def export(src: str | os.PathLike[str], dst: str | os.PathLike[str], opts: Expor
     its own library's names, and published once: the result is then a :class:`RootResult`."""
     with paused():  # the metadata of every tensor: acyclic, freed by reference counting
         # scanned once: the root test, the checks, the variants; its reading serves the source's scan
-        lay = L.scan(src, reading=MetadataReading()) if os.path.isdir(src) else None
+        lay = L.scan(src, reading=MetadataReading(agreement=False)) if os.path.isdir(src) else None
         if lay is not None and is_root(src, lay):
             return export_root(src, dst, opts or ExportOptions(), key=key, only=only, reading=lay.reading)
         with open_inputs(src, dst, opts or ExportOptions(), key=key, only=only, layout=lay) as inputs:

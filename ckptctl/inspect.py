@@ -336,7 +336,7 @@ def _inspect(p: Path, *, only: str | None, name_filter: str | None, key: str | N
     from ckptctl.layout.reading import MetadataReading
     from ckptctl.sources import kinds
 
-    reading = MetadataReading()
+    reading = MetadataReading(agreement=False)
     found = kinds.locate(p, only=only)
     if found is not None:
         res = found.kind.hook("inspect")(found.location, p, only=only, name_filter=name_filter, key=key,

@@ -272,3 +272,21 @@ def test_headers_decoded_ahead_are_regular_files_within_the_budget(tmp_path: Pat
     got = reading.header(d / "a-small.safetensors", keep=False)
     assert got.ok and list(got.tensors) == ["a"]
     assert sum(map(len, reading._ahead.values())) == 1  # each decoded ahead is used once
+
+
+def test_a_reading_that_asks_no_agreement_gets_no_joined_names_and_agrees_by_the_map(moe: Path) -> None:
+    """inspect and an export ask no agreement (``MetadataReading(agreement=False)``): the worker
+    hands back no names; an agreement asked anyway is answered from the map, parsed here."""
+    raw = (moe / INDEX).read_bytes()
+    read = next(worker_reading(raw, "i", True, None, False))
+    assert read["joins"] is None
+    here = Index("i")
+    parse_index(here, raw)
+    got = Index.from_worker("i", raw, True, read)
+    groups: dict[str, list[str]] = {}
+    for name, shard in here.shared_map.items():
+        groups.setdefault(shard, []).append(name)
+    assert got.parsed_map() is None
+    assert got.agrees(groups, whole=True) and got.parsed_map() == here.shared_map
+    first = sorted(groups)[0]
+    assert not got.agrees({**groups, first: groups[first][1:]}, whole=True)

@@ -54,7 +54,7 @@ def export_save(src: Path, dest: Path, opts: ExportOptions, *, key: str | None, 
     from ckptctl.write.tree import export_root, is_root
 
     with paused():
-        lay = L.scan(src, reading=MetadataReading()) if os.path.isdir(src) else None
+        lay = L.scan(src, reading=MetadataReading(agreement=False)) if os.path.isdir(src) else None
         if lay is not None and is_root(src, lay):
             return export_root(src, dest, opts, key=key, only=only, reading=lay.reading)
         with open_inputs(src, dest, opts, key=key, only=only, layout=lay) as inputs:

@@ -226,24 +226,24 @@ def parse_index(idx: Index, raw: bytes, *, fast: bool = True) -> None:
     _metadata(idx, obj)
 
 
-def worker_reading(raw: bytes, path: str, fast: bool,
-                   names_work: Callable[[Any], Any] | None) -> Iterator[dict[str, Any] | Any]:
+def worker_reading(raw: bytes, path: str, fast: bool, names_work: Callable[[Any], Any] | None,
+                   joins: bool = True) -> Iterator[dict[str, Any] | Any]:
     """What a worker hands back, in turn (``ckptctl.worker``: each as soon as it is made): for
     :meth:`Index.from_worker`, the index ``raw`` parsed as :func:`parse_index` parses it (its
     findings, metadata and shards) with each shard's names sorted and joined by newlines (None
-    where a name holds one: the map is then parsed where it is needed); then, with
+    where a name holds one, or without ``joins``: the map is then parsed where it is needed); then, with
     ``names_work``, its result on the names (None for an index with an error)."""
     idx = Index(path)
     parse_index(idx, raw, fast=fast)
-    joins: dict[str, str] | None = None
-    if idx.ok and idx._map is not None:
+    joined: dict[str, str] | None = None
+    if joins and idx.ok and idx._map is not None:
         groups: dict[str, list[str]] = {}
         for name, shard in idx._map.items():
             groups.setdefault(shard, []).append(name)
-        joins = {shard: "\n".join(sorted(names)) for shard, names in groups.items()}
-        if any(text.count("\n") != len(groups[shard]) - 1 for shard, text in joins.items()):
-            joins = None
-    yield {"findings": idx.findings, "metadata": idx.metadata, "shards": idx.shards, "joins": joins}
+        joined = {shard: "\n".join(sorted(names)) for shard, names in groups.items()}
+        if any(text.count("\n") != len(groups[shard]) - 1 for shard, text in joined.items()):
+            joined = None
+    yield {"findings": idx.findings, "metadata": idx.metadata, "shards": idx.shards, "joins": joined}
     if names_work is not None:
         yield names_work(idx._map) if idx.ok and idx._map is not None else None
 

@@ -16,7 +16,8 @@ else the process did. Every read goes to the file as it is now; only the decodin
 
 An index of :data:`WORKER_FROM` bytes or more is parsed by a worker (:mod:`ckptctl.worker`)
 where one can run: a child forked with its bytes parses them with the same reader and hands back
-its findings, metadata and shards, each shard's names joined by newlines, and, for a reading
+its findings, metadata and shards, each shard's names sorted and joined by newlines (for a
+reading made with ``agreement``, the default: inspect and an export ask no agreement), and, for a reading
 made with ``names_work`` (verify's: :func:`ckptctl.verify.model.name_facts`), that work's result
 on the names; meanwhile this process decodes the headers of the safetensors files in the
 index's folder ahead (kept apart, each used once, and only for the very bytes it came from). The
@@ -78,11 +79,14 @@ class MetadataReading:
     """One command's reading of checkpoint metadata (see the module's docstring)."""
 
     def __init__(self, *, fast: bool | None = None, names_work: Callable[[Any], Any] | None = None,
-                 workers: bool | None = None) -> None:
+                 workers: bool | None = None, agreement: bool = True) -> None:
         self.fast = enabled("metadata") if fast is None else fast
-        # what the command works out from an index's names (verify: its config rules' facts), and
-        # whether a large index is parsed by a forked worker (see the module)
+        # what the command works out from an index's names (verify: its config rules' facts),
+        # whether it asks an index's agreement with its shards (a worker then hands back each
+        # shard's names for it; inspect and an export do not), and whether a large index is
+        # parsed by a forked worker (see the module)
         self.names_work = names_work
+        self.agreement = agreement
         self.workers = enabled("index-worker") if workers is None else workers
         # headers decoded ahead while a worker parsed an index, as _headers; each used once
         self._ahead: dict[tuple[int, int], list[tuple[bytes, Header]]] = {}
@@ -148,7 +152,8 @@ class MetadataReading:
         None where no worker runs or it failed (the caller parses the index itself)."""
         from ckptctl import worker
 
-        job = worker.start(worker_reading, raw, shown, fast, self.names_work, capacity=WORKER_CAPACITY)
+        job = worker.start(worker_reading, raw, shown, fast, self.names_work, self.agreement,
+                           capacity=WORKER_CAPACITY)
         if job is None:
             return None
         try:
