@@ -56,14 +56,21 @@ class TensorNames:
 
     def __init__(self, tensors: Mapping[str, TensorSpec]) -> None:
         self.tensors = tensors
-        self.names = list(tensors)
         # what rules worked out from these names alone, by rule (each rule keeps its own answer
-        # here, and reads it back); given from outside only for the very same set of names
+        # here, and reads it back); given from outside only for the very same set of names: the
+        # names are then listed and joined only if a rule has no answer there
         self.facts: dict[str, Any] = {}
+
+    @cached_property
+    def names(self) -> list[str]:
+        return list(self.tensors)
+
+    @cached_property
+    def text(self) -> str | None:
         # "\n" before every name and after the last: a name is exactly what lies between two newlines
         # (one join: the text is never copied to frame it)
         text = "\n".join(["", *self.names, ""])
-        self.text: str | None = text if text.count("\n") == len(self.names) + 1 else None
+        return text if text.count("\n") == len(self.names) + 1 else None
 
     @classmethod
     def of_text(cls, text: str) -> "TensorNames":

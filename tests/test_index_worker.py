@@ -184,12 +184,18 @@ def test_the_names_facts_are_the_rules_own(kind: str) -> None:
     shuffled = names[:]
     random.Random(0).shuffle(shuffled)
     table = TensorNames(dict.fromkeys(shuffled))  # the rules read names only
-    stacks.expert_blocks(table), stacks.containers(table), model._detect(table)
+    stacks.expert_blocks(table), stacks.containers(table)
+    detected = model._detect(table)
+    if detected is not None:  # the embedding and layer rules' names of the layout found
+        model._layout_names(table, *detected)
     assert model.name_facts(names) == table.facts
     seeded = TensorNames(dict.fromkeys(shuffled))
     seeded.facts.update(model.name_facts(names) or {})
     assert (stacks.expert_blocks(seeded), stacks.containers(seeded), model._detect(seeded)) == \
         (stacks.expert_blocks(table), stacks.containers(table), model._detect(table))
+    if detected is not None:
+        assert model._layout_names(seeded, *detected) == model._layout_names(table, *detected)
+    assert "text" not in seeded.__dict__  # every rule answered from the facts: the names never joined
 
 
 def test_no_facts_where_a_name_holds_a_newline() -> None:

@@ -86,7 +86,9 @@ def name_facts(names: Iterable[str]) -> dict[str, Any] | None:
     found = TensorNames.of_text(text)
     expert_blocks(found)
     containers(found)
-    _detect(found)
+    detected = _detect(found)
+    if detected is not None:
+        _layout_names(found, *detected)
     return found.facts
 
 
@@ -273,16 +275,37 @@ def _check_dtype(ctx: PathFindings, c: ConfigFields, tensors: Tensors) -> None:
                 config=raw, tensors=dominant)
 
 
+def _layout_names(names: TensorNames, spec: Spec, root: str) -> dict[str, Any]:
+    """What the embedding and layer rules read of the names of a layout at ``root``: the layer
+    indices that hold tensors, the names of each rule's suffix, the lm_heads outside the layers,
+    the position embeddings; each list in name order (the same whichever order the names came
+    in). Kept in the names' facts (read it, never change it)."""
+    key = f"layout_names:{SPECS.index(spec)}:{root}"
+    known = names.facts.get(key)
+    if known is None:
+        indices, rules = _layer_patterns(root, spec)
+        by_suffix: dict[str, list[str]] = {}
+        for n, m in names.matching(rules):
+            by_suffix.setdefault(m.group("suffix"), []).append(n)
+        layer_prefix = root + spec.layer + "."
+        known = names.facts[key] = {
+            "present": {int(i) for (i,) in names.runs(indices)},
+            "by_suffix": {k: sorted(v) for k, v in by_suffix.items()},
+            "heads": sorted(n for n in names.ending(spec.lm_head)
+                            if (n == spec.lm_head or n.endswith("." + spec.lm_head)) and not n.startswith(layer_prefix)),
+            "positions": sorted(names.ending("embeddings.position_embeddings.weight")),
+        }
+    return known  # type: ignore[no-any-return]
+
+
 def _check_embeddings(ctx: PathFindings, spec: Spec, root: str, d: Dims, names: TensorNames, c: ConfigFields,
                       generative: bool, quantized: bool, *, shapes: bool = True) -> None:
     """Embedding, lm_head and position shapes and an untied head missing (``shapes``), and a tied
     head stored too."""
-    layer_prefix = root + spec.layer + "."
     tensors = names.tensors
     embed = tensors.get(root + spec.embed)
-    heads = [tensors[n] for n in names.ending(spec.lm_head)
-             if (n == spec.lm_head or n.endswith("." + spec.lm_head)) and not n.startswith(layer_prefix)]
-    lm = heads[0] if heads else None
+    known = _layout_names(names, spec, root)
+    lm = tensors[known["heads"][0]] if known["heads"] else None  # the first by name
     if shapes and not quantized:
         for t, role in ((embed, "embedding"), (lm, "lm_head")):
             if t is None or len(t.shape) != 2:
@@ -303,7 +326,7 @@ def _check_embeddings(ctx: PathFindings, spec: Spec, root: str, d: Dims, names: 
                         f"position embedding {pos.name!r} has {pos.shape[0]} rows but the config allows "
                         f"{d.max_pos} positions", _FIX_CONFIG, tensor=pos.name, rows=pos.shape[0],
                         max_positions=d.max_pos)
-    bert_pos = next((tensors[n] for n in names.ending("embeddings.position_embeddings.weight")), None)
+    bert_pos = tensors[known["positions"][0]] if known["positions"] else None
     if shapes and bert_pos is not None and d.max_pos is not None and bert_pos.shape and bert_pos.shape[0] != d.max_pos:
         ctx.add("config.position_mismatch", ERROR,
                 f"position embedding {bert_pos.name!r} has {bert_pos.shape[0]} rows but max_position_embeddings "
@@ -333,8 +356,8 @@ def _layer_patterns(root: str, spec: Spec) -> tuple[RunPattern, RunPattern]:
 def _check_layers(ctx: PathFindings, spec: Spec, root: str, d: Dims, tensors: "Tensors | TensorNames",
                   quantized: bool, extra_layers: int, *, shapes: bool = True) -> None:
     names = TensorNames.of(tensors)
-    indices, rules = _layer_patterns(root, spec)
-    present = {int(i) for (i,) in names.runs(indices)}
+    known = _layout_names(names, spec, root)
+    present = known["present"]
     if d.layers is not None:
         count_findings(ctx, f"{root}{spec.layer}", present, d.layers, "num_hidden_layers", extra_layers)
     if not shapes:
@@ -342,9 +365,7 @@ def _check_layers(ctx: PathFindings, spec: Spec, root: str, d: Dims, tensors: "T
     if quantized:
         ctx.add("config.not_checked", INFO, f"{ctx.path}: quantized checkpoint; projection shapes not checked")
         return
-    by_rule: dict[str, list[TensorSpec]] = {}
-    for n, m in names.matching(rules):
-        by_rule.setdefault(m.group("suffix"), []).append(names.tensors[n])
+    by_rule = {suffix: [names.tensors[n] for n in listed] for suffix, listed in known["by_suffix"].items()}
     for rule in spec.rules:
         expected_shape = rule.shape(d)
         rows = by_rule.get(rule.suffix, [])
