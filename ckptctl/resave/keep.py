@@ -140,10 +140,9 @@ def kept_files(root: Path, chosen: Chosen, rep: Repair) -> KeptFiles:
     # names (it names each tensor once), else the distinct names are counted
     tables = {n: headers[n].tensors for n in sorted(files) if headers[n].tensors}
     agreed = (chosen.index, chosen.index.agrees(tables, whole=True)) if chosen.index is not None else None
-    if (agreed is not None and agreed[1]) or \
-            len(set().union(*(headers[n].tensors for n in files))) == sum(len(headers[n].tensors) for n in files):
+    if (agreed is not None and agreed[1]) or len(set().union(*tables.values())) == sum(map(len, tables.values())):
         # no tensor stored twice: every file keeps all its tensors
-        keeps = {n: headers[n].tensors for n in sorted(files) if headers[n].tensors}
+        keeps = dict(tables)
     else:
         per_file: dict[str, list[TensorInfo]] = {}
         _drop_duplicates(root, headers, per_file, rep)

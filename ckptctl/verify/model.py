@@ -74,7 +74,7 @@ def _detect(tensors: "Tensors | TensorNames") -> tuple[Spec, str] | None:
 
 def name_facts(names: Iterable[str]) -> dict[str, Any] | None:
     """What the config rules work out from tensor names alone (expert blocks, layer stacks, the
-    layout), for ``names``: the facts a :class:`TensorNames` of the same set of names keeps, in
+    layout and its embedding and layer names), for ``names``: the facts a :class:`TensorNames` of the same set of names keeps, in
     plain values (a :class:`~ckptctl.layout.reading.MetadataReading`'s names work, run on an
     index's names by a worker beside the header decoding; :func:`check_config` takes them back
     through ``facts``, only for the very same names). None where a name holds a newline (the
