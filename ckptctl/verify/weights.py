@@ -42,11 +42,11 @@ def dtype_notes(hdr: Header) -> list[Finding]:
     out: list[Finding] = []
     newer: dict[str, str] = {}
     no_torch: list[str] = []
-    counts = hdr.tensors.dtype_counts()  # a few dtypes, many tensors: counted by column
-    for d in filter(None, map(dt.get, counts)):
+    used = hdr.tensors.dtype_set()  # a few dtypes, many tensors: told by column
+    for d in filter(None, map(dt.get, used)):
         if _version(d.since) > (0, 4):
             newer[d.name] = d.since
-    odd = {d for d in counts if (x := dt.get(d)) is not None and x.torch_name is None}
+    odd = {d for d in used if (x := dt.get(d)) is not None and x.torch_name is None}
     if odd:
         no_torch = [t.name for t in hdr.tensors.values() if t.spec.dtype in odd]
     if newer:
