@@ -27,9 +27,8 @@ from ckptctl.format import names as N
 from ckptctl.gcpause import paused
 from ckptctl.layout.reading import MetadataReading
 from ckptctl.layout.version import one_version
-from ckptctl.verify.classes import model_class_step
 from ckptctl.verify.consistency import consistency_step
-from ckptctl.verify.context import DEEP_NOT_ASKED, Context, ProgressFn, VerifyOptions
+from ckptctl.verify.context import DEEP_NOT_ASKED, STATIC_ASKED, Context, ProgressFn, VerifyOptions
 from ckptctl.verify.dcp import check_dcp
 from ckptctl.verify.index import family_tensors
 from ckptctl.verify.manifest import manifest_step
@@ -154,6 +153,16 @@ def components_step(ctx: Context) -> str | None:
             sub.mark(CONFIG, f"{comp.library} component: the transformers config rules do not apply")
             _run(sub, tuple(c for c in COMPONENT_STEPS if c.group != CONFIG))
     return None
+
+
+def model_class_step(ctx: Context) -> str | None:
+    """The model-class check (:mod:`ckptctl.verify.classes`), imported only where it runs: not
+    with ``--static``."""
+    if ctx.options.static:
+        return STATIC_ASKED
+    from ckptctl.verify.classes import model_class_step as run
+
+    return run(ctx)
 
 
 def deep_step(ctx: Context) -> str | None:

@@ -35,7 +35,7 @@ from ckptctl.format import small
 from ckptctl.verify.classes.bounds import check_adapter, check_config
 from ckptctl.verify.classes.outcome import NotChecked, Outcome
 from ckptctl.verify.classes.quantized import method_name, not_built, quantization
-from ckptctl.verify.context import MAX_JSON_BYTES, STATIC_ASKED, Context, FamilyTensors
+from ckptctl.verify.context import MAX_JSON_BYTES, Context, FamilyTensors
 from ckptctl.verify.weights import transformers_rank
 
 DIFFUSERS_KEYS = ("_class_name", "_diffusers_version")
@@ -149,9 +149,7 @@ def _note(ctx: Context, shown: str, library: str, why: str, **details: Any) -> s
 
 def model_class_step(ctx: Context) -> str | None:
     """Build the class the checkpoint's library loads and report its loader's differences; why it
-    did not run, or None."""
-    if ctx.options.static:
-        return STATIC_ASKED
+    did not run, or None (``--static`` is the pipeline's step's to turn it off)."""
     fam = loaded_family(ctx)
     if fam is None:
         adapter = next((t for t in ctx.tables if t.family.kind == L.PEFT), None)
