@@ -189,6 +189,12 @@ def test_the_msgspec_reading_is_json_s_or_none(weight_map, metadata, dup, spaced
         assert expected is not None and got == expected
         assert json.dumps(got, sort_keys=True) == json.dumps(expected, sort_keys=True)  # the same types
         assert not negative_zero
+    # told the names the values probably are (all of them, or one that may be none): the same
+    for values in (tuple(sorted(set(weight_map.values()))), ("x.safetensors",)):
+        named = _fast_load(raw, values)
+        assert (named is None) == (got is None)
+        if named is not None:
+            assert json.dumps(named, sort_keys=True) == json.dumps(got, sort_keys=True)
 
 
 def test_the_msgspec_reading_takes_a_written_index(tmp_path: Path) -> None:
@@ -196,6 +202,11 @@ def test_the_msgspec_reading_takes_a_written_index(tmp_path: Path) -> None:
 
     raw = write(tmp_path, {"metadata": {"total_size": 12, "format": "pt"}, "weight_map": GOOD["weight_map"]}).read_bytes()
     assert _fast_load(raw) == json.loads(raw)
+    # told its shards' names, each value is that very string; a name it does not hold: read anyway
+    shards = tuple(sorted(set(GOOD["weight_map"].values())))
+    named = _fast_load(raw, shards)
+    assert named == json.loads(raw) and all(any(v is s for s in shards) for v in named["weight_map"].values())
+    assert _fast_load(raw, shards[:1]) == json.loads(raw)
     repeated = raw.replace(b'{"a": ', b'{"c": "x", "a": ', 1)
     assert _fast_load(repeated) is None
     assert codes(read_index(write(tmp_path, repeated, "r.json"))) == ["index.duplicate_key"]
@@ -219,8 +230,56 @@ def test_the_msgspec_reading_declines_what_it_may_read_otherwise(tmp_path: Path,
     the index reads with the same findings whichever reader was asked first."""
     from ckptctl.format.index_fast import load
 
-    assert load(raw) is None
+    assert load(raw) is None and load(raw, ("s.safetensors",)) is None
     p = write(tmp_path, raw)
     fast, reference = read_index(p, fast=True), read_index(p, fast=False)
     assert codes(fast) == codes(reference)
     assert fast.metadata == reference.metadata and fast.weight_map == reference.weight_map
+
+
+def test_bytes_read_before_are_compared_with_the_file_and_returned_only_when_it_holds_them(tmp_path: Path) -> None:
+    """``read_index_bytes(same_as=...)``: the very object read before when the file holds exactly
+    its bytes (compared piece by piece, across several pieces here); the file's own bytes when
+    one byte differs in the last piece, when it grew or shrank."""
+    from ckptctl.format.index import Index, read_index_bytes
+
+    weight_map = {f"model.layers.{i}.weight": f"model-{i % 3 + 1:05d}-of-00003.safetensors" for i in range(4000)}
+    p = write(tmp_path, {"metadata": {"total_size": 8}, "weight_map": weight_map})
+    first = read_index_bytes(str(p), Index(str(p)))
+    assert first is not None and len(first) > 3 * (1 << 16)
+    other = bytearray(first)
+    other[-10] ^= 1
+    other = bytes(other)  # the same size, another last piece
+    assert read_index_bytes(str(p), Index(str(p)), same_as=[other, first]) is first
+    assert read_index_bytes(str(p), Index(str(p)), same_as=[other]) == first
+    p.write_bytes(other)
+    again = read_index_bytes(str(p), Index(str(p)), same_as=[first])
+    assert again == other and again is not first
+    p.write_bytes(first + b" ")
+    assert read_index_bytes(str(p), Index(str(p)), same_as=[first]) == first + b" "
+    p.write_bytes(first[:-1])
+    assert read_index_bytes(str(p), Index(str(p)), same_as=[first]) == first[:-1]
+
+
+def test_an_agreement_with_a_worker_s_reading_is_remembered_for_the_very_table_only(tmp_path: Path) -> None:
+    """A worker's reading compares each shard's names sorted and joined; a header table found to
+    hold exactly a shard's names is not sorted again when asked again, and another table (other
+    names, or the same names in another table) is compared anew."""
+    from safetensors.numpy import save_file
+    import numpy as np
+
+    from ckptctl.format.header import read_header
+    from ckptctl.format.index import Index
+
+    shard = "model-00001-of-00001.safetensors"
+    save_file({"b": np.zeros(1, np.float32), "a": np.zeros(1, np.float32)}, str(tmp_path / "one.safetensors"))
+    save_file({"a": np.zeros(1, np.float32), "c": np.zeros(1, np.float32)}, str(tmp_path / "two.safetensors"))
+    same, wrong = (read_header(tmp_path / n).tensors for n in ("one.safetensors", "two.safetensors"))
+    idx = Index.from_worker("index.json", b"{}", True,
+                            {"findings": [], "metadata": {}, "shards": [shard], "joins": {shard: "a\nb"}})
+    assert idx.agrees({shard: same.keys()}, whole=True)
+    assert idx._agreeing == {shard: same}
+    assert idx.copy().agrees({shard: same}, whole=True)  # a copy shares what its original proved
+    assert not idx.agrees({shard: wrong.keys()}, whole=True)
+    assert not idx.agrees({shard: {"a", "c"}}, whole=True) and idx.agrees({shard: {"a", "b"}}, whole=True)
+    assert idx._agreeing == {shard: same}

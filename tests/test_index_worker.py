@@ -257,7 +257,7 @@ def test_headers_decoded_ahead_are_regular_files_within_the_budget(tmp_path: Pat
     """What the command decodes ahead while its worker parses an index: the folder's safetensors
     files by name, passing by links, FIFOs and hidden files, and none whose header would take the
     text decoded ahead past its budget (those are decoded when read, as without a worker)."""
-    from ckptctl.layout.reading import MetadataReading
+    from ckptctl.layout.reading import MetadataReading, _safetensors_names
 
     d = tmp_path / "folder"
     d.mkdir()
@@ -272,7 +272,10 @@ def test_headers_decoded_ahead_are_regular_files_within_the_budget(tmp_path: Pat
     sizes = {n: int.from_bytes((d / n).read_bytes()[:8], "little") for n in ("a-small.safetensors",
                                                                             "b-large.safetensors")}
     reading = MetadataReading(workers=False)
-    reading._decode_ahead(str(d), sizes["a-small.safetensors"] + sizes["b-large.safetensors"] - 1)
+    listed = _safetensors_names(str(d))
+    assert listed == ["a-small.safetensors", "b-large.safetensors", "c-small.safetensors", "d-fifo.safetensors",
+                      "e-link.safetensors"]  # not the hidden one
+    reading._decode_ahead(str(d), listed, sizes["a-small.safetensors"] + sizes["b-large.safetensors"] - 1)
     ahead = sorted(h.path.rsplit("/", 1)[1] for entries in reading._ahead.values() for _, h in entries)
     assert ahead == ["a-small.safetensors", "c-small.safetensors"]  # b over the budget, the rest passed by
     got = reading.header(d / "a-small.safetensors", keep=False)

@@ -313,6 +313,12 @@ class _Keys(KeysView):  # type: ignore[type-arg]
         return iter(self._mapping)  # type: ignore[no-any-return]
 
 
+def table_of(names: object) -> TensorTable | None:
+    """The table whose names ``names`` are (the table itself, or its keys), else None."""
+    table = names._mapping if isinstance(names, _Keys) else names
+    return table if type(table) is TensorTable else None
+
+
 class _Values(ValuesView):  # type: ignore[type-arg]
     def __iter__(self) -> Iterator[Any]:
         return self._mapping._iter_values()  # type: ignore[attr-defined, no-any-return]

@@ -6,8 +6,8 @@ the only place where metadata outlives one call, so what a read returns never de
 else the process did. Every read goes to the file as it is now; only the decoding is kept:
 
 - an **index** is read again (bounded) at every read, and parsed only when its bytes are bytes
-  this reading parsed before (compared whole: never judged by a size or a time stamp). Each read
-  gets its own :meth:`Index.copy`.
+  this reading parsed before (compared whole, with the file piece by piece rather than read into
+  a second copy: never judged by a size or a time stamp). Each read gets its own :meth:`Index.copy`.
 - a **header** is read again (its length field, then the header's bytes) at every read, and
   decoded only when the file's size and those bytes are not a pair this reading decoded before:
   a shard rewritten in place is seen as it is now, and the same bytes under another name (the
@@ -15,7 +15,9 @@ else the process did. Every read goes to the file as it is now; only the decodin
   Each read gets its own :meth:`Header.copy`.
 
 An index of :data:`WORKER_FROM` bytes or more is parsed by a worker (:mod:`ckptctl.worker`)
-where one can run: a child forked with its bytes parses them with the same reader and hands back
+where one can run: a child forked with its bytes parses them with the same reader (told the
+names of the folder's safetensors files, which the index's values probably are: each such value
+is then one shared string, :func:`ckptctl.format.index_fast.load`) and hands back
 its findings, metadata and shards, each shard's names sorted and joined by newlines (for a
 reading made with ``agreement``, the default: inspect and an export ask no agreement), and, for a reading
 made with ``names_work`` (verify's: :func:`ckptctl.verify.model.name_facts`), that work's result
@@ -102,7 +104,8 @@ class MetadataReading:
         :class:`~ckptctl.errors.CkptctlError` only when it cannot be read at all)."""
         p = os.fspath(path)
         idx = Index(display or p)
-        raw = read_index_bytes(p, idx)
+        # bytes this reading parsed before are compared with the file, never read into a copy
+        raw = read_index_bytes(p, idx, same_as=[seen for kept in self._indexes.values() for seen, _ in kept])
         if raw is None:
             return idx
         kept = self._indexes.setdefault(len(raw), [])
@@ -129,7 +132,8 @@ class MetadataReading:
         key = (hdr.file_size, len(raw))
         kept, ahead = self._headers.get(key), self._ahead.get(key)
         if kept or ahead or keep:
-            known = bytes(raw) if len(raw) <= KEEP_BYTES else _digest(raw)
+            # compared as read (copied only to be kept, below)
+            known: bytes | bytearray = raw if len(raw) <= KEEP_BYTES else _digest(raw)
             for seen, decoded in kept or ():
                 if seen == known and (decoded.path == hdr.path or not decoded.findings):
                     return decoded.copy(hdr.path)
@@ -139,9 +143,11 @@ class MetadataReading:
                     if keep:
                         self._headers.setdefault(key, []).append((seen, decoded))
                     return decoded.copy(hdr.path)
-        decode_header(hdr, raw, fast=self.typed(len(raw)))
         if not keep:
+            decode_header(hdr, raw, fast=self.typed(len(raw)))
             return hdr
+        known = bytes(known)  # before the decoding empties raw
+        decode_header(hdr, raw, fast=self.typed(len(raw)))
         self._headers.setdefault(key, []).append((known, hdr))
         return hdr.copy()
 
@@ -152,12 +158,14 @@ class MetadataReading:
         None where no worker runs or it failed (the caller parses the index itself)."""
         from ckptctl import worker
 
-        job = worker.start(worker_reading, raw, shown, fast, self.names_work, self.agreement,
+        folder = os.path.dirname(path) or "."
+        names = _safetensors_names(folder)  # the index's values are probably these (the worker's parse)
+        job = worker.start(worker_reading, raw, shown, fast, self.names_work, self.agreement, tuple(names),
                            capacity=WORKER_CAPACITY)
         if job is None:
             return None
         try:
-            self._decode_ahead(os.path.dirname(path) or ".", AHEAD_PER_INDEX_BYTE * len(raw))
+            self._decode_ahead(folder, names, AHEAD_PER_INDEX_BYTE * len(raw))
             got = job.next()
         except worker.WorkerFailed:
             return None
@@ -172,14 +180,10 @@ class MetadataReading:
             return None
         return got, job if self.names_work is not None else None
 
-    def _decode_ahead(self, folder: str, budget: int) -> None:
-        """Decode the headers of the safetensors files of ``folder`` (regular files, no links;
-        the first :data:`AHEAD_FILES` by name, while their header text stays within ``budget``
+    def _decode_ahead(self, folder: str, names: list[str], budget: int) -> None:
+        """Decode the headers of the safetensors files ``names`` of ``folder`` (regular files, no
+        links; the first :data:`AHEAD_FILES`, while their header text stays within ``budget``
         bytes) into the decodings kept apart for one use each."""
-        try:
-            names = sorted(n for n in os.listdir(folder) if n.endswith(".safetensors") and not n.startswith("."))
-        except OSError:
-            return
         for name in names[:AHEAD_FILES]:
             path = os.path.join(folder, name)
             try:
@@ -214,6 +218,15 @@ class MetadataReading:
         on, once what this reading has parsed and decoded, that one included, reaches :data:`TYPED_FROM`."""
         self._decoded += size
         return self.fast and self._decoded >= TYPED_FROM
+
+
+def _safetensors_names(folder: str) -> list[str]:
+    """The names of ``folder`` that end in ``.safetensors`` (not hidden), sorted; none when it
+    cannot be listed."""
+    try:
+        return sorted(n for n in os.listdir(folder) if n.endswith(".safetensors") and not n.startswith("."))
+    except OSError:
+        return []
 
 
 def _digest(raw: bytearray) -> bytes:
