@@ -288,3 +288,28 @@ def test_a_merged_table_given_its_index_reads_as_the_one_it_builds(seed: int) ->
         given["no such name"]
     with pytest.raises(ValueError):
         MergedSpecs(parts, where=where)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_a_disjoint_merged_table_answers_by_name_as_the_dict_before_and_after_its_rows(seed: int) -> None:
+    """``disjoint`` without an index (a worker's reading): look-ups by name search the headers'
+    lists first, then (past ``SCANNED_LOOKUPS``) their rows, and ``get_many`` (``specs_of``)
+    intersects each part's names: every way answers what the updated dict answers, missing
+    names included, and the few first look-ups make no header's rows."""
+    from ckptctl.format.table import SCANNED_LOOKUPS, specs_of
+
+    rng = random.Random(seed)
+    parts = _parts(rng, overlap=False)
+    slow: dict = {}
+    for p in parts:
+        slow.update(p.items())
+    merged = MergedSpecs(parts, disjoint=True)
+    asked = list(slow) + ["nope", "model.layers.99.w"]
+    rng.shuffle(asked)
+    assert specs_of(merged, asked) == specs_of(slow, asked) == {n: slow[n] for n in asked if n in slow}
+    firsts = asked[:SCANNED_LOOKUPS]
+    assert [merged.get(n) for n in firsts] == [slow.get(n) for n in firsts]
+    assert merged._lookups is None  # no header's rows made for them
+    assert [merged.get(n) for n in asked] == [slow.get(n) for n in asked]  # past the scans: the rows
+    assert merged._lookups is not None or len(asked) <= SCANNED_LOOKUPS
+    assert merged.get_many(asked) == specs_of(slow, asked)

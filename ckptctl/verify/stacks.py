@@ -16,6 +16,7 @@ from collections.abc import Mapping
 
 from ckptctl.config_fields import ConfigFields, as_int
 from ckptctl.findings import ERROR, INFO, PathFindings
+from ckptctl.format.table import specs_of
 from ckptctl.format.tensor import TensorSpec
 from ckptctl.tensor_names import TensorNames, run_pattern
 
@@ -209,8 +210,9 @@ def check_experts(ctx: PathFindings, cfg: dict, tensors: "Tensors | TensorNames"
         ctx.add("config.expert_count", ERROR,
                 f"{field} is {n} but {blk}experts.N holds experts {_first(e, len(e))}; transformers silently "
                 "ignores them", f"fix {field} in config.json", block=blk, extra=e[:200])
+    gates = specs_of(names.tensors, [blk + "gate.weight" for blk in per_block])
     for blk in sorted(per_block):
-        gate = names.tensors.get(blk + "gate.weight")
+        gate = gates.get(blk + "gate.weight")
         if gate is not None and len(gate.shape) == 2 and gate.shape[0] != n:
             ctx.add("config.expert_count", ERROR,
                     f"router {gate.name!r} scores {gate.shape[0]} experts but {field} is {n}: loading fails with a "
