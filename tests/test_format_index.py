@@ -276,7 +276,7 @@ def test_an_agreement_with_a_worker_s_reading_is_remembered_for_the_very_table_o
     save_file({"a": np.zeros(1, np.float32), "c": np.zeros(1, np.float32)}, str(tmp_path / "two.safetensors"))
     same, wrong = (read_header(tmp_path / n).tensors for n in ("one.safetensors", "two.safetensors"))
     idx = Index.from_worker("index.json", b"{}", True,
-                            {"findings": [], "metadata": {}, "shards": [shard], "joins": {shard: "a\nb"}})
+                            {"findings": [], "metadata": {}, "shards": [shard], "joins": {shard: (2, "a\nb")}})
     assert idx.agrees({shard: same.keys()}, whole=True)
     assert idx._agreeing == {shard: same}
     assert idx.copy().agrees({shard: same}, whole=True)  # a copy shares what its original proved

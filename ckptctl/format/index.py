@@ -37,9 +37,9 @@ class Index:
         self.shards: list[str] = []
         self._map: dict[str, str] | None = {}
         self._source: Index | None = None  # the reading this one copies (its map, on first use)
-        # a worker's reading: each shard's names sorted and joined by newlines, and the bytes (and
-        # whether the fast reader may read them) that the map is parsed from on first use
-        self._joins: dict[str, str] | None = None
+        # a worker's reading: each shard's names, counted, and sorted and joined by newlines; and
+        # the bytes (and whether the fast reader may read them) that the map is parsed from on first use
+        self._joins: dict[str, tuple[int, str]] | None = None
         # for it, the header tables (read-only) already found to hold exactly a shard's names: a
         # repair asks of the same tables twice, for its plan and for its verify
         self._agreeing: dict[str, TensorTable] = {}
@@ -108,15 +108,17 @@ class Index:
         if self._joins is not None:
             joins, agreeing = self._joins, self._agreeing
             for shard, names in held.items():
-                text = joins.get(shard)
-                if text is None:
+                joined = joins.get(shard)
+                if joined is None:
                     if names:
                         return False
                     continue
                 table = table_of(names)
                 if table is not None and agreeing.get(shard) is table:
                     continue
-                if len(names) != text.count("\n") + 1 or "\n".join(sorted(names)) != text:
+                # as many names as the index maps there (none holds a newline: the worker counted
+                # its own), and the same ones
+                if len(names) != joined[0] or "\n".join(sorted(names)) != joined[1]:
                     return False
                 if table is not None:
                     agreeing[shard] = table
@@ -268,18 +270,18 @@ def worker_reading(raw: bytes, path: str, fast: bool, names_work: Callable[[Any]
     """What a worker hands back, in turn (``ckptctl.worker``: each as soon as it is made): for
     :meth:`Index.from_worker`, the index ``raw`` parsed as :func:`parse_index` parses it (its
     findings, metadata and shards; ``shards``: the names they probably have) with each shard's
-    names sorted and joined by newlines (None where a name holds one, or without ``joins``: the
+    names counted, and sorted and joined by newlines (None where a name holds one, or without ``joins``: the
     map is then parsed where it is needed); then, with ``names_work``, its result on the names
     (None for an index with an error)."""
     idx = Index(path)
     parse_index(idx, raw, fast=fast, shards=shards)
-    joined: dict[str, str] | None = None
+    joined: dict[str, tuple[int, str]] | None = None
     if joins and idx.ok and idx._map is not None:
         groups: dict[str, list[str]] = {}
         for name, shard in idx._map.items():
             groups.setdefault(shard, []).append(name)
-        joined = {shard: "\n".join(sorted(names)) for shard, names in groups.items()}
-        if any(text.count("\n") != len(groups[shard]) - 1 for shard, text in joined.items()):
+        joined = {shard: (len(names), "\n".join(sorted(names))) for shard, names in groups.items()}
+        if any(text.count("\n") != count - 1 for count, text in joined.values()):
             joined = None
     yield {"findings": idx.findings, "metadata": idx.metadata, "shards": idx.shards, "joins": joined}
     if names_work is not None:
