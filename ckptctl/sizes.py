@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import re
 
+CHUNK_BYTES = 16 * 1024 * 1024  # what one read/convert step of a source holds in memory at most
+
 _UNITS = {
     "": 1, "B": 1,
     "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,

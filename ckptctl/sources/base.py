@@ -17,8 +17,8 @@ from typing import Any, Callable, Iterator, NamedTuple, TypeVar
 from ckptctl.errors import InputError, OperationalError, UsageError
 from ckptctl.format import dtypes as dt
 from ckptctl.format.tensor import SpecFields, TensorSpec
+from ckptctl.sizes import CHUNK_BYTES
 
-CHUNK_BYTES = 16 * 1024 * 1024  # what one read/convert step holds in memory at most
 MAX_OPEN_SOURCES = 64  # source files a writer keeps open at once (fewer under a low ``ulimit -n``)
 _T = TypeVar("_T")
 

@@ -15,8 +15,7 @@ from typing import Callable
 from ckptctl.errors import UsageError
 from ckptctl.format import dtypes as dt
 from ckptctl.format import names as N
-from ckptctl.sizes import parse_size
-from ckptctl.sources.base import CHUNK_BYTES
+from ckptctl.sizes import CHUNK_BYTES, parse_size
 from ckptctl.sources.kinds import NAMES_CHOICES, ONLY_CHOICES
 
 DEFAULT_MAX_SHARD_SIZE = "5GB"
