@@ -22,6 +22,7 @@ from tests.support import REPO, clean_env, invoke, write_tiny_checkpoint
 COMMAND_MODULES = {"ckptctl.cli.export_cmd", "ckptctl.cli.gc_cmd", "ckptctl.cli.inspect_cmd",
                    "ckptctl.cli.resave_cmd", "ckptctl.cli.verify_cmd"}
 DEEP_ONLY = {"ckptctl.verify.deep", "ckptctl.threads", "ckptctl.manifest", "concurrent.futures"}
+WRITER = {"ckptctl.write.inputs", "ckptctl.write.job", "ckptctl.plan", "ckptctl.sources.base"}
 
 
 # the CLI's entry point with an exit hook that lists every module the process imported
@@ -64,6 +65,7 @@ def test_a_plain_verify_imports_its_command_alone_and_no_deep_machinery(st_dir: 
     assert loaded & COMMAND_MODULES == {"ckptctl.cli.verify_cmd"}
     assert not loaded & DEEP_ONLY
     assert "rich.table" not in loaded  # -q on a clean checkpoint prints nothing
+    assert not {m for m in loaded if m.startswith("ckptctl.verify.classes")}  # --static: not the class check's
 
 
 def test_deep_verify_and_help_load_what_they_need(st_dir: Path) -> None:
@@ -150,6 +152,7 @@ def test_resave_repair_static_verifies_without_the_class_check(llama_dir: Path, 
     proc, loaded = run_listing(["resave", d, "--repair", "--static"])
     assert proc.returncode == 0 and "nothing to repair" in proc.stdout, proc.stderr[-2000:]
     assert not loaded & {"torch", "transformers", "diffusers"}
+    assert not loaded & WRITER  # nothing to write: no writer imported
     assert {p.name: p.stat().st_mtime_ns for p in d.iterdir()} == before
     proc, loaded = run_listing(["resave", d, "--repair"])  # the class check's libraries: in its box's child
     assert proc.returncode == 0 and not loaded & {"torch", "transformers"}, proc.stderr[-2000:]
@@ -162,3 +165,4 @@ def test_resave_repair_static_verifies_without_the_class_check(llama_dir: Path, 
     proc, loaded = run_listing(["resave", fixed, "--repair", "--static"])
     assert proc.returncode == 0 and "fixed: " in proc.stdout, proc.stderr[-2000:]
     assert not loaded & {"torch", "transformers", "diffusers"}
+    assert WRITER <= loaded  # the probe is not blind

@@ -178,6 +178,10 @@ def _resave(root: Path, opts: ExportOptions, *, output: str | os.PathLike[str] |
                                   source=src)
             return ResaveResult(write_inputs(inputs, dest, check=check, reading=reading), rep)
     opts = replace(opts, prefix=chosen.stem, variant=chosen.variant)
+    if not replan:
+        assert ana.kept is not None
+        if ana.unchanged:
+            return _unchanged(dest, opts, rep, chosen.errors, static, reading)
     # the writer, imported only once something is written (a repair with nothing to do needs none)
     from ckptctl.write.inputs import build_inputs, entries_for
     if replan:
@@ -192,8 +196,6 @@ def _resave(root: Path, opts: ExportOptions, *, output: str | os.PathLike[str] |
         inputs = build_inputs(entries, opts, settings, extras=extras)
     else:
         assert ana.kept is not None
-        if ana.unchanged:
-            return _unchanged(dest, opts, rep, chosen.errors, static, reading)
         plan, kept = keep_layout_plan(ana.kept)
         if rep.lost:  # DESIGN.md I9: no tensor lost
             raise UnrepairableError(

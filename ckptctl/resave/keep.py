@@ -22,10 +22,10 @@ from ckptctl.format.names import MANIFEST_NAME
 from ckptctl.format.header import Header, TensorInfo, TensorTable, encode_header
 from ckptctl.format.index import Index
 from ckptctl.layout.reading import MetadataReading
-from ckptctl.plan import Plan, ShardPlan
 from ckptctl.resave.analyze import Chosen, Repair
 
 if TYPE_CHECKING:
+    from ckptctl.plan import Plan
     from ckptctl.sources.base import Source
     from ckptctl.write.inputs import Entry
 
@@ -171,6 +171,8 @@ def kept_files(root: Path, chosen: Chosen, rep: Repair) -> KeptFiles:
 def keep_layout_plan(kf: KeptFiles) -> tuple[Plan, Kept]:
     """The plan of :func:`kept_files`' decisions (a record per tensor), with what each file
     contributes (:func:`keep_layout_source` makes the source of it)."""
+    from ckptctl.plan import Plan, ShardPlan  # the writer's, imported only once something is written
+
     shards: list[ShardPlan] = []
     kept: Kept = []
     for n, new_name, keep, same in zip(kf.files, kf.names, kf.keeps, kf.unchanged):
