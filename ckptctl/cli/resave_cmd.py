@@ -10,7 +10,6 @@ import typer
 from ckptctl.cli._options import (DryRunOpt, DtypeOpt, JsonOpt, LabelOpt, ManifestOpt, NoFsyncOpt, QuietOpt,
                                   VerboseOpt, plain)
 from ckptctl.cli._output import Output, ProgressReporter, names_line, plural
-from ckptctl.cli.export_cmd import render_result, render_root
 
 def resave(
     directory: Annotated[str, typer.Argument(metavar="DIR", help="Checkpoint directory to rewrite in place.")],
@@ -81,10 +80,14 @@ def resave(
             for folder, res in sorted(result.components.items()):
                 for fix in res.repair.fixes:
                     out.print(("to fix: " if dry_run else "fixed: ") + f"{folder or '.'}: {fix}")
+            from ckptctl.cli.export_cmd import render_root  # (a command module: only for what it renders)
+
             render_root(out, result)
             return
         for fix in result.repair.fixes:
             out.print(("to fix: " if dry_run else "fixed: ") + fix)
+        from ckptctl.cli.export_cmd import render_result
+
         render_result(out, result.export)
         if result.export.linked:
             out.print(names_line("would link unchanged" if dry_run else "linked unchanged", result.export.linked))
