@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -44,8 +43,14 @@ def process_state(pid: int) -> str | None:
     return fields[0] if fields else None
 
 
+def host_name() -> str:
+    """This host's name as an owner record holds it: the kernel's node name, what
+    ``socket.gethostname()`` returns on Linux (without importing socket, about 1.7 ms)."""
+    return os.uname().nodename
+
+
 def on_this_host(owner: dict[str, Any]) -> bool:
-    return owner.get("host") == socket.gethostname()
+    return owner.get("host") == host_name()
 
 
 @dataclass(frozen=True)

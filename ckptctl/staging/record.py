@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import shlex
-import socket
 import sys
 import time
 from pathlib import Path
@@ -17,7 +16,6 @@ from typing import Any
 from ckptctl._version import __version__
 from ckptctl.format import small
 from ckptctl.format.names import parse_staging_name
-from ckptctl.staging.liveness import boot_id, process_start_time
 
 OWNER = "owner.json"  # who writes here (the record below)
 DATA = "data"  # the checkpoint being built
@@ -30,12 +28,14 @@ MAX_OWNER_BYTES = 1 << 16
 
 def owner_record(dest: Path, command: str | None = None) -> dict[str, Any]:
     """The owner record of a writer for ``dest`` that is this process."""
+    from ckptctl.staging.liveness import boot_id, host_name, process_start_time  # (a writer's: the rest reads)
+
     pid = os.getpid()
     return {
         "tool": TOOL,
         "tool_version": __version__,
         "pid": pid,
-        "host": socket.gethostname(),
+        "host": host_name(),
         "boot_id": boot_id(),
         "start_time": process_start_time(pid),
         "created": time.time(),
