@@ -23,6 +23,7 @@ COMMAND_MODULES = {"ckptctl.cli.export_cmd", "ckptctl.cli.gc_cmd", "ckptctl.cli.
                    "ckptctl.cli.resave_cmd", "ckptctl.cli.verify_cmd"}
 DEEP_ONLY = {"ckptctl.verify.deep", "ckptctl.threads", "ckptctl.manifest", "concurrent.futures"}
 WRITER = {"ckptctl.write.inputs", "ckptctl.write.job", "ckptctl.plan", "ckptctl.sources.base"}
+STAGING = {"ckptctl.staging.actions", "ckptctl.staging.liveness", "ckptctl.staging.state"}
 
 
 # the CLI's entry point with an exit hook that lists every module the process imported
@@ -153,6 +154,7 @@ def test_resave_repair_static_verifies_without_the_class_check(llama_dir: Path, 
     assert proc.returncode == 0 and "nothing to repair" in proc.stdout, proc.stderr[-2000:]
     assert not loaded & {"torch", "transformers", "diffusers"}
     assert not loaded & (WRITER | {"ckptctl.cli.export_cmd"})  # nothing to write: no writer, nothing of export's
+    assert not loaded & STAGING  # no staging directory to recover: the staging machinery is not imported
     assert {p.name: p.stat().st_mtime_ns for p in d.iterdir()} == before
     proc, loaded = run_listing(["resave", d, "--repair"])  # the class check's libraries: in its box's child
     assert proc.returncode == 0 and not loaded & {"torch", "transformers"}, proc.stderr[-2000:]
@@ -165,4 +167,4 @@ def test_resave_repair_static_verifies_without_the_class_check(llama_dir: Path, 
     proc, loaded = run_listing(["resave", fixed, "--repair", "--static"])
     assert proc.returncode == 0 and "fixed: " in proc.stdout, proc.stderr[-2000:]
     assert not loaded & {"torch", "transformers", "diffusers"}
-    assert WRITER | {"ckptctl.cli.export_cmd"} <= loaded  # the probe is not blind (export's renderer)
+    assert WRITER | {"ckptctl.cli.export_cmd"} | STAGING <= loaded  # the probe is not blind (export's renderer)

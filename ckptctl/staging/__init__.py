@@ -83,27 +83,49 @@ its directory raises :class:`MountInside` and the mounted filesystem is left as 
 
 from __future__ import annotations
 
+import importlib
+from pathlib import Path
+from typing import Any
+
 from ckptctl.format.names import parse_staging_name, staging_name
-from ckptctl.staging.actions import (competitor_error, conflict_message, recover, recover_destination,
-                                     remove_staging, remove_staging_at, roll)
-from ckptctl.staging.fs import Deferred, fsync_path, listing, moved, open_beneath, remove_at, remove_tree, rename, write_small
-from ckptctl.staging.liveness import (Liveness, boot_id, judge_owner, on_this_host, open_elsewhere, process_start_time,
-                                      process_state)
-from ckptctl.staging.lock import LOCK, NotALock, StagingLock, acquire, probe
-from ckptctl.staging.mounts import MountInside, is_mount_point, mounts_below
-from ckptctl.staging.record import (DATA, OLD, OWNER, READY, TOOL, journal_record, owner_record, read_journal,
-                                    read_owner, siblings)
-from ckptctl.staging.state import State, StagingState, inspect, is_stub, phase
+
+# Each name this package offers -> its module, imported when the name is first asked for (a
+# command that finds no staging directory imports none of them: liveness, state, locks, about 5 ms).
+_FROM = {
+    "actions": ("competitor_error", "conflict_message", "recover", "remove_staging", "remove_staging_at", "roll"),
+    "fs": ("Deferred", "fsync_path", "listing", "moved", "open_beneath", "remove_at", "remove_tree", "rename",
+           "write_small"),
+    "liveness": ("Liveness", "boot_id", "judge_owner", "on_this_host", "open_elsewhere", "process_start_time",
+                 "process_state"),
+    "lock": ("LOCK", "NotALock", "StagingLock", "acquire", "probe"),
+    "mounts": ("MountInside", "is_mount_point", "mounts_below"),
+    "record": ("DATA", "OLD", "OWNER", "READY", "TOOL", "journal_record", "owner_record", "read_journal",
+               "read_owner", "siblings"),
+    "state": ("State", "StagingState", "inspect", "is_stub", "phase"),
+}
+_MODULE_OF = {name: module for module, names in _FROM.items() for name in names}
 
 # ``staging.parse_name`` is what callers outside the package have always called it.
 parse_name = parse_staging_name
 
-__all__ = [
-    "DATA", "LOCK", "OLD", "OWNER", "READY", "TOOL",
-    "Deferred", "Liveness", "MountInside", "NotALock", "StagingLock", "StagingState", "State",
-    "acquire", "boot_id", "competitor_error", "conflict_message", "fsync_path", "inspect", "is_mount_point", "is_stub",
-    "journal_record", "judge_owner", "listing", "mounts_below", "moved", "on_this_host", "open_elsewhere", "open_beneath", "owner_record",
-    "parse_name", "parse_staging_name", "phase", "probe", "process_start_time", "process_state", "read_journal",
-    "read_owner", "recover", "recover_destination", "remove_at", "remove_staging", "remove_staging_at",
-    "remove_tree", "rename", "roll", "siblings", "staging_name", "write_small",
-]
+
+def recover_destination(dest: Path) -> list[str]:
+    """:func:`ckptctl.staging.actions.recover_destination`, imported only when ``dest``'s parent
+    holds a staging directory of its name (``record.siblings``); else nothing to recover: ``[]``."""
+    from ckptctl.staging.record import siblings
+
+    if not siblings(dest.parent, dest.name):
+        return []
+    from ckptctl.staging.actions import recover_destination as recover
+
+    return recover(dest)
+
+
+def __getattr__(name: str) -> Any:
+    module = _MODULE_OF.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{module}"), name)
+
+
+__all__ = sorted([*_MODULE_OF, "parse_name", "parse_staging_name", "recover_destination", "staging_name"])

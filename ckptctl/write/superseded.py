@@ -34,7 +34,8 @@ def superseded(dest: Path, *, slot: tuple[str, str | None] = MAIN,
         return [], []
     if lay is None:
         lay = L.scan(dest)
-    live = staging.open_elsewhere([dest / n for n in lay.leftovers])
+    # (no leftover: nothing to ask of /proc, and the staging machinery stays unimported)
+    live = staging.open_elsewhere([dest / n for n in lay.leftovers]) if lay.leftovers else set()
     drop: set[str] = {n for n in lay.leftovers if dest / n not in live}
     main = slot == MAIN
     for fam in lay.families:
