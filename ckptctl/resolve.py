@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 from ckptctl.errors import InputError
 from ckptctl.format.small import read_small
@@ -17,8 +17,7 @@ _REPO_FOLDER = re.compile(r"^(models|datasets|spaces)--.+")
 _MAX_REF = 256  # refs/main holds a 40-hex commit
 
 
-@dataclass(frozen=True)
-class Resolved:
+class Resolved(NamedTuple):
     path: Path
     note: str | None = None  # what was resolved, for the user (a cache folder -> its snapshot)
 

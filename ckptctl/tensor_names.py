@@ -24,16 +24,14 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
 from functools import cached_property
 from itertools import repeat
-from typing import Any
+from typing import Any, NamedTuple
 
 from ckptctl.format.tensor import TensorSpec, dtypes
 
 
-@dataclass(frozen=True)
-class RunPattern:
+class RunPattern(NamedTuple):
     """``one_source``: the pattern for one name (anchored with ``^``); ``run_source``: its run form
     over the newline-prefixed lines of the text (MULTILINE); ``keys``: the names of the groups
     both give. Compiled on first use (``re`` keeps them), not when a module defines them."""

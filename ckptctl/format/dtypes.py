@@ -7,11 +7,10 @@ official writer uses to lay tensors out (descending), so it must not be changed.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from typing import NamedTuple
 
 
-@dataclass(frozen=True)
-class DType:
+class DType(NamedTuple):
     """A safetensors dtype: its width, whether it is floating, torch's name for it, and since when
     safetensors reads it."""
 

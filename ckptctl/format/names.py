@@ -19,7 +19,7 @@ import fnmatch
 import os
 import re
 import time
-from dataclasses import dataclass
+from typing import NamedTuple
 
 SAFETENSORS_EXT = "safetensors"
 BIN_EXT = "bin"
@@ -43,8 +43,7 @@ _INDEX_RE = re.compile(rf"^(?P<stem>{_STEM_ALT})\.(?P<ext>safetensors|bin)\.inde
 _ANY_SHARD_RE = re.compile(r"^(?P<prefix>.+)-(?P<i>\d{5})-of-(?P<n>\d{5})\.(?P<ext>[A-Za-z0-9]+)$")
 
 
-@dataclass(frozen=True)
-class WeightsName:
+class WeightsName(NamedTuple):
     """A parsed weights file name."""
 
     stem: str
@@ -125,8 +124,7 @@ def member_problem(name: object) -> str | None:
 # leftovers of interrupted writers
 
 
-@dataclass(frozen=True)
-class Leftover:
+class Leftover(NamedTuple):
     """What one known tool leaves behind when it is interrupted.
 
     ``kind`` is ``file`` or ``dir``; ``default`` says whether ``layout`` (and so export, resave

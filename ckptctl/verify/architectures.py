@@ -20,7 +20,7 @@ config field names, :mod:`ckptctl.config_fields`):
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, NamedTuple
 
 from ckptctl.config_fields import ConfigFields, as_int
 
@@ -42,8 +42,7 @@ class Dims:
     linear: bool | None = False  # GPT-2 names: True nn.Linear [out, in] layout, False Conv1D [in, out], None unknown
 
 
-@dataclass(frozen=True)
-class Rule:
+class Rule(NamedTuple):
     """The shape one tensor of every layer must have, from the config's dims."""
 
     suffix: str  # tensor name inside a layer, e.g. "self_attn.q_proj.weight"
@@ -52,8 +51,7 @@ class Rule:
     what: str  # which config fields decide the shape
 
 
-@dataclass(frozen=True)
-class Spec:
+class Spec(NamedTuple):
     """A model family's tensor names (embedding, layer container, lm head) and its per-layer shape
     rules."""
 

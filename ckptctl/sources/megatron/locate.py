@@ -5,8 +5,8 @@ or an iteration folder), from names and small files alone: the registry's cheap 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 from ckptctl.errors import InputError
 from ckptctl.format import names as N
@@ -19,8 +19,7 @@ META_JSON = "metadata.json"
 _ITER = re.compile(r"^iter_([0-9]{7,})$")
 
 
-@dataclass(frozen=True)
-class MegatronLocation:
+class MegatronLocation(NamedTuple):
     """A Megatron checkpoint: the iteration folder read, and the ``--save`` root (or None)."""
 
     folder: Path

@@ -7,8 +7,8 @@ from __future__ import annotations
 import os
 import re
 import stat
-from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 from ckptctl.errors import InputError
 from ckptctl.sources.kinds import dir_names
@@ -18,8 +18,7 @@ _OPTIM = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt
 _TAG = re.compile(r"^[A-Za-z0-9_.+-]{1,200}$")
 
 
-@dataclass(frozen=True)
-class ZeroLocation:
+class ZeroLocation(NamedTuple):
     """Where a ZeRO checkpoint is: its step folder, the root beside it (config, tokenizer) and
     the tag."""
 
