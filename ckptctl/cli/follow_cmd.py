@@ -14,7 +14,6 @@ No ``from __future__ import annotations`` (see ``verify_cmd``): Typer evaluates 
 """
 
 import os
-import shlex
 from pathlib import Path
 from typing import Annotated, Any, Optional
 
@@ -103,6 +102,8 @@ def _follow(out: Any, src: str, dst: str, json_: bool, given: dict[str, Any]) ->
         raise UsageError("--overwrite does not apply to --follow",
                          "the follower replaces only its own exports (a save written again)")
     try:
+        import shlex
+
         hook = shlex.split(given["on_publish"]) if given.get("on_publish") is not None else None
     except ValueError as exc:
         raise UsageError(f"--on-publish: {exc}", "quote the command as a shell would") from None
