@@ -747,3 +747,20 @@ def teardown_module() -> None:
     for name in os.listdir(_FUZZ_DIR):
         os.unlink(os.path.join(_FUZZ_DIR, name))
     os.rmdir(_FUZZ_DIR)
+
+
+def test_a_header_read_without_following_links_or_past_a_limit(tmp_path: Path) -> None:
+    """``read_header_bytes(follow=False)`` does not open a link; ``limit``: a header longer than
+    it is not read (no bytes, no finding, its length known), one within it is read as without."""
+    from ckptctl.format.header import read_header_bytes
+
+    f = tmp_path / "model.safetensors"
+    save_file({"a": torch.zeros(3)}, str(f))
+    n = int.from_bytes(f.read_bytes()[:8], "little")
+    (tmp_path / "link.safetensors").symlink_to(f)
+    with pytest.raises(OperationalError):
+        read_header_bytes(tmp_path / "link.safetensors", follow=False)
+    assert read_header_bytes(tmp_path / "link.safetensors")[1] == f.read_bytes()[8:8 + n]
+    hdr, raw = read_header_bytes(f, limit=n - 1)
+    assert raw is None and hdr.header_len == n and not hdr.findings
+    assert read_header_bytes(f, follow=False, limit=n)[1] == f.read_bytes()[8:8 + n]

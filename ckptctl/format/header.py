@@ -191,18 +191,21 @@ def read_header(path: str | os.PathLike[str], *, display: str | None = None, fas
     return hdr
 
 
-def read_header_bytes(path: str | os.PathLike[str], *, display: str | None = None) -> tuple[Header, bytearray | None]:
+def read_header_bytes(path: str | os.PathLike[str], *, display: str | None = None, follow: bool = True,
+                      limit: int | None = None) -> tuple[Header, bytearray | None]:
     """The first half of :func:`read_header`: the file read up to the end of its header, and the
     checks that need no decoding (what the file is, the length field). Returns the header with
     those findings and the JSON bytes to decode (:func:`decode_header`), or None for them when a
-    finding already makes the file unreadable."""
+    finding already makes the file unreadable. ``follow=False``: a link is not opened (OSError);
+    ``limit``: a header longer than that is not read (None for its bytes, no finding; its length
+    is ``header_len``)."""
     p = os.fspath(path)
     shown = display or p
     try:
         # O_NONBLOCK: opening a FIFO must not wait for a writer; fstat then tells what it is.
         # Read by position into the buffers themselves (no file object: a header is read again at
         # each use, 163 of them three times in a repair).
-        fd = os.open(p, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        fd = os.open(p, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | (0 if follow else os.O_NOFOLLOW))
         try:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):
@@ -215,7 +218,7 @@ def read_header_bytes(path: str | os.PathLike[str], *, display: str | None = Non
             prefix = bytearray(min(size, 512))
             del prefix[_pread_into(fd, prefix, 0):]
             n = _check_prefix(hdr, bytes(prefix))
-            if n is None:
+            if n is None or (limit is not None and n > limit):
                 return hdr, None
             if n <= len(prefix) - 8:
                 raw, got = prefix[8:8 + n], n

@@ -54,7 +54,6 @@ the commands both ways and compares their documents byte for byte.
 from __future__ import annotations
 
 import os
-import stat
 from typing import Any, Callable
 
 from ckptctl.errors import CkptctlError
@@ -187,20 +186,14 @@ class MetadataReading:
         for name in names[:AHEAD_FILES]:
             path = os.path.join(folder, name)
             try:
-                # its header's length first (a link or anything but a regular file is passed by)
-                fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
-                try:
-                    length = os.read(fd, 8) if stat.S_ISREG(os.fstat(fd).st_mode) else b""
-                finally:
-                    os.close(fd)
-                if len(length) != 8 or int.from_bytes(length, "little") > budget:
-                    continue
-                budget -= int.from_bytes(length, "little")
-                hdr, raw = read_header_bytes(path)
+                # a link or anything but a regular file is passed by, and a header over the budget
+                # is not read
+                hdr, raw = read_header_bytes(path, follow=False, limit=budget)
             except (OSError, CkptctlError):
                 continue
             if raw is None:
                 continue
+            budget -= len(raw)
             key = (hdr.file_size, len(raw))
             known = bytes(raw) if len(raw) <= KEEP_BYTES else _digest(raw)
             if any(seen == known for seen, _ in self._headers.get(key, ())):
