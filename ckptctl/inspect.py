@@ -385,9 +385,11 @@ def add_family(res: Inspection, p: Path, lay: L.Layout, fam: L.Family, *, only: 
     def rel(name: str) -> str:
         return f"{prefix}/{name}" if prefix else name
 
+    root = str(lay.root)  # (joined as text: 163 shards' paths are not worth a Path each)
+
     def file_row(name: str, role: str) -> dict[str, Any]:
         try:
-            size = (lay.root / name).stat().st_size
+            size = os.stat(os.path.join(root, name)).st_size
         except OSError:
             size = None
         return {"name": rel(name), "size": size, "role": role}
@@ -415,7 +417,8 @@ def add_family(res: Inspection, p: Path, lay: L.Layout, fam: L.Family, *, only: 
             return
     if fam.container == L.SAFETENSORS:
         for n in fam.files:
-            hdr = lay.reading.load_header(lay.root / n, display=str(lay.root / n), keep=False)
+            path = str(lay.root / n)  # (as a Path shows it: the path findings name)
+            hdr = lay.reading.load_header(path, display=path, keep=False)
             res.tensors.add_table(hdr.tensors, rel(n), component)
     else:
         from ckptctl.sources import open_source
