@@ -222,7 +222,14 @@ def test_streamed_inspect_rows_are_json_dumps_bytes(capsys, monkeypatch, at_once
     rows.arrange(by_component=False, name_filter=None)
     out = Output("inspect", json_mode=True)
     doc = out.document(True, path="x", note="é\n")
+    encoded: list[str] = []
+    encode = json.encoder.encode_basestring
+    monkeypatch.setattr(json.encoder, "encode_basestring", lambda text: encoded.append(text) or encode(text))
     out.emit_json(doc, rows=JsonRows("tensors", *rows.columns()))
+    # a chunk of names json does not escape is written as it is: a plain name is encoded one by
+    # one only in a chunk that also holds a name json escapes
+    assert len(set(encoded) & set(plain)) <= len(odd) * at_once
+    monkeypatch.undo()
     expected = json.dumps({**doc, "tensors": list(rows.json_rows())}, ensure_ascii=False, default=str) + "\n"
     assert capsys.readouterr().out == expected
 

@@ -89,8 +89,10 @@ def names_line(what: str, names: Sequence[str]) -> str:
 
 _PIPE_WIDTH = 100_000
 _ROWS_AT_ONCE = 4096
-# what json's encoder (ensure_ascii=False) escapes in a string: a name without any is its own text
-_JSON_ESCAPED = re.compile(r'[\x00-\x1f\\"]')
+# what json's encoder (ensure_ascii=False) escapes in a string, but the newline: a name without
+# any of them (and without a newline: counted apart, since names are searched joined by newlines)
+# is its own text
+_JSON_ESCAPED_BUT_NEWLINE = re.compile(r'[\x00-\x09\x0b-\x1f\\"]')
 
 
 def _maybe_terminal() -> bool:
@@ -214,7 +216,7 @@ class Output:
             chunk = names[a:a + _ROWS_AT_ONCE]
             k = len(chunk)
             joined = "\n".join(chunk)
-            if _JSON_ESCAPED.search(joined) is None and joined.count("\n") == k - 1:
+            if joined.count("\n") == k - 1 and _JSON_ESCAPED_BUT_NEWLINE.search(joined) is None:
                 quote = '"'  # each name as it is, quoted by the pieces around it
             else:
                 chunk, quote = list(map(json.encoder.encode_basestring, chunk)), ""
