@@ -12,6 +12,8 @@ import struct
 from operator import attrgetter
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from ckptctl.format.header import MergedSpecs, parse_header_bytes
 from ckptctl.format.tensor import TensorSpec, dtypes
@@ -320,3 +322,15 @@ def test_a_disjoint_merged_table_answers_by_name_as_the_dict_before_and_after_it
     assert [merged.get(n) for n in asked] == [slow.get(n) for n in asked]  # past the scans: the rows
     assert merged._lookups is not None or len(asked) <= SCANNED_LOOKUPS
     assert merged.get_many(asked) == specs_of(slow, asked)
+
+
+@settings(max_examples=500, deadline=None)
+@given(st.lists(st.text(st.characters(blacklist_categories=("Cs",)) | st.sampled_from('"\\\n\t\x00\x1f\x7fé\u2028'),
+                        max_size=6), min_size=1, max_size=5))
+def test_a_chunk_of_names_is_plain_exactly_when_json_writes_each_as_it_is(names: list[str]) -> None:
+    """``_plain``: no name of the chunk needs an escape in JSON (``json.dumps`` with
+    ``ensure_ascii=False`` writes it between quotes as it is), and only then."""
+    from ckptctl.cli._output import _plain
+
+    expected = all(json.dumps(n, ensure_ascii=False) == f'"{n}"' for n in names)
+    assert _plain("\n".join(names), len(names)) is expected

@@ -11,7 +11,6 @@ from __future__ import annotations
 import io
 import json
 import os
-import re
 import signal
 import sys
 import traceback
@@ -89,10 +88,9 @@ def names_line(what: str, names: Sequence[str]) -> str:
 
 _PIPE_WIDTH = 100_000
 _ROWS_AT_ONCE = 4096
-# what json's encoder (ensure_ascii=False) escapes in a string, but the newline: a name without
-# any of them (and without a newline: counted apart, since names are searched joined by newlines)
-# is its own text
-_JSON_ESCAPED_BUT_NEWLINE = re.compile(r'[\x00-\x09\x0b-\x1f\\"]')
+# the bytes of a string's UTF-8 text that json's encoder (ensure_ascii=False) writes as they are:
+# all but a quote, a backslash and the control characters; a name of them only is its own text
+_JSON_PLAIN_BYTES = bytes(b for b in range(256) if b >= 0x20 and b not in b'"\\')
 
 
 def _maybe_terminal() -> bool:
@@ -128,6 +126,16 @@ class _Tails(dict):  # type: ignore[type-arg]
         f = self._fields[code]
         tail = self[code] = ", " + json.dumps(f, ensure_ascii=False, default=str)[1:] if f else "}"
         return tail
+
+
+def _plain(joined: str, k: int) -> bool:
+    """Whether none of the ``k`` names joined by newlines in ``joined`` needs an escape in JSON:
+    their UTF-8 text holds no byte but :data:`_JSON_PLAIN_BYTES` and the k - 1 newlines (a C
+    pass, about ten times a regular expression's search)."""
+    try:
+        return len(joined.encode("utf-8").translate(None, _JSON_PLAIN_BYTES)) == k - 1
+    except UnicodeEncodeError:  # a lone surrogate: json's encoder decides
+        return False
 
 
 class Output:
@@ -215,8 +223,7 @@ class Output:
         for a in range(0, len(names), _ROWS_AT_ONCE):
             chunk = names[a:a + _ROWS_AT_ONCE]
             k = len(chunk)
-            joined = "\n".join(chunk)
-            if joined.count("\n") == k - 1 and _JSON_ESCAPED_BUT_NEWLINE.search(joined) is None:
+            if _plain("\n".join(chunk), k):
                 quote = '"'  # each name as it is, quoted by the pieces around it
             else:
                 chunk, quote = list(map(json.encoder.encode_basestring, chunk)), ""
