@@ -51,7 +51,7 @@ def scan(path: str | os.PathLike[str], *, names: list[str] | None = None,
     return _Scanner(p, sorted(names), reading).run()
 
 
-def _mode(path: Path) -> int | None:
+def _mode(path: str | Path) -> int | None:
     """st_mode after following links (an HF cache snapshot links into ../../blobs), or None."""
     try:
         return os.stat(path).st_mode
@@ -59,7 +59,7 @@ def _mode(path: Path) -> int | None:
         return None
 
 
-def _regular(path: Path) -> bool:
+def _regular(path: str | Path) -> bool:
     """A regular file, so reading it cannot block like a FIFO or a device would."""
     m = _mode(path)
     return m is not None and stat.S_ISREG(m)
@@ -84,6 +84,7 @@ def _scan_file(p: Path, reading: MetadataReading) -> Layout:
 class _Scanner:
     def __init__(self, root: Path, names: list[str], reading: MetadataReading) -> None:
         self.root = root
+        self.root_text = os.fspath(root)  # joined as text where a path is only stat'ed (not shown)
         self.names = names
         self.present = set(names)
         self.reading = reading
@@ -114,7 +115,7 @@ class _Scanner:
 
     def _is_dir(self, n: str) -> bool:
         try:
-            return stat.S_ISDIR(os.lstat(self.root / n).st_mode)
+            return stat.S_ISDIR(os.lstat(os.path.join(self.root_text, n)).st_mode)
         except OSError:
             return False
 
@@ -206,7 +207,7 @@ class _Scanner:
         files = []
         for s in doc.shards:
             why = N.member_problem(s)
-            if why is None and _regular(self.root / s):
+            if why is None and _regular(os.path.join(self.root_text, s)):
                 files.append(s)
                 continue
             detail = f" ({why})" if why else ""

@@ -32,11 +32,11 @@ def read_all(root: Path, names: list[str], reading: MetadataReading) -> tuple[di
     (missing, corrupt header, truncated data; trailing bytes are repairable, not a problem)."""
     headers, problems = {}, []
     for n in names:
-        p = root / n
-        if not p.is_file():
-            problems.append(Finding("index.shard_missing", ERROR, str(p), f"{n} is missing"))
+        p = str(root / n)  # (one path made per file: the path its findings name)
+        if not os.path.isfile(p):
+            problems.append(Finding("index.shard_missing", ERROR, p, f"{n} is missing"))
             continue
-        h = reading.header(p, display=str(p))
+        h = reading.header(p, display=p)
         fatal = [f for f in h.findings if f.severity == ERROR and f.code != "header.trailing_bytes"]
         if fatal:
             problems.extend(fatal)

@@ -94,7 +94,7 @@ def read_file(ctx: Context, name: str, container: str) -> WeightsRead:
     ctx.record(name, "weights")
     if ctx.regular_size(name, "replace it with the weights file") is None:
         return out
-    path, shown = ctx.root / name, ctx.disp(name)
+    path = shown = ctx.disp(name)  # (the file as shown: root / name, made once)
     try:
         if container == L.SAFETENSORS:
             hdr = out.header = ctx.deep_queue[name] = ctx.reading.header(path, display=shown)
