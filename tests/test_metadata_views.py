@@ -334,3 +334,15 @@ def test_a_chunk_of_names_is_plain_exactly_when_json_writes_each_as_it_is(names:
 
     expected = all(json.dumps(n, ensure_ascii=False) == f'"{n}"' for n in names)
     assert _plain("\n".join(names), len(names)) is expected
+
+
+def test_get_many_answers_alike_for_a_few_and_for_many_names_of_one_header() -> None:
+    """``get_many`` finds a few names of a header by a search of its list, more (past
+    ``SCANNED_LOOKUPS``) by its rows: the same specs either way."""
+    from ckptctl.format.table import SCANNED_LOOKUPS
+
+    specs = [TensorSpec(f"model.layers.{i}.w", DTYPES[i % 4], (i % 3 + 1, 2)) for i in range(3 * SCANNED_LOOKUPS)]
+    header, other = _header(specs), {"x": TensorSpec("x", "F32", (1,))}
+    for wanted in ([s.name for s in specs[:2]], [s.name for s in specs] + ["x", "nope"]):
+        merged = MergedSpecs([header, other], disjoint=True)
+        assert merged.get_many(wanted) == {n: s for s in [*specs, other["x"]] if (n := s.name) in wanted}

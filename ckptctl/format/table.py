@@ -284,8 +284,13 @@ class MergedSpecs(_ByColumn[TensorSpec]):
                 break
             found = wanted.intersection(part)
             wanted -= found
-            for n in found:
-                out[n] = part._table.spec_at(_names_of(part).index(n)) if type(part) is SpecView else part[n]
+            if type(part) is not SpecView:
+                out.update((n, part[n]) for n in found)
+                continue
+            table = part._table
+            # a few found: each by a search of the list; more: by the header's rows, made once
+            row = table.row_of if len(found) > SCANNED_LOOKUPS or table._rows is not None else _names_of(part).index
+            out.update((n, table.spec_at(row(n))) for n in found)
         return out
 
     @property
