@@ -202,9 +202,8 @@ def read_header_bytes(path: str | os.PathLike[str], *, display: str | None = Non
     p = os.fspath(path)
     shown = display or p
     try:
-        # O_NONBLOCK: opening a FIFO must not wait for a writer; fstat then tells what it is.
-        # Read by position into the buffers themselves (no file object: a header is read again at
-        # each use, 163 of them three times in a repair).
+        # O_NONBLOCK: opening a FIFO must not wait for a writer; fstat then tells what it is. Read by
+        # position, no file object: a header is read again at each use (163 three times in a repair).
         fd = os.open(p, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | (0 if follow else os.O_NOFOLLOW))
         try:
             st = os.fstat(fd)
@@ -240,15 +239,13 @@ def read_header_bytes(path: str | os.PathLike[str], *, display: str | None = Non
 def _pread_into(fd: int, buf: bytearray, offset: int) -> int:
     """Fill ``buf`` from ``offset`` of ``fd`` (a short read is read on from where it stopped);
     how many bytes it holds, fewer only at the end of the file."""
-    view, got = memoryview(buf), 0
-    try:
+    got = 0
+    with memoryview(buf) as view:
         while got < len(buf):
             k = os.preadv(fd, [view[got:]], offset + got)
             if not k:
                 break
             got += k
-    finally:
-        view.release()
     return got
 
 
