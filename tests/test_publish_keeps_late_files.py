@@ -196,3 +196,33 @@ def test_a_writer_racing_exports_loses_nothing(src, dest, tmp_path):
     assert figures["written"] > 50
     assert same(load_glob(dest), state(7, n=4))
     assert staging_dirs(tmp_path) == []
+
+
+def test_a_carried_file_replaced_while_it_is_linked_is_carried_as_it_is_now(tmp_path, monkeypatch):
+    """Linux fails a link with ENOENT when the inode's last name went between the look-up and the
+    link (a writer's rename over the file: what the racing writer above does to docs/notes.md).
+    ``carry`` looks the name up again and brings the file now there; a name gone for good still
+    fails the export (nothing published)."""
+    import errno
+
+    from ckptctl.write import job
+
+    src, dst = tmp_path / "notes.md", tmp_path / "new" / "notes.md"
+    src.write_text("v1")
+    dst.parent.mkdir()
+    real_link, calls = os.link, []
+
+    def racing_link(a, b, *args, **kwargs):
+        calls.append(str(a))
+        if len(calls) == 1:  # the writer's save lands between the look-up and the link
+            (tmp_path / ".notes.tmp").write_text("v2")
+            os.rename(tmp_path / ".notes.tmp", src)
+            raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), str(a))
+        return real_link(a, b, *args, **kwargs)
+
+    monkeypatch.setattr(os, "link", racing_link)
+    job.carry(src, dst, fsync=False)
+    assert dst.read_text() == "v2" and len(calls) == 2 and os.path.samefile(src, dst)
+    with pytest.raises(FileNotFoundError):
+        job.carry(tmp_path / "gone.md", tmp_path / "new" / "gone.md", fsync=False)
+    assert not (tmp_path / "new" / "gone.md").exists()

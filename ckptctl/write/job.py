@@ -41,6 +41,7 @@ from ckptctl.write.shards import source_range
 from ckptctl.write.superseded import replacement
 
 BLOCK_MARGIN = 4096  # per file written: the last partial block, directory entries
+CARRY_TRIES = 4  # a carried file replaced by its writer while it is linked: looked up again this often
 
 
 def index_entries(entries: list[Entry]) -> dict[str, Entry]:
@@ -190,7 +191,7 @@ class ExportJob:
             for name, blob in sorted(self.extra_blobs.items()):
                 self.write_file(name, blob)
             for name in self.result.carried:
-                link_or_copy(self.dest / name, data / name, fsync=opts.fsync)
+                carry(self.dest / name, data / name, fsync=opts.fsync)
             for name, path in sorted(self.inputs.variants.items()):
                 copy_verbatim(path, data / name, fsync=opts.fsync)
             _faults.point("extras-written")
@@ -363,3 +364,19 @@ def _free_space_near(dest: Path) -> int | None:
         return free_space(probe)
     except OSError:
         return None
+
+
+def carry(src: Path, dst: Path, *, fsync: bool) -> None:
+    """A file of the old version brought into the new one (:func:`link_or_copy`). One its writer
+    replaces by a rename while it is linked (an editor's save, a job's log rotated) fails the link
+    with ENOENT: Linux does not link an inode whose last name just went. The name still holds a
+    file, the one now there, and that is carried instead: looked up again, at most
+    :data:`CARRY_TRIES` times, while nothing was made at ``dst``. A name gone for good still fails."""
+    for attempt in range(CARRY_TRIES):
+        try:
+            link_or_copy(src, dst, fsync=fsync)
+            return
+        except FileNotFoundError:
+            if attempt + 1 == CARRY_TRIES or not os.path.lexists(src) or os.path.lexists(dst):
+                raise
+
