@@ -127,6 +127,36 @@ def test_version_and_help(cli) -> None:
     assert res.exit_code == 0 and "inspect" in res.stdout
 
 
+@pytest.mark.parametrize("args", [["--help"], ["-h"], [], ["--version"], ["nosuch"], ["--bogus"], ["--", "x"]])
+def test_a_command_line_naming_no_command_answers_as_the_full_app(args: list[str]) -> None:
+    """The app the entry point builds for a command line that names no command lists the
+    commands only (no option of any command built); what it answers is the full app's, to the
+    byte and exit code."""
+    from typer.testing import CliRunner
+
+    from ckptctl.cli import app_for, full_app
+
+    listed = CliRunner().invoke(app_for(args), args, prog_name="ckptctl")
+    full = CliRunner().invoke(full_app(), args, prog_name="ckptctl")
+    assert (listed.exit_code, listed.stdout, listed.stderr) == (full.exit_code, full.stdout, full.stderr)
+
+
+def test_the_listed_only_app_lists_every_command_and_builds_no_option() -> None:
+    import typer.main
+
+    from ckptctl.cli import COMMANDS, app_for, build
+
+    listed = typer.main.get_command(build(listed_only=True))
+    full = typer.main.get_command(build())
+    assert list(listed.commands) == list(full.commands) == list(COMMANDS)
+    for name, command in listed.commands.items():
+        assert command.params == [] and command.short_help == full.commands[name].short_help
+        assert full.commands[name].params, name
+    for args in (["--help"], [], ["-h", "--version"]):  # what the entry point builds for them
+        assert all(not c.params for c in typer.main.get_command(app_for(args)).commands.values())
+    assert typer.main.get_command(app_for(["verify", "--help"])).commands["verify"].params
+
+
 # ------------------------------------------------------------------------------------------
 # Usage errors Typer finds, in the house form (the real entry point: ckptctl.cli.main)
 
