@@ -11,7 +11,7 @@ from typing import Annotated, Iterator, Optional
 import typer
 
 from ckptctl.cli._options import (DryRunOpt, DtypeOpt, JsonOpt, KeyOpt, LabelOpt, ManifestOpt, NameSet, NoFsyncOpt,
-                                  OnlyOpt, QuietOpt, TimeoutOpt, VerboseOpt, plain)
+                                  OnlyOpt, QuietOpt, TimeoutOpt, VerboseOpt)
 from ckptctl.cli._output import Output, ProgressReporter, human_size, names_line
 from ckptctl.cli.follow_cmd import (ExitWhenIdleOpt, FollowOpt, FromOpt, KeepBestOpt, KeepEveryOpt, KeepLastOpt,
                                     OnceOpt, OnPublishOpt, OnPublishTimeoutOpt, PollOpt, PriorityOpt, QuietPeriodOpt,
@@ -63,7 +63,6 @@ def export(
       ckptctl export meta-llama/Llama-3.2-1B ./local --dry-run   # a repo id in the local HF cache
       ckptctl export ./run ./exports --follow --keep-last 3      # every save of a training job
     """
-    dtype, only, names = plain(dtype), plain(only), plain(names)
     if follow:  # SRC is a training job's output: every completed save (cli/follow_cmd.py, docs/FOLLOW.md)
         from ckptctl.cli.follow_cmd import run_follow
 

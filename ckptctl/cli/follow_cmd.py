@@ -22,8 +22,8 @@ import typer
 from ckptctl.cli._options import choices
 from ckptctl.follow.choices import FROM_CHOICES, PRIORITY_CHOICES
 
-From = choices("From", FROM_CHOICES)
-Priority = choices("Priority", PRIORITY_CHOICES)
+From = choices(FROM_CHOICES)
+Priority = choices(PRIORITY_CHOICES)
 
 # The follow-only options default to None (their defaults are applied in _follow, and shown in the
 # help): a value given without --follow is then a usage error, never silently ignored.
@@ -117,12 +117,12 @@ def _follow(out: Any, src: str, dst: str, json_: bool, given: dict[str, Any]) ->
                            config=given.get("config"), command=command)
     opts = FollowOptions(
         source=Path(os.path.abspath(src)), dst_root=Path(os.path.abspath(dst)), export=export,
-        key=given.get("key"), only=given.get("only"), start_from=str(given.get("start_from") or "newest"),
+        key=given.get("key"), only=given.get("only"), start_from=given.get("start_from") or "newest",
         quiet=duration("--quiet-period", given.get("quiet_period") or "30s") or 0.0,
         poll=duration("--poll-interval", given.get("poll_interval") or "1s") or 0.0,
         once=bool(given.get("once")), exit_when_idle=duration("--exit-when-idle", given.get("exit_when_idle")),
         retention=Retention.of(given.get("keep_last"), given.get("keep_every"), given.get("keep_best")),
-        verify=bool(given.get("verify")), on_publish=hook, low_priority=str(given.get("priority") or "low") == "low",
+        verify=bool(given.get("verify")), on_publish=hook, low_priority=(given.get("priority") or "low") == "low",
         hook_timeout=duration("--on-publish-timeout", given.get("on_publish_timeout") or "1h") or 0.0,
         command=command)
 

@@ -39,7 +39,6 @@ def inspect(
         from ckptctl.gcpause import paused
         from ckptctl.inspect import inspect_path
         from ckptctl.resolve import resolve
-        only = only.value if only is not None else None  # a choice Typer checked (its house usage error)
 
         if key is not None:
             from ckptctl.write.options import check_key

@@ -8,7 +8,7 @@ from typing import Annotated, Optional
 import typer
 
 from ckptctl.cli._options import (DryRunOpt, DtypeOpt, JsonOpt, LabelOpt, ManifestOpt, NoFsyncOpt, QuietOpt,
-                                  VerboseOpt, plain)
+                                  VerboseOpt)
 from ckptctl.cli._output import Output, ProgressReporter, names_line, plural
 
 def resave(
@@ -41,7 +41,6 @@ def resave(
       ckptctl resave ./hf --repair --dry-run              # what would be fixed
       ckptctl resave ./hf --repair --static -o ./fixed    # cron-safe: no torch import
     """
-    dtype = plain(dtype)
     out = Output("resave", json_mode=json_, quiet=quiet + (1 if json_ else 0), verbose=verbose)
     with out.guard():
         from ckptctl.resave import ResaveResult

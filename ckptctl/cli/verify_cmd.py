@@ -5,12 +5,11 @@ annotation of a command twice when it builds the command (``inspect.signature(ev
 and ``get_type_hints``), on every run; real annotations are built once, at import."""
 
 import os
-from enum import Enum
 from typing import TYPE_CHECKING, Annotated, Any, Optional
 
 import typer
 
-from ckptctl.cli._options import JsonOpt, QuietOpt, VerboseOpt
+from ckptctl.cli._options import JsonOpt, QuietOpt, VerboseOpt, choices
 from ckptctl.cli._output import Output, human_size, plural
 from ckptctl.errors import EXIT_FINDINGS, EXIT_OK, EXIT_OPERATIONAL, UsageError
 
@@ -20,9 +19,7 @@ if TYPE_CHECKING:
 MAX_ROWS_PER_CODE = 20  # per (code, file) in the table; --json always has every finding
 
 
-class FailOn(str, Enum):
-    error = "error"
-    warning = "warning"
+FailOn = choices(("error", "warning"))
 
 
 def verify(
@@ -36,7 +33,7 @@ def verify(
         help="Read every byte: sha256 (checked against the manifest), NaN/Inf and all-zero tensors.")] = False,
     fail_on: Annotated[FailOn, typer.Option(
         "--fail-on", case_sensitive=False,
-        help="Exit 1 when a finding of this severity or worse exists.")] = FailOn.error,
+        help="Exit 1 when a finding of this severity or worse exists.")] = "error",
     base: Annotated[Optional[str], typer.Option(
         "--base", metavar="MODEL", help="Base model (directory or cached repo id) to check an adapter against "
         "(default: its base_model_name_or_path, when available locally).")] = None,
@@ -75,7 +72,7 @@ def verify(
                 limit = parse_size(max_shard_size)
             except ValueError as exc:
                 raise UsageError(f"--max-shard-size: {exc}", "use a size like 5GB or 2GiB") from None
-        level = fail_on.value
+        level = fail_on
         progress = _Progress(out, deep)
         try:
             report = verify_paths(list(paths or []), recursive=recursive,
