@@ -12,14 +12,14 @@ import os
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator, NamedTuple, TypeVar
+from typing import Any, Callable, Iterator, Mapping, NamedTuple, TypeVar
 
 from ckptctl.errors import InputError, OperationalError, UsageError
 from ckptctl.format import dtypes as dt
 from ckptctl.format.tensor import SpecFields, TensorSpec
 from ckptctl.sizes import CHUNK_BYTES
 
-MAX_OPEN_SOURCES = 64  # source files a writer keeps open at once (fewer under a low ``ulimit -n``)
+MAX_OPEN_SOURCES = 256  # source files a writer keeps open at once (fewer under a low ``ulimit -n``)
 _T = TypeVar("_T")
 
 
@@ -135,65 +135,90 @@ def open_limit() -> int:
     return max(4, min(MAX_OPEN_SOURCES, soft // 4))
 
 
+class OpenFile(NamedTuple):
+    """A source file an :class:`OpenFiles` pool holds open: its descriptor, the version it was
+    opened as, and the block size of its filesystem."""
+
+    fd: int
+    ident: FileId
+    block: int
+
+
 class OpenFiles:
     """Source files open for reading, at most ``limit`` at once (the least recently used one is
     closed first, and opened again when needed). Each is checked when it is opened to be the
-    version the plan read (``expect``; a path no source pinned keeps the identity it had when it
+    version the plan read (``pins``; a path no source pinned keeps the identity it had when it
     was first opened), and again by :meth:`check` (and before it is closed to make room) after
     it was read: one ``fstat`` per file each time, none per chunk."""
 
     def __init__(self, limit: int | None = None, flags: int = 0) -> None:
         self.limit = limit or open_limit()
         self._flags = flags
-        self._open: OrderedDict[str, tuple[int, FileId]] = OrderedDict()
+        self._open: OrderedDict[str, OpenFile] = OrderedDict()
         self._seen: dict[str, FileId] = {}  # the identity each path was first opened with
         self._blocks: dict[str, int] = {}
         self._used: set[str] = set()  # read since the last check
 
-    def fd(self, path: str, expect: FileId | None = None) -> int:
-        """A descriptor of ``path``, open until this pool closes it (use it before the next call)."""
+    def fd(self, path: str, pins: Callable[[str], FileId | None] | None = None) -> int:
+        """A descriptor of ``path``, open until this pool closes it (use it before the next call);
+        ``pins`` as :meth:`file`'s."""
+        return self.file(path, pins).fd
+
+    def file(self, path: str, pins: Callable[[str], FileId | None] | None = None) -> OpenFile:
+        """``path`` open for reading until this pool closes it (use it before the next call).
+        ``pins``: the version a source listed of a path (its ``identity``), asked when the file is
+        opened. A writer asks this once per run of tensors it copies, hence one look-up when the
+        file is open."""
         hit = self._open.get(path)
         if hit is not None:
             self._open.move_to_end(path)
             self._used.add(path)
-            return hit[0]
+            return hit
         while len(self._open) >= self.limit:
-            old, (ofd, ident) = self._open.popitem(last=False)
+            old, gone = self._open.popitem(last=False)
             try:
                 if old in self._used:
                     self._used.discard(old)
-                    if FileId.of(os.fstat(ofd)) != ident:
+                    if FileId.of(os.fstat(gone.fd)) != gone.ident:
                         raise changed(old)
             finally:
-                os.close(ofd)
-        fd, ident = open_checked(path, expect or self._seen.get(path), self._flags)
+                os.close(gone.fd)
+        fd, ident = open_checked(path, (pins(path) if pins is not None else None) or self._seen.get(path),
+                                 self._flags)
+        try:
+            block = self._blocks.get(path) or os.fstatvfs(fd).f_bsize
+        except BaseException:
+            os.close(fd)
+            raise
+        self._blocks[path] = block
         self._seen.setdefault(path, ident)
-        self._open[path] = (fd, ident)
+        opened = self._open[path] = OpenFile(fd, ident, block)
         self._used.add(path)
-        return fd
+        return opened
 
-    def block(self, path: str) -> int:
-        """The block size of the filesystem holding ``path`` (open it first)."""
-        size = self._blocks.get(path)
-        if size is None:
-            size = self._blocks[path] = os.fstatvfs(self._open[path][0]).f_bsize
-        return size
-
-    def check(self) -> None:
+    def check(self, *pinned: Mapping[str, FileId]) -> None:
         """Every file read since the last check is still the version it was opened as, and every
-        file opened so far is still that version by its name."""
+        file opened so far, and every file of ``pinned`` (sources' :attr:`Source.pinned`), is
+        still that version by its name: one ``stat`` per path, also for a path in both."""
         used, self._used = self._used, set()
         for path in used:
             hit = self._open.get(path)
-            if hit is not None and FileId.of(os.fstat(hit[0])) != hit[1]:
+            if hit is not None and FileId.of(os.fstat(hit.fd)) != hit.ident:
                 raise changed(path)
-        for path, ident in self._seen.items():
+        names = self._seen
+        if pinned:
+            names = dict(names)
+            for table in pinned:
+                for path, ident in table.items():
+                    if names.setdefault(path, ident) != ident:  # two versions: one is not there now
+                        raise changed(path)
+        for path, ident in names.items():
             same_file(path, ident)
 
     def close(self) -> None:
         """Close every file (no check: :meth:`check` after the last read)."""
         while self._open:
-            os.close(self._open.popitem()[1][0])
+            os.close(self._open.popitem()[1].fd)
         self._used.clear()
 
 
@@ -271,13 +296,6 @@ class Source:
     def identity(self, path: str | os.PathLike[str]) -> FileId | None:
         """The version of ``path`` the listing read, None when it pinned none."""
         return self.pinned.get(os.fspath(path))
-
-    def unchanged(self) -> None:
-        """Every file the listing read is still, by its name, the version it read; else
-        :func:`changed` (a file replaced after its bytes were copied, beside one replaced before
-        it was listed, is a torn multi-file save)."""
-        for path, ident in self.pinned.items():
-            same_file(path, ident)
 
     def claim(self, name: str, origin: str) -> None:
         """Record that tensor ``name`` comes from ``origin``; a name listed twice is refused here,

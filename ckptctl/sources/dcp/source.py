@@ -129,7 +129,7 @@ class DcpSource(Source):
         prefix = f"{key}." if key else ""
         files = OpenFiles(flags=os.O_NOFOLLOW)  # a bounded number open at once, each the version pinned
         try:
-            src._list(meta, prefix, lambda path: files.fd(path, src.identity(path)))
+            src._list(meta, prefix, lambda path: files.fd(path, src.identity))
             files.check()
         except OSError as exc:
             raise from_oserror(exc, "cannot read DCP storage") from None

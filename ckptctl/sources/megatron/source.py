@@ -323,7 +323,7 @@ class MegatronSource(DcpHfSource):
         try:
             for fqn, item in items.items():
                 blocks[fqn] = global_blocks(root, fqn, item, meta.storage_data, dtypes[fqn], shapes[fqn],
-                                            lambda path: files.fd(path, src.identity(path)))
+                                            lambda path: files.fd(path, src.identity))
             files.check()
         except OSError as exc:
             raise from_oserror(exc, "cannot read the Megatron checkpoint") from None
