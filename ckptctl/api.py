@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 from ckptctl import layout as L
 from ckptctl.errors import InputError
@@ -42,13 +42,31 @@ def export(src: str | os.PathLike[str], dst: str | os.PathLike[str], opts: Expor
     DCP); ``only`` the family to read when ``src`` holds several. A multi-component root (a
     diffusers pipeline, a sentence-transformers model) is exported whole, each component under
     its own library's names, and published once: the result is then a :class:`RootResult`."""
-    with paused():  # the metadata of every tensor: acyclic, freed by reference counting
-        # scanned once: the root test, the checks, the variants; its reading serves the source's scan
-        lay = L.scan(src, reading=MetadataReading(agreement=False)) if os.path.isdir(src) else None
-        if lay is not None and is_root(src, lay):
-            return export_root(src, dst, opts or ExportOptions(), key=key, only=only, reading=lay.reading)
-        with open_inputs(src, dst, opts or ExportOptions(), key=key, only=only, layout=lay) as inputs:
-            return write_inputs(inputs, dst)
+    return export_checked(src, dst, opts or ExportOptions(), key=key, only=only)
+
+
+def export_checked(src: str | os.PathLike[str], dst: str | os.PathLike[str], opts: ExportOptions, *,
+                   key: str | None = None, only: str | None = None,
+                   check: Callable[[Path], None] | None = None) -> ExportResult | RootResult:
+    """:func:`export`, with ``check`` run on the staged version before the publish (what it
+    raises aborts: the follower's pin of a save). A multi-component root takes no check.
+
+    The metadata of every tensor (acyclic) is made while the cyclic collector is paused, and freed
+    by reference counting before it resumes: :func:`_export` returns inside the pause. Resumed
+    with 90k tensors' records still alive, its first collection traversed them all (27 ms of a
+    91,991-tensor export)."""
+    with paused():
+        return _export(src, dst, opts, key=key, only=only, check=check)
+
+
+def _export(src: str | os.PathLike[str], dst: str | os.PathLike[str], opts: ExportOptions, *,
+            key: str | None, only: str | None, check: Callable[[Path], None] | None) -> ExportResult | RootResult:
+    # scanned once: the root test, the checks, the variants; its reading serves the source's scan
+    lay = L.scan(src, reading=MetadataReading(agreement=False)) if os.path.isdir(src) else None
+    if lay is not None and is_root(src, lay):
+        return export_root(src, dst, opts, key=key, only=only, reading=lay.reading)
+    with open_inputs(src, dst, opts, key=key, only=only, layout=lay) as inputs:
+        return write_inputs(inputs, dst, check=check)
 
 
 def save_state_dict(state_dict: Mapping[str, Any], dest: str | os.PathLike[str], *,

@@ -22,3 +22,35 @@ def test_paused_restores_the_collector_and_never_enables_one_the_caller_disabled
         assert not gc.isenabled()
     finally:
         gc.enable()
+
+
+def _died_paused(monkeypatch, module, name: str) -> list[bool]:
+    """Wrap ``module.name`` (a function whose first argument is a command's metadata: export's
+    inputs) to record, when that object is freed, whether the collector was paused then."""
+    import weakref
+
+    seen: list[bool] = []
+    real = getattr(module, name)
+
+    def wrapped(first, *args, **kwargs):
+        weakref.finalize(first, lambda: seen.append(not gc.isenabled()))
+        return real(first, *args, **kwargs)
+
+    monkeypatch.setattr(module, name, wrapped)
+    return seen
+
+
+def test_an_exports_metadata_is_freed_before_the_collector_resumes(tmp_path: Path, monkeypatch) -> None:
+    """Resumed with a large export's records alive, the collector's first pass traversed them
+    all (27 ms of a 91,991-tensor export): the export frees them inside the pause, for the API
+    and for the follower."""
+    from ckptctl import api
+    from ckptctl.follow.export import export_save
+    from ckptctl.write.options import ExportOptions
+    from tests.support import write_tiny_checkpoint
+
+    src = write_tiny_checkpoint(tmp_path / "src")
+    seen = _died_paused(monkeypatch, api, "write_inputs")
+    api.export(src, tmp_path / "out")
+    export_save(src, tmp_path / "followed", ExportOptions(), key=None, only=None, check=lambda _: None)
+    assert seen == [True, True] and gc.isenabled()

@@ -9,7 +9,6 @@ save deleted, raises :class:`SaveChanged` and nothing is published.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Callable
 
@@ -46,16 +45,6 @@ def export_save(src: Path, dest: Path, opts: ExportOptions, *, key: str | None, 
     """``api.export(src, dest)`` with ``check`` run on the staged version before the publish.
     A multi-component root (a diffusers pipeline) is exported by ``export_root``, which takes no
     check: its pin is the sources' own."""
-    from ckptctl import layout as L
-    from ckptctl.gcpause import paused
-    from ckptctl.layout.reading import MetadataReading
-    from ckptctl.write.inputs import open_inputs
-    from ckptctl.write.job import write_inputs
-    from ckptctl.write.tree import export_root, is_root
+    from ckptctl.api import export_checked
 
-    with paused():
-        lay = L.scan(src, reading=MetadataReading(agreement=False)) if os.path.isdir(src) else None
-        if lay is not None and is_root(src, lay):
-            return export_root(src, dest, opts, key=key, only=only, reading=lay.reading)
-        with open_inputs(src, dest, opts, key=key, only=only, layout=lay) as inputs:
-            return write_inputs(inputs, dest, check=check)
+    return export_checked(src, dest, opts, key=key, only=only, check=check)
