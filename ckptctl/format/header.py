@@ -249,10 +249,10 @@ def _pread_into(fd: int, buf: bytearray, offset: int) -> int:
     return got
 
 
-def decode_header(hdr: Header, raw: bytearray, *, fast: bool = True) -> None:
-    """The second half of :func:`read_header`: decode and check the JSON bytes ``raw`` of the
-    header ``hdr`` (emptied once decoded)."""
-    _parse_into(hdr, raw, fast)
+def decode_header(hdr: Header, raw: bytearray, *, fast: bool = True, keep: bool = False) -> None:
+    """The second half of :func:`read_header`: decode and check the JSON bytes ``raw`` of the header
+    ``hdr``, emptied once decoded unless kept (``keep``: a reading compares them with later reads)."""
+    _parse_into(hdr, raw, fast, keep)
 
 
 def parse_header_bytes(data: bytes, *, path: str = "<bytes>", fast: bool = True) -> Header:
@@ -282,9 +282,8 @@ def checked(hdr: Header) -> Header:
     return hdr
 
 
-def _parse_into(hdr: Header, raw: bytearray, fast: bool) -> None:
-    """Decode and check the header bytes (``fast``: the typed decoder first); ``raw`` is
-    emptied once decoded."""
+def _parse_into(hdr: Header, raw: bytearray, fast: bool, keep: bool = False) -> None:
+    """Decode and check the header bytes (``fast``: the typed decoder first); ``raw`` as :func:`decode_header`."""
     with paused():
         if fast:  # imported with msgspec where a header is first decoded: a command that decodes none pays neither
             from ckptctl.format import header_fast
@@ -293,16 +292,17 @@ def _parse_into(hdr: Header, raw: bytearray, fast: bool) -> None:
         else:
             found = None
         if found is None:
-            _parse_text(hdr, raw)
+            _parse_text(hdr, raw, keep)
             return
-        del raw[:]
+        if not keep:
+            del raw[:]
         # what the strict reader would find in this header: no finding of its own, then the
         # shared rules on the same metadata and table
         check_metadata(hdr, found.metadata)
         validate_layout(hdr, found.table)
 
 
-def _parse_text(hdr: Header, raw: bytearray) -> None:
+def _parse_text(hdr: Header, raw: bytearray, keep: bool = False) -> None:
     """The strict reader (the reference): the text walked entry by entry, each value read by
     ``json``'s scanner with serde_json's rules."""
     shown = hdr.path
@@ -312,7 +312,8 @@ def _parse_text(hdr: Header, raw: bytearray) -> None:
         hdr.add("header.not_utf8", f"{shown}: header is not valid UTF-8 (byte {exc.start + 8})",
                 hint=REDOWNLOAD, position=exc.start + 8)
         return
-    del raw[:]
+    if not keep:
+        del raw[:]
     stripped = text.lstrip(" \t\r\n")
     if not stripped.startswith("{"):
         hdr.add("header.not_object", f"{shown}: header does not start with '{{'", hint=REDOWNLOAD)
