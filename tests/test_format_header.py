@@ -764,3 +764,21 @@ def test_a_header_read_without_following_links_or_past_a_limit(tmp_path: Path) -
     hdr, raw = read_header_bytes(f, limit=n - 1)
     assert raw is None and hdr.header_len == n and not hdr.findings
     assert read_header_bytes(f, follow=False, limit=n)[1] == f.read_bytes()[8:8 + n]
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_a_kept_header_text_is_left_as_read_and_decodes_the_same(tmp_path: Path, fast: bool) -> None:
+    """``decode_header(keep=True)`` (a reading keeps the bytes to compare later reads with)
+    leaves them as they were read; without it they are emptied. Both decode the same header."""
+    from ckptctl.format.header import decode_header, read_header_bytes
+
+    p = tmp_path / "model.safetensors"
+    save_file({"a": torch.zeros(2, 3), "b": torch.ones(4, dtype=torch.bfloat16)}, str(p), metadata={"format": "pt"})
+    kept_hdr, kept = read_header_bytes(p)
+    before = bytes(kept)
+    decode_header(kept_hdr, kept, fast=fast, keep=True)
+    hdr, raw = read_header_bytes(p)
+    decode_header(hdr, raw, fast=fast)
+    assert kept == before and raw == bytearray()
+    assert kept_hdr.tensors.specs() == hdr.tensors.specs() and kept_hdr.metadata == hdr.metadata == {"format": "pt"}
+    assert not hdr.findings and not kept_hdr.findings
