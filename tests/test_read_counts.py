@@ -87,9 +87,9 @@ def readings(monkeypatch: pytest.MonkeyPatch) -> Readings:
     seen = Readings()
     parse_into, parse_index = H._parse_into, I.parse_index
 
-    def counted_parse_into(hdr: Any, raw: bytearray, fast: bool) -> None:
+    def counted_parse_into(hdr: Any, raw: bytearray, fast: bool, keep: bool = False) -> None:
         seen.note("header", raw, hdr.path)
-        parse_into(hdr, raw, fast)
+        parse_into(hdr, raw, fast, keep)
 
     def counted_parse_index(idx: Any, raw: bytes, *, fast: bool = True) -> None:
         seen.note("index", raw, idx.path)
